@@ -1,0 +1,150 @@
+"""The ``neuralraycast`` command line: the same backend the Slicer module uses, for scripts and servers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .gpu import CHOICES, DEVICE_ENV, GpuUnavailableError, open_device
+from .progress import ConsoleProgress
+from .sample import CASES
+from .sample.icbm import SampleDataError
+from .study import StudyError
+
+#: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
+USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundError, ValueError)
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    report = open_device(args.device).report
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(report.as_text())
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from .sample import write_sample
+
+    manifest = write_sample(args.folder, args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
+    print(manifest)
+    return 0
+
+
+def _prepare(study_path: str, use_cache: bool):
+    from .preprocess import prepare
+    from .study import load_study
+
+    study = load_study(study_path)
+    return prepare(study, use_cache=use_cache, progress=ConsoleProgress("prepare"))
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from .summary import save_preview, study_summary, summary_text
+
+    prepared = _prepare(args.study, not args.no_cache)
+    summary = study_summary(prepared)
+    if args.preview:
+        summary["preview"] = str(save_preview(prepared, args.preview))
+    if args.json:
+        _print_json(summary)
+    else:
+        print(summary_text(summary))
+        if args.preview:
+            print(f"preview     {summary['preview']}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on the built-in sample case (extended as the renderer and trainer land)."""
+    from .sample import write_sample
+    from .summary import save_preview, study_summary, summary_text
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    report = open_device(args.device).report
+    print(report.as_text())
+    print()
+    manifest = write_sample(out / "study", args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
+    prepared = _prepare(str(manifest), use_cache=True)
+    summary = study_summary(prepared)
+    summary["preview"] = str(save_preview(prepared, out / "preview.png"))
+    summary["device"] = report.as_dict()
+    summary["seconds"] = round(time.perf_counter() - started, 2)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(summary_text(summary))
+    print(f"\nwrote {out / 'summary.json'} and {summary['preview']} in {summary['seconds']} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neuralraycast",
+        description="Neural intrinsic fields for brain MRI, trained through a differentiable Slang raycaster.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details (and tracebacks) to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def device_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", choices=CHOICES, default=None,
+                       help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan)")
+
+    p = sub.add_parser("info", help="show the GPU device, its features, versions and the shader cache")
+    device_option(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_info)
+
+    p = sub.add_parser("sample", help="write a sample study (BraTS names + manifest.json) into FOLDER")
+    p.add_argument("folder", help="output folder")
+    p.add_argument("--case", choices=CASES, default="icbm",
+                   help="icbm: real anatomy + synthetic lesion (default); phantom: analytic; fixture: tiny real T1")
+    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic lesion and noise")
+    p.set_defaults(run=cmd_sample)
+
+    p = sub.add_parser("prepare", help="check a study and derive boundary maps, P(x) and occupancy")
+    p.add_argument("study", help="study folder (BraTS names or manifest.json) or a manifest.json")
+    p.add_argument("--no-cache", action="store_true", help="recompute even if cached")
+    p.add_argument("--preview", metavar="PNG", help="also save a slice preview with structure contours")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_prepare)
+
+    p = sub.add_parser("demo", help="the main job on the built-in sample case")
+    device_option(p)
+    p.add_argument("--out", default="demo-output", help="output folder (default: demo-output)")
+    p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
+    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.run(args)
+    except USER_ERRORS as error:
+        if args.verbose:
+            logging.exception("failed")
+        print(f"neuralraycast {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"neuralraycast {args.command}: cancelled", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The one place that opens the slangpy device.
+
+Order of preference: CUDA where it works, else Vulkan (on a machine without a GPU that is Mesa's
+lavapipe, a CPU implementation). slangpy's own CPU device is not used: it cannot dispatch in 0.43.x.
+The choice can be forced with ``--device`` on the command line or ``NEURALRAYCAST_DEVICE``
+(``auto``, ``cuda``, ``vulkan``). Every device gets a persistent shader cache in the user cache
+directory, so kernels compile once per machine rather than once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .paths import cache_dir, shader_dir
+
+DEVICE_ENV = "NEURALRAYCAST_DEVICE"
+BACKENDS = ("cuda", "vulkan")
+CHOICES = ("auto", *BACKENDS)
+
+INSTALL_HINT = (
+    "Install one of: an NVIDIA driver (for CUDA or Vulkan), or Mesa's Vulkan drivers version 23 or newer "
+    "(lavapipe, runs on the CPU; on Debian bookworm: enable bookworm-backports and "
+    "`apt-get install -t bookworm-backports mesa-vulkan-drivers libvulkan1`; `make demo` does this for you)."
+)
+
+
+class GpuUnavailableError(RuntimeError):
+    """No slangpy device could be opened; the message says what was tried and what to install."""
+
+
+@dataclass
+class DeviceReport:
+    """What ``neuralraycast info`` prints: enough to reproduce and to file a bug."""
+
+    backend: str
+    adapter: str
+    software: bool
+    features: list[str]
+    cooperative_vector: bool
+    cooperative_matrix: bool
+    slangpy_version: str
+    python_version: str
+    shader_cache: str
+    shader_dir: str
+    tried: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def as_text(self) -> str:
+        lines = [
+            f"backend            {self.backend}{' (software, runs on the CPU)' if self.software else ''}",
+            f"adapter            {self.adapter}",
+            f"cooperative vector {'yes' if self.cooperative_vector else 'no'}",
+            f"cooperative matrix {'yes' if self.cooperative_matrix else 'no'}",
+            f"features           {', '.join(self.features)}",
+            f"slangpy            {self.slangpy_version}",
+            f"python             {self.python_version}",
+            f"shader cache       {self.shader_cache}",
+            f"shaders            {self.shader_dir}",
+        ]
+        lines += [f"not used: {name:9s} {why}" for name, why in self.tried.items()]
+        return "\n".join(lines)
+
+
+@dataclass
+class GpuContext:
+    """An open device plus what is needed to load the project's Slang modules on it."""
+
+    device: Any  # slangpy.Device
+    backend: str
+    report: DeviceReport
+
+    def load_module(self, name: str) -> Any:
+        """Load ``shaders/<name>.slang`` (compiled once per process by slangpy, cached on disk)."""
+        import slangpy as spy
+
+        return spy.Module.load_from_file(self.device, f"{name}.slang")
+
+
+def requested_backend(choice: str | None = None) -> str:
+    """The backend asked for: the explicit argument, else ``$NEURALRAYCAST_DEVICE``, else ``auto``."""
+    value = (choice or os.environ.get(DEVICE_ENV) or "auto").strip().lower()
+    if value not in CHOICES:
+        raise ValueError(f"unknown device '{value}': choose one of {', '.join(CHOICES)}")
+    return value
+
+
+def shader_cache_path(backend: str) -> Path:
+    return cache_dir() / "shaders" / backend
+
+
+def _quiet_slangpy_logs():
+    """slangpy logs an ERROR line for every backend that is merely absent; probing should be silent."""
+    import slangpy as spy
+
+    logger = spy.Logger.get()
+    previous = logger.level
+    logger.level = spy.LogLevel.fatal
+    return logger, previous
+
+
+def _cuda_driver_missing() -> str | None:
+    """Why CUDA cannot work here, checked without asking slangpy (which prints to the console)."""
+    import ctypes
+
+    names = {"Windows": ["nvcuda.dll"], "Darwin": []}.get(platform.system(), ["libcuda.so.1", "libcuda.so"])
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+            return None
+        except OSError:
+            continue
+    return "no NVIDIA driver (CUDA driver library not found)"
+
+
+def _open(backend: str):
+    import slangpy as spy
+
+    if backend == "cuda" and (missing := _cuda_driver_missing()):
+        raise RuntimeError(missing)
+
+    cache = shader_cache_path(backend)
+    cache.mkdir(parents=True, exist_ok=True)
+    device = spy.Device(
+        type=getattr(spy.DeviceType, backend),
+        compiler_options={
+            "include_paths": [spy.SHADER_PATH, str(shader_dir())],
+            "enable_experimental_features": True,  # `import slang.neural;`
+        },
+        shader_cache_path=str(cache),  # never module_cache_path: it breaks `import slang.neural`
+    )
+    # A device can open and still fail on its first dispatch (old Mesa, broken driver): prove it works.
+    module = spy.Module.load_from_file(device, "device_check.slang")
+    a = np.arange(8, dtype=np.float32)
+    got = module.deviceCheck(a, 2.0, _result="numpy")
+    if not np.allclose(got, a * 2.0 + 1.0):
+        raise RuntimeError(f"test kernel returned wrong values {got[:4]}")
+    return device
+
+
+def _report(device, backend: str, tried: dict[str, str]) -> DeviceReport:
+    import slangpy as spy
+
+    names = sorted(str(f).split(".")[-1] for f in device.features)
+    return DeviceReport(
+        backend=backend,
+        adapter=device.info.adapter_name,
+        software="software_device" in names or "llvmpipe" in device.info.adapter_name.lower(),
+        features=names,
+        cooperative_vector="cooperative_vector" in names,
+        cooperative_matrix="cooperative_matrix" in names,
+        slangpy_version=spy.__version__,
+        python_version=platform.python_version(),
+        shader_cache=str(shader_cache_path(backend)),
+        shader_dir=str(shader_dir()),
+        tried=tried,
+    )
+
+
+_CONTEXTS: dict[str, GpuContext] = {}
+
+
+def open_device(choice: str | None = None) -> GpuContext:
+    """Open (once per process and backend) the best working device, or raise GpuUnavailableError."""
+    wanted = requested_backend(choice)
+    if wanted in _CONTEXTS:
+        return _CONTEXTS[wanted]
+    try:
+        import slangpy  # noqa: F401
+    except ImportError as error:
+        raise GpuUnavailableError(
+            f"slangpy is not installed ({error}); run `make demo` or `pip install slangpy==0.43.1`"
+        ) from error
+
+    order = BACKENDS if wanted == "auto" else (wanted,)
+    tried: dict[str, str] = {}
+    logger, level = _quiet_slangpy_logs()
+    try:
+        for backend in order:
+            try:
+                device = _open(backend)
+            except Exception as error:  # each backend fails in its own way; keep the reason
+                tried[backend] = " ".join(str(error).split())[:200] or type(error).__name__
+                continue
+            context = GpuContext(device, backend, _report(device, backend, tried))
+            _CONTEXTS[wanted] = _CONTEXTS[backend] = context
+            return context
+    finally:
+        logger.level = level
+    reasons = "; ".join(f"{name}: {why}" for name, why in tried.items())
+    raise GpuUnavailableError(f"no GPU device works ({reasons}). {INSTALL_HINT}")

@@ -1,0 +1,234 @@
+"""From a checked study to what the field is trained on.
+
+- channels normalised robustly (percentiles inside the head/brain mask map to 0 and 1),
+- the brain (or head) mask, and from it the context structure ``brain``,
+- boundary maps ``B_k(x)``: signed distance to structure k in millimetres, negative inside,
+  anisotropic spacing respected,
+- the tumour probability ``P(x)`` (given, or a smooth step across the whole-tumour boundary),
+- an occupancy grid and a RAS bounding box of where anything is (for empty-space skipping).
+
+The expensive part (distance transforms) is cached on disk, keyed by a hash of the inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy import ndimage
+
+from .paths import cache_dir
+from .structures import BRAIN, Structure, make_structures
+from .study import Study, StudyError
+
+log = logging.getLogger(__name__)
+
+#: Bump when anything below changes what is cached.
+PREPROCESS_VERSION = 1
+NORMALISE_PERCENTILES = (0.5, 99.5)
+OCCUPANCY_BLOCK = 8
+
+Progress = Callable[[str, float], None]
+
+
+@dataclass
+class PreparedStudy:
+    """Everything derived from a study; arrays indexed ``[i, j, k]`` like the study's."""
+
+    study: Study
+    channels: np.ndarray  # (C, I, J, K) float32, normalised
+    channel_names: list[str]
+    structures: list[Structure]
+    boundary: np.ndarray  # (S, I, J, K) float32, signed distance in mm, negative inside
+    probability: np.ndarray  # (I, J, K) float32 in [0, 1]
+    mask: np.ndarray  # (I, J, K) bool, brain (or head) mask
+    occupancy: np.ndarray  # (ceil(I/b), ceil(J/b), ceil(K/b)) bool
+    occupancy_block: int
+    bounds: np.ndarray  # (2, 3) RAS mm box around the mask
+
+    @property
+    def affine(self) -> np.ndarray:
+        return self.study.affine
+
+    @property
+    def spacing(self) -> np.ndarray:
+        return self.study.spacing
+
+    def structure_index(self, name: str) -> int:
+        return [s.name for s in self.structures].index(name)
+
+
+def normalise_channel(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Map the 0.5th and 99.5th percentiles inside ``mask`` to 0 and 1 (outliers do not move them)."""
+    values = image[mask] if mask.any() else image.ravel()
+    low, high = np.percentile(values, NORMALISE_PERCENTILES)
+    if high - low <= 1e-12 * max(1.0, abs(high)):
+        high = low + 1.0
+    return ((image - low) / (high - low)).astype(np.float32)
+
+
+def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None) -> np.ndarray:
+    """The brain (skull-stripped data) or head: Otsu threshold, closed, holes filled, largest component."""
+    from skimage.filters import threshold_otsu
+
+    combined = None
+    for image in channels.values():
+        scale = float(np.percentile(image, 99.0)) or float(image.max()) or 1.0
+        scaled = image / scale
+        combined = scaled if combined is None else np.maximum(combined, scaled)
+    assert combined is not None
+    mask = combined > threshold_otsu(combined)
+    mask = ndimage.binary_closing(mask, structure=ndimage.generate_binary_structure(3, 1), iterations=2)
+    mask = ndimage.binary_fill_holes(mask)
+    components, count = ndimage.label(mask)
+    if count > 1:
+        sizes = np.bincount(components.ravel())
+        sizes[0] = 0
+        mask = components == int(np.argmax(sizes))
+    if labels is not None:
+        mask |= labels > 0
+    return mask
+
+
+def signed_distance(inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """Signed distance in mm to the boundary of a voxel mask; negative inside.
+
+    The boundary is taken halfway between inside and outside voxel centres, so each distance to the
+    nearest voxel centre of the other side is shortened by half a voxel.
+    """
+    spacing = np.asarray(spacing, dtype=np.float64)
+    half = 0.5 * float(spacing.min())
+    if not inside.any() or inside.all():
+        raise StudyError("cannot compute a signed distance: the mask is empty or fills the whole volume")
+    outside_distance = ndimage.distance_transform_edt(~inside, sampling=spacing)
+    inside_distance = ndimage.distance_transform_edt(inside, sampling=spacing)
+    sdf = np.where(inside, -(inside_distance - half), outside_distance - half)
+    return sdf.astype(np.float32)
+
+
+def structure_mask(structure: Structure, labels: np.ndarray | None, brain: np.ndarray) -> np.ndarray:
+    if structure.from_mask:
+        return brain
+    assert labels is not None
+    return np.isin(labels, structure.labels)
+
+
+def derived_probability(boundary_whole_tumor: np.ndarray, width_mm: float) -> np.ndarray:
+    """A smooth P(x) from labels: a logistic step of ``width_mm`` across the whole-tumour surface."""
+    return (1.0 / (1.0 + np.exp(np.clip(boundary_whole_tumor / width_mm, -50, 50)))).astype(np.float32)
+
+
+def occupancy_grid(mask: np.ndarray, block: int = OCCUPANCY_BLOCK) -> np.ndarray:
+    """Blocks of ``block``³ voxels that touch the (one-voxel dilated) mask."""
+    dilated = ndimage.binary_dilation(mask, iterations=1)
+    pad = [(0, (-n) % block) for n in dilated.shape]
+    padded = np.pad(dilated, pad)
+    i, j, k = (n // block for n in padded.shape)
+    return padded.reshape(i, block, j, block, k, block).any(axis=(1, 3, 5))
+
+
+def mask_bounds(mask: np.ndarray, affine: np.ndarray, margin_mm: float = 2.0) -> np.ndarray:
+    """RAS box around the mask's voxels, widened by half a voxel and ``margin_mm``."""
+    idx = np.argwhere(mask)
+    low, high = idx.min(axis=0) - 0.5, idx.max(axis=0) + 0.5
+    corners = np.array([[*corner, 1.0] for corner in itertools.product(*zip(low, high, strict=True))])
+    ras = (corners @ np.asarray(affine).T)[:, :3]
+    return np.stack([ras.min(axis=0) - margin_mm, ras.max(axis=0) + margin_mm])
+
+
+def _cache_key(study: Study, structures: list[Structure]) -> str:
+    digest = hashlib.sha256(f"v{PREPROCESS_VERSION}".encode())
+    digest.update(np.ascontiguousarray(study.affine).tobytes())
+    for name, image in study.channels.items():
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(image).tobytes())
+    for optional in (study.labels, study.probability):
+        digest.update(b"-" if optional is None else np.ascontiguousarray(optional).tobytes())
+    digest.update(repr([(s.name, s.labels) for s in structures]).encode())
+    return digest.hexdigest()[:32]
+
+
+def _load_cached(path: Path, shape: tuple[int, ...], count: int) -> dict[str, np.ndarray] | None:
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            cached = {key: data[key] for key in ("boundary", "mask", "probability")}
+    except FileNotFoundError:
+        return None
+    except Exception as error:  # a damaged cache file is recomputed, never trusted
+        log.warning("ignoring unreadable cache file %s (%s)", path, error)
+        return None
+    if cached["boundary"].shape != (count, *shape) or cached["mask"].shape != shape:
+        return None
+    return cached
+
+
+def prepare(
+    study: Study,
+    use_cache: bool = True,
+    cache_root: Path | None = None,
+    progress: Progress | None = None,
+) -> PreparedStudy:
+    """Derive everything the field needs from a study (see the module docstring)."""
+    report = progress or (lambda message, fraction: None)
+    structures = make_structures(study.structures, include_brain=True)
+    path = (cache_root or cache_dir() / "prepared") / f"{_cache_key(study, structures)}.npz"
+    cached = _load_cached(path, study.shape, len(structures)) if use_cache else None
+
+    if cached is not None:
+        report("boundary maps loaded from cache", 1.0)
+        boundary = cached["boundary"].astype(np.float32)
+        mask = cached["mask"].astype(bool)
+        probability = cached["probability"].astype(np.float32)
+    else:
+        report("brain mask", 0.0)
+        mask = head_mask(study.channels, study.labels)
+        boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
+        for index, structure in enumerate(structures):
+            report(f"signed distance: {structure.name}", (index + 1) / (len(structures) + 1))
+            boundary[index] = signed_distance(structure_mask(structure, study.labels, mask), study.spacing)
+        probability = _probability(study, structures, boundary)
+        # The cache stores float16; round fresh results the same way so cached and fresh runs agree.
+        boundary = boundary.astype(np.float16).astype(np.float32)
+        probability = probability.astype(np.float16).astype(np.float32)
+        if use_cache:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(".partial.npz")
+            np.savez(
+                temporary,
+                boundary=boundary.astype(np.float16),
+                mask=mask,
+                probability=probability.astype(np.float16),
+            )
+            temporary.replace(path)  # atomic: a crash never leaves a half-written cache entry
+        report("boundary maps ready", 1.0)
+
+    channels = np.stack([normalise_channel(image, mask) for image in study.channels.values()])
+    return PreparedStudy(
+        study=study,
+        channels=channels,
+        channel_names=study.channel_names,
+        structures=structures,
+        boundary=boundary,
+        probability=probability,
+        mask=mask,
+        occupancy=occupancy_grid(mask),
+        occupancy_block=OCCUPANCY_BLOCK,
+        bounds=mask_bounds(mask, study.affine),
+    )
+
+
+def _probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:
+    if study.probability is not None:
+        return study.probability.astype(np.float32)
+    names = [s.name for s in structures]
+    if "whole_tumor" in names:
+        return derived_probability(boundary[names.index("whole_tumor")], float(study.spacing.mean()))
+    label_structures = [i for i, s in enumerate(structures) if s.name != BRAIN]
+    if label_structures:  # custom structures: the union of all of them is "the lesion"
+        return derived_probability(boundary[label_structures].min(axis=0), float(study.spacing.mean()))
+    return np.zeros(study.shape, dtype=np.float32)

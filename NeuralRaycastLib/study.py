@@ -1,0 +1,403 @@
+"""A study: co-registered MRI channels, an optional label map and tumour probability, one grid.
+
+Conventions (also in the README):
+- Arrays are indexed ``[i, j, k]`` (nibabel order). Slicer's ``arrayFromVolume`` gives ``[k, j, i]``:
+  pass ``axis_order="kji"`` to :meth:`Study.from_arrays` and it is transposed once, here.
+- ``affine`` maps voxel indices ``(i, j, k, 1)`` to RAS millimetres (Slicer's IJKToRAS, NIfTI's affine
+  converted to RAS by nibabel). Voxel centres sit at integer indices.
+- Labels are non-negative integers; 0 is background.
+
+Loaders: a BraTS-named folder, a folder with ``manifest.json``, or numpy arrays. Everything is checked
+before a :class:`Study` is returned; each problem raises :class:`StudyError` naming the file and the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .structures import BRATS_STRUCTURES
+
+#: BraTS channel suffixes (both the classic and the 2023 names) -> channel name used here.
+BRATS_CHANNELS = {
+    "t1": "t1", "t1n": "t1",
+    "t1ce": "t1ce", "t1c": "t1ce",
+    "t2": "t2", "t2w": "t2",
+    "flair": "flair", "t2f": "flair",
+}
+BRATS_LABELS = ("seg",)
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+MANIFEST = "manifest.json"
+MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "structures"}
+
+#: Two grids are the same when every corner of the volume lands within this fraction of a voxel.
+GRID_TOLERANCE_VOXELS = 0.1
+
+
+class StudyError(ValueError):
+    """A study cannot be used; the message names the file (or array) and the problem."""
+
+
+@dataclass
+class Study:
+    """Co-registered volumes on one grid; see the module docstring for conventions."""
+
+    name: str
+    channels: dict[str, np.ndarray]
+    affine: np.ndarray
+    labels: np.ndarray | None = None
+    probability: np.ndarray | None = None
+    structures: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(next(iter(self.channels.values())).shape)  # type: ignore[return-value]
+
+    @property
+    def spacing(self) -> np.ndarray:
+        """Voxel size in millimetres along i, j, k."""
+        return np.linalg.norm(self.affine[:3, :3], axis=0)
+
+    @property
+    def channel_names(self) -> list[str]:
+        return list(self.channels)
+
+    def bounds(self) -> np.ndarray:
+        """RAS box ``[[min x, y, z], [max x, y, z]]`` covering every voxel centre."""
+        return grid_corners_bounds(self.affine, self.shape)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        channels: dict[str, np.ndarray],
+        affine: np.ndarray,
+        labels: np.ndarray | None = None,
+        probability: np.ndarray | None = None,
+        structures: dict[str, list[int]] | None = None,
+        name: str = "study",
+        axis_order: str = "ijk",
+    ) -> Study:
+        """Build a checked study from arrays (the Slicer path). ``axis_order='kji'`` for Slicer arrays."""
+        if axis_order not in ("ijk", "kji"):
+            raise StudyError(f"axis_order must be 'ijk' or 'kji', not '{axis_order}'")
+
+        def reorder(array: np.ndarray | None) -> np.ndarray | None:
+            if array is None:
+                return None
+            array = np.asarray(array)
+            return array.transpose(2, 1, 0) if axis_order == "kji" and array.ndim == 3 else array
+
+        sources = {f"channel {n}": f"array '{n}'" for n in channels}
+        sources.update({"labels": "label array", "probability": "probability array"})
+        study = cls(
+            name=name,
+            channels={n: reorder(a) for n, a in channels.items()},
+            affine=np.asarray(affine, dtype=np.float64),
+            labels=reorder(labels),
+            probability=reorder(probability),
+            structures=_parse_structures(structures, "structures argument"),
+            sources=sources,
+        )
+        return validate(study)
+
+
+def grid_corners(affine: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """RAS coordinates of the 8 corner voxel centres, shape (8, 3)."""
+    idx = np.array([[i, j, k, 1.0] for i in (0, shape[0] - 1) for j in (0, shape[1] - 1) for k in (0, shape[2] - 1)])
+    return (idx @ np.asarray(affine).T)[:, :3]
+
+
+def grid_corners_bounds(affine: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    corners = grid_corners(affine, shape)
+    return np.stack([corners.min(axis=0), corners.max(axis=0)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _squeeze_to_3d(array: np.ndarray, source: str) -> np.ndarray:
+    if array.ndim > 3 and all(s == 1 for s in array.shape[3:]):
+        array = array.reshape(array.shape[:3])
+    if array.ndim != 3:
+        raise StudyError(f"{source}: expected a 3-D volume, got shape {tuple(array.shape)}")
+    if min(array.shape) < 2:
+        raise StudyError(f"{source}: volume is too thin to hold a surface (shape {tuple(array.shape)})")
+    return array
+
+
+def _check_finite(array: np.ndarray, source: str) -> None:
+    bad = int(np.count_nonzero(~np.isfinite(array)))
+    if bad:
+        raise StudyError(f"{source}: contains {bad} NaN or infinite voxel(s)")
+
+
+def _same_grid(affine_a: np.ndarray, affine_b: np.ndarray, shape: tuple[int, ...]) -> float:
+    """Largest corner displacement between two grids of the same shape, in millimetres."""
+    return float(np.abs(grid_corners(affine_a, shape) - grid_corners(affine_b, shape)).max())
+
+
+def validate(study: Study) -> Study:
+    """Check a study in place (shapes, grid, values, structures) and return it; raise StudyError."""
+    if not study.channels:
+        raise StudyError(f"{study.name}: no image channels given (need at least one, e.g. t1)")
+    affine = np.asarray(study.affine, dtype=np.float64)
+    if affine.shape != (4, 4) or not np.all(np.isfinite(affine)) or abs(np.linalg.det(affine[:3, :3])) < 1e-9:
+        raise StudyError(f"{study.name}: affine must be a finite, invertible 4x4 IJK->RAS matrix")
+    study.affine = affine
+
+    reference_name = next(iter(study.channels))
+    shape: tuple[int, ...] | None = None
+    for name, array in list(study.channels.items()):
+        source = study.sources.get(f"channel {name}", name)
+        array = _squeeze_to_3d(np.asarray(array), source)
+        if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
+            raise StudyError(f"{source}: voxel type {array.dtype} is not a real number type")
+        if shape is None:
+            shape = array.shape
+        elif array.shape != shape:
+            raise StudyError(f"{source}: shape {array.shape} differs from channel '{reference_name}' {shape}")
+        array = array.astype(np.float32, copy=False)
+        _check_finite(array, source)
+        if float(array.max()) == float(array.min()):
+            raise StudyError(f"{source}: image is constant ({float(array.min())}); nothing to learn from")
+        study.channels[name] = array
+    assert shape is not None
+
+    if study.labels is not None:
+        source = study.sources.get("labels", "labels")
+        labels = _squeeze_to_3d(np.asarray(study.labels), source)
+        if labels.shape != shape:
+            raise StudyError(f"{source}: shape {labels.shape} differs from channel '{reference_name}' {shape}")
+        if not np.issubdtype(labels.dtype, np.integer):
+            _check_finite(labels, source)
+            if not np.all(labels == np.round(labels)):
+                raise StudyError(f"{source}: label map holds non-integer values (is it a probability map?)")
+        if labels.min() < 0:
+            raise StudyError(f"{source}: label map holds negative values (min {labels.min()})")
+        if labels.max() > 32767:
+            raise StudyError(f"{source}: label values above 32767 are not supported (max {labels.max()})")
+        study.labels = labels.astype(np.int16)
+
+    if study.probability is not None:
+        source = study.sources.get("probability", "probability")
+        probability = _squeeze_to_3d(np.asarray(study.probability), source).astype(np.float32)
+        if probability.shape != shape:
+            raise StudyError(f"{source}: shape {probability.shape} differs from channel '{reference_name}' {shape}")
+        _check_finite(probability, source)
+        low, high = float(probability.min()), float(probability.max())
+        if low < -1e-3 or high > 1 + 1e-3:
+            raise StudyError(f"{source}: probabilities must lie in [0, 1], found [{low:g}, {high:g}]")
+        study.probability = np.clip(probability, 0.0, 1.0)
+
+    study.structures = _resolve_structures(study)
+    return study
+
+
+def _parse_structures(raw: Any, source: str) -> dict[str, tuple[int, ...]]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not raw:
+        raise StudyError(f"{source}: 'structures' must be a non-empty mapping of name -> list of label values")
+    parsed: dict[str, tuple[int, ...]] = {}
+    for name, values in raw.items():
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_\-]*", str(name)):
+            raise StudyError(f"{source}: structure name '{name}' must start with a letter (letters, digits, _ -)")
+        values = [values] if isinstance(values, int) else values
+        if not isinstance(values, list | tuple) or not values or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values
+        ):
+            raise StudyError(f"{source}: structure '{name}' needs a list of positive integer label values")
+        parsed[str(name)] = tuple(sorted(set(values)))
+    return parsed
+
+
+def _resolve_structures(study: Study) -> dict[str, tuple[int, ...]]:
+    """Explicit structures must all be present; BraTS defaults keep the regions that exist."""
+    if study.labels is None:
+        if study.structures:
+            raise StudyError(f"{study.name}: structures are declared but no label map is given")
+        return {}
+    source = study.sources.get("labels", "labels")
+    present = set(np.unique(study.labels).tolist()) - {0}
+    if not present:
+        raise StudyError(f"{source}: label map is empty (every voxel is 0)")
+    if study.structures:
+        for name, values in study.structures.items():
+            if not present.intersection(values):
+                raise StudyError(
+                    f"{source}: structure '{name}' (labels {list(values)}) has no voxels; labels present: "
+                    f"{sorted(present)}"
+                )
+        return dict(study.structures)
+    defaults = {n: v for n, v in BRATS_STRUCTURES.items() if present.intersection(v)}
+    if not defaults:
+        raise StudyError(
+            f"{source}: labels {sorted(present)} match none of the BraTS regions (1, 2, 3 or 4); "
+            "name the structures in manifest.json"
+        )
+    return defaults
+
+
+# ---------------------------------------------------------------------------------------------------------
+# files
+
+
+def _read_nifti(path: Path, role: str):
+    import nibabel as nib
+
+    if not path.is_file():
+        raise StudyError(f"{path}: {role} file not found")
+    try:
+        return nib.load(str(path))  # reads the header only; the voxels are read in _image_data
+    except Exception as error:  # nibabel raises many types for corrupt files
+        raise StudyError(f"{path}: {role} is not a readable NIfTI file ({error})") from error
+
+
+def _image_data(image, path: Path, role: str) -> np.ndarray:
+    try:
+        return np.asanyarray(image.dataobj)
+    except Exception as error:  # truncated gzip, wrong size ...
+        raise StudyError(f"{path}: {role} data cannot be read ({error})") from error
+
+
+def _load_files(
+    name: str,
+    channel_files: dict[str, Path],
+    label_file: Path | None,
+    probability_file: Path | None,
+    structures: dict[str, tuple[int, ...]],
+) -> Study:
+    """Read NIfTI files onto the first channel's grid (axis flips are undone, anything else is refused)."""
+    import nibabel as nib
+
+    roles = [(f"channel {n}", p) for n, p in channel_files.items()]
+    roles += [("labels", label_file)] if label_file else []
+    roles += [("probability", probability_file)] if probability_file else []
+
+    reference = None
+    arrays: dict[str, np.ndarray] = {}
+    for role, path in roles:
+        image = _read_nifti(path, role)
+        if len(image.shape) < 3:
+            raise StudyError(f"{path}: expected a 3-D volume, got shape {tuple(image.shape)}")
+        if reference is None:
+            reference = image
+        else:
+            target = nib.orientations.io_orientation(reference.affine)
+            current = nib.orientations.io_orientation(image.affine)
+            if not np.array_equal(target, current):
+                image = image.as_reoriented(nib.orientations.ornt_transform(current, target))
+            ref_shape = tuple(reference.shape[:3])
+            if tuple(image.shape[:3]) != ref_shape:
+                raise StudyError(
+                    f"{path}: grid {tuple(image.shape[:3])} differs from {channel_files[next(iter(channel_files))]} "
+                    f"{ref_shape}; resample it onto the first channel's grid"
+                )
+            offset = _same_grid(reference.affine, image.affine, ref_shape)
+            tolerance = GRID_TOLERANCE_VOXELS * float(np.linalg.norm(reference.affine[:3, :3], axis=0).min())
+            if offset > tolerance:
+                raise StudyError(
+                    f"{path}: not on the same grid as the first channel (corners differ by up to {offset:.2f} mm); "
+                    "co-register and resample it first"
+                )
+        arrays[role] = _image_data(image, path, role)
+
+    assert reference is not None
+    study = Study(
+        name=name,
+        channels={n: arrays[f"channel {n}"] for n in channel_files},
+        affine=np.asarray(reference.affine, dtype=np.float64),
+        labels=arrays.get("labels"),
+        probability=arrays.get("probability"),
+        structures=structures,
+        sources={role: str(path) for role, path in roles},
+    )
+    return validate(study)
+
+
+def _nifti_stem(path: Path) -> str:
+    for suffix in NIFTI_SUFFIXES:
+        if path.name.endswith(suffix):
+            return path.name[: -len(suffix)]
+    return path.name
+
+
+def load_brats_folder(folder: Path) -> Study:
+    """A folder of ``<case>_t1.nii.gz, _t1ce, _t2, _flair, _seg`` (or BraTS 2023 ``-t1n, -t1c, -t2w, -t2f, -seg``)."""
+    folder = Path(folder)
+    found: dict[str, list[Path]] = {}
+    case_names = set()
+    for path in sorted(folder.iterdir()):
+        if not path.name.endswith(NIFTI_SUFFIXES):
+            continue
+        match = re.fullmatch(r"(.*?)[_\-]([A-Za-z0-9]+)", _nifti_stem(path))
+        if not match:
+            continue
+        key = match.group(2).lower()
+        role = BRATS_CHANNELS.get(key) or ("labels" if key in BRATS_LABELS else None)
+        if role:
+            found.setdefault(role, []).append(path)
+            case_names.add(match.group(1))
+    for role, paths in found.items():
+        if len(paths) > 1:
+            raise StudyError(f"{folder}: several files for {role}: {', '.join(p.name for p in paths)}")
+    channels = {name: found[name][0] for name in ("t1", "t1ce", "t2", "flair") if name in found}
+    if not channels:
+        raise StudyError(
+            f"{folder}: no MRI channels found; expected files named <case>_t1.nii.gz, _t1ce, _t2, _flair "
+            f"(and _seg for labels), or a {MANIFEST}"
+        )
+    name = case_names.pop() if len(case_names) == 1 else folder.name
+    labels = found.get("labels", [None])[0]
+    return _load_files(name, channels, labels, None, {})
+
+
+def load_manifest(path: Path) -> Study:
+    """``manifest.json``: ``{"channels": {name: file}, "labels"?, "probability"?, "structures"?, "name"?}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"{path}: manifest not found")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise StudyError(f"{path}: not valid JSON ({error})") from error
+    if not isinstance(manifest, dict):
+        raise StudyError(f"{path}: must hold a JSON object")
+    unknown = set(manifest) - MANIFEST_KEYS
+    if unknown:
+        raise StudyError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: {sorted(MANIFEST_KEYS)}")
+    channels = manifest.get("channels")
+    if not isinstance(channels, dict) or not channels or not all(isinstance(v, str) for v in channels.values()):
+        raise StudyError(f"{path}: 'channels' must map channel names to file names, e.g. {{\"t1\": \"t1.nii.gz\"}}")
+    for key in ("labels", "probability", "name", "description"):
+        if key in manifest and not isinstance(manifest[key], str):
+            raise StudyError(f"{path}: '{key}' must be a string")
+    base = path.parent
+    return _load_files(
+        manifest.get("name", base.name),
+        {str(n): base / f for n, f in channels.items()},
+        base / manifest["labels"] if "labels" in manifest else None,
+        base / manifest["probability"] if "probability" in manifest else None,
+        _parse_structures(manifest.get("structures"), str(path)),
+    )
+
+
+def load_study(path: str | Path) -> Study:
+    """Load a study from a ``manifest.json`` (or a folder holding one) or a BraTS-named folder."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise StudyError(f"{path}: no such file or folder")
+    if path.is_file():
+        if path.name.endswith(".json"):
+            return load_manifest(path)
+        raise StudyError(f"{path}: give a study folder or its {MANIFEST}, not a single image")
+    if (path / MANIFEST).is_file():
+        return load_manifest(path / MANIFEST)
+    return load_brats_folder(path)

@@ -1,0 +1,83 @@
+"""Human-readable and JSON summaries of a prepared study, and a slice preview picture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .preprocess import PreparedStudy
+
+
+def study_summary(prepared: PreparedStudy) -> dict[str, Any]:
+    study = prepared.study
+    voxel_ml = float(np.prod(study.spacing)) / 1000.0
+    structures = []
+    for structure, boundary in zip(prepared.structures, prepared.boundary, strict=True):
+        inside = boundary < 0
+        structures.append({
+            "name": structure.name,
+            "labels": list(structure.labels) or "mask",
+            "volume_ml": round(float(inside.sum()) * voxel_ml, 2),
+            "color": list(structure.color),
+        })
+    return {
+        "name": study.name,
+        "shape_ijk": list(study.shape),
+        "spacing_mm": [round(float(s), 4) for s in study.spacing],
+        "channels": prepared.channel_names,
+        "has_labels": study.labels is not None,
+        "probability": "given" if study.probability is not None else "derived from labels",
+        "structures": structures,
+        "bounds_ras_mm": prepared.bounds.round(2).tolist(),
+        "occupied_blocks": f"{int(prepared.occupancy.sum())}/{prepared.occupancy.size}",
+    }
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    lines = [
+        f"study       {summary['name']}",
+        f"grid        {' x '.join(map(str, summary['shape_ijk']))} voxels at "
+        f"{' x '.join(f'{s:g}' for s in summary['spacing_mm'])} mm",
+        f"channels    {', '.join(summary['channels'])}",
+        f"P(x)        {summary['probability']}",
+        f"bounds      {summary['bounds_ras_mm'][0]} .. {summary['bounds_ras_mm'][1]} mm (RAS)",
+        "structures",
+    ]
+    for s in summary["structures"]:
+        labels = s["labels"] if isinstance(s["labels"], str) else ",".join(map(str, s["labels"]))
+        lines.append(f"  {s['name']:16s} labels {labels:10s} {s['volume_ml']:9.2f} ml")
+    return "\n".join(lines)
+
+
+def save_preview(prepared: PreparedStudy, path: str | Path) -> Path:
+    """Axial, coronal and sagittal slices through the lesion (or centre): each channel, then the contours."""
+    from PIL import Image
+
+    inside = prepared.boundary[1:] < 0 if len(prepared.structures) > 1 else prepared.boundary[:1] < 0
+    target = np.argwhere(inside.any(axis=0))
+    centre = (target.mean(axis=0) if len(target) else np.array(prepared.mask.shape) / 2).astype(int)
+    rows = []
+    for axis in (2, 1, 0):  # axial (k), coronal (j), sagittal (i)
+        tiles = []
+        for channel in prepared.channels:
+            gray = np.clip(np.take(channel, centre[axis], axis=axis), 0.0, 1.2) / 1.2
+            tiles.append(np.repeat(gray[..., None], 3, axis=-1))
+        overlay = tiles[0].copy()
+        for structure, boundary in zip(prepared.structures, prepared.boundary, strict=True):
+            band = np.abs(np.take(boundary, centre[axis], axis=axis)) < 0.6 * float(prepared.spacing.min())
+            overlay[band] = structure.color
+        tiles.append(overlay)
+        tiles = [np.rot90(t) for t in tiles]  # RAS arrays -> anterior/superior up
+        rows.append(tiles)
+    height = max(t.shape[0] for row in rows for t in row)
+    width = max(t.shape[1] for row in rows for t in row)
+    grid = np.zeros((height * 3, width * len(rows[0]), 3))
+    for r, row in enumerate(rows):
+        for c, tile in enumerate(row):
+            grid[r * height: r * height + tile.shape[0], c * width: c * width + tile.shape[1]] = tile
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray((grid * 255).astype(np.uint8)).save(path)
+    return path
