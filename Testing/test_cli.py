@@ -1,0 +1,46 @@
+"""The command line: help everywhere, data as JSON, one-line errors with a non-zero status."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from NeuralRaycastLib.cli import build_parser, main
+
+
+@pytest.mark.parametrize("command", ["info", "sample", "prepare", "demo"])
+def test_every_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: neuralraycast " + command in capsys.readouterr().out
+
+
+def test_missing_study_is_one_line_and_status_2(capsys):
+    assert main(["prepare", "/no/such/study"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "neuralraycast prepare: error: /no/such/study: no such file or folder"
+
+
+def test_sample_then_prepare_as_json_with_preview(tmp_path, capsys):
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    assert manifest.endswith("manifest.json")
+    assert main(["prepare", manifest, "--json", "--preview", str(tmp_path / "p.png")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["shape_ijk"] == [33, 41, 25]
+    assert [s["name"] for s in summary["structures"]] == ["brain", "whole_tumor", "tumor_core", "enhancing_tumor"]
+    assert all(s["volume_ml"] > 0 for s in summary["structures"])
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_info_json_reports_the_device(capsys):
+    assert main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] in ("cuda", "vulkan") and report["adapter"]
+
+
+def test_unknown_case_is_rejected_by_the_parser():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sample", "x", "--case", "mri"])

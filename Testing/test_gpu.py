@@ -1,0 +1,46 @@
+"""Device selection: a working device here (lavapipe without a GPU), forced backends, clear failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from NeuralRaycastLib import gpu
+
+
+def test_default_device_runs_a_kernel(gpu):
+    assert gpu.backend in ("cuda", "vulkan")
+    module = gpu.load_module("device_check")
+    values = np.linspace(-3, 3, 1000).astype(np.float32)
+    np.testing.assert_allclose(module.deviceCheck(values, -0.5, _result="numpy"), values * -0.5 + 1.0, rtol=1e-6)
+
+
+def test_report_names_adapter_backend_features_and_cache(gpu):
+    report = gpu.report
+    assert report.adapter and report.backend == gpu.backend
+    assert isinstance(report.cooperative_vector, bool) and report.features
+    assert report.shader_cache.endswith(gpu.backend)
+    text = report.as_text()
+    for word in ("backend", "adapter", "cooperative vector", "slangpy", "shader cache"):
+        assert word in text
+
+
+def test_backend_choice_from_argument_and_environment(monkeypatch):
+    monkeypatch.setenv(gpu.DEVICE_ENV, "Vulkan")
+    assert gpu.requested_backend() == "vulkan"
+    assert gpu.requested_backend("cuda") == "cuda"  # the explicit option wins
+    monkeypatch.setenv(gpu.DEVICE_ENV, "metal")
+    with pytest.raises(ValueError, match="unknown device 'metal'"):
+        gpu.requested_backend()
+
+
+def test_forcing_cuda_without_a_driver_says_what_to_install():
+    if gpu._cuda_driver_missing() is None:
+        pytest.skip("this machine has an NVIDIA driver")
+    with pytest.raises(gpu.GpuUnavailableError, match="no NVIDIA driver.*Mesa's Vulkan drivers"):
+        gpu.open_device("cuda")
+
+
+def test_shader_cache_lives_in_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("NEURALRAYCAST_CACHE", str(tmp_path))
+    assert gpu.shader_cache_path("vulkan") == tmp_path / "shaders" / "vulkan"

@@ -1,0 +1,121 @@
+"""Boundary maps against the phantom's exact distances, normalisation, masks, P(x), occupancy, cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from NeuralRaycastLib.preprocess import (
+    derived_probability,
+    head_mask,
+    normalise_channel,
+    occupancy_grid,
+    prepare,
+    signed_distance,
+)
+from NeuralRaycastLib.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.study import Study, load_study
+
+
+@pytest.fixture(scope="module")
+def phantom_prepared(phantom_study_dir, tmp_path_factory):
+    return prepare(load_study(phantom_study_dir), cache_root=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.mark.parametrize("name", Phantom.structure_names)
+def test_boundary_maps_match_exact_distances_near_each_surface(phantom_prepared, name):
+    """Mean |B - exact| within 3 voxels of the surface is at most half a voxel."""
+    voxel = float(phantom_prepared.spacing.min())
+    points = voxel_centres(phantom_prepared.affine, phantom_prepared.study.shape)
+    exact = Phantom().sdf(name, points)
+    estimate = phantom_prepared.boundary[phantom_prepared.structure_index(name)]
+    band = np.abs(exact) < 3 * voxel
+    assert band.sum() > 100
+    error = np.abs(estimate[band] - exact[band])
+    assert error.mean() <= 0.5 * voxel, f"{name}: mean error {error.mean():.3f} mm"
+    clear = band & (np.abs(exact) > voxel)  # a voxel or more from the surface the sign must be right
+    assert np.all(np.sign(estimate[clear]) == np.sign(exact[clear]))  # negative inside
+
+
+def test_signed_distance_respects_anisotropic_spacing():
+    spacing = np.array([0.8, 1.0, 2.5])
+    shape = (80, 64, 28)
+    affine = np.diag([*spacing, 1.0])
+    affine[:3, 3] = -0.5 * (np.array(shape) - 1) * spacing
+    points = voxel_centres(affine, shape)
+    exact = np.linalg.norm(points, axis=-1) - 20.0
+    estimate = signed_distance(exact < 0, spacing)
+    band = np.abs(exact) < 3 * spacing.max()
+    assert np.abs(estimate[band] - exact[band]).mean() <= 0.5 * spacing.min()
+    # Far from the sphere the distance must be metric, not in voxels: compare along the coarse axis.
+    far = np.abs(exact) > 5
+    assert np.abs(estimate[far] - exact[far]).mean() < 0.5 * spacing.max()
+
+
+def test_signed_distance_refuses_empty_mask():
+    with pytest.raises(ValueError, match="mask is empty"):
+        signed_distance(np.zeros((4, 4, 4), bool), np.ones(3))
+
+
+def test_normalisation_maps_percentiles_and_ignores_outliers_and_background():
+    rng = np.random.default_rng(0)
+    image = np.zeros((40, 40, 40), np.float32)
+    mask = np.zeros(image.shape, bool)
+    mask[5:35, 5:35, 5:35] = True
+    image[mask] = rng.uniform(100, 200, mask.sum())
+    normalised = normalise_channel(image, mask)
+    assert np.percentile(normalised[mask], 0.5) == pytest.approx(0.0, abs=1e-4)
+    assert np.percentile(normalised[mask], 99.5) == pytest.approx(1.0, abs=1e-4)
+    spiked = image.copy()
+    spiked[10, 10, 10:14] = 1e6  # a few hot voxels must not squash the rest
+    np.testing.assert_allclose(normalise_channel(spiked, mask)[mask][:1000], normalised[mask][:1000], atol=1e-3)
+
+
+def test_head_mask_finds_the_phantom_brain(phantom_prepared):
+    points = voxel_centres(phantom_prepared.affine, phantom_prepared.study.shape)
+    exact = Phantom().sdf("brain", points) < 0
+    mask = head_mask(phantom_prepared.study.channels)
+    dice = 2 * (mask & exact).sum() / (mask.sum() + exact.sum())
+    assert dice > 0.97
+
+
+def test_derived_probability_is_a_smooth_step_across_the_whole_tumour(phantom_prepared):
+    p = phantom_prepared.probability
+    whole = phantom_prepared.boundary[phantom_prepared.structure_index("whole_tumor")]
+    assert p[whole < -4].min() > 0.9
+    assert p[whole > 4].max() < 0.1
+    assert derived_probability(np.zeros(3, np.float32), 1.0) == pytest.approx(0.5)
+
+
+def test_given_probability_is_kept():
+    rng = np.random.default_rng(3)
+    image = rng.random((12, 12, 12)).astype(np.float32)
+    labels = np.zeros((12, 12, 12), np.int16)
+    labels[4:8, 4:8, 4:8] = 2
+    probability = rng.random((12, 12, 12)).astype(np.float32)
+    study = Study.from_arrays({"t1": image}, np.eye(4), labels=labels, probability=probability)
+    np.testing.assert_allclose(prepare(study, use_cache=False).probability, probability, atol=1e-3)
+
+
+def test_occupancy_and_bounds_cover_the_mask(phantom_prepared):
+    prepared = phantom_prepared
+    block = prepared.occupancy_block
+    for i, j, k in np.argwhere(prepared.mask)[::97]:
+        assert prepared.occupancy[i // block, j // block, k // block]
+    assert prepared.occupancy.mean() < 1.0  # something is empty
+    ijk = np.argwhere(prepared.mask).astype(float)
+    ras = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
+    assert np.all(ras >= prepared.bounds[0]) and np.all(ras <= prepared.bounds[1])
+    assert occupancy_grid(np.ones((9, 9, 9), bool), block=8).shape == (2, 2, 2)
+
+
+def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_dir, tmp_path):
+    study = load_study(phantom_study_dir)
+    first = prepare(study, cache_root=tmp_path)
+    (cached,) = tmp_path.glob("*.npz")
+    second = prepare(study, cache_root=tmp_path)
+    np.testing.assert_array_equal(first.boundary, second.boundary)
+    np.testing.assert_array_equal(first.probability, second.probability)
+    cached.write_bytes(b"damaged")
+    third = prepare(study, cache_root=tmp_path)
+    np.testing.assert_array_equal(first.boundary, third.boundary)
