@@ -48,3 +48,44 @@ def gpu():
     from NeuralRaycastLib.gpu import open_device
 
     return open_device()
+
+
+def analytic_prepared(sdfs: dict, spacing: float, low, high, channel=None):
+    """A PreparedStudy whose boundary maps are exact signed distances sampled on a grid.
+
+    ``sdfs`` maps structure names to functions of RAS points (..., 3); isolates the renderer from the
+    distance transform (which has its own tests).
+    """
+    from NeuralRaycastLib.preprocess import PreparedStudy
+    from NeuralRaycastLib.sample.phantom import voxel_centres
+    from NeuralRaycastLib.structures import make_structures
+    from NeuralRaycastLib.study import Study
+
+    low, high = np.asarray(low, float), np.asarray(high, float)
+    shape = tuple(int(np.ceil((high - low) / spacing)) + 1 for low, high in zip(low, high, strict=True))
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = low
+    points = voxel_centres(affine, shape)
+    boundary = np.stack([np.asarray(f(points), np.float32) for f in sdfs.values()])
+    image = np.ones(shape, np.float32) if channel is None else np.asarray(channel(points), np.float32)
+    study = Study("analytic", {"t1": image}, affine)
+    structures = make_structures({name: (index + 1,) for index, name in enumerate(sdfs)}, include_brain=False)
+    mask = (boundary < 0).any(axis=0)
+    return PreparedStudy(
+        study=study, channels=image[None], channel_names=["t1"], structures=structures, boundary=boundary,
+        probability=np.zeros(shape, np.float32), mask=mask, occupancy=np.ones((1, 1, 1), bool), occupancy_block=8,
+        bounds=np.stack([low, high]),
+    )
+
+
+def sphere_trace(sdf, origin, directions, t_max=2000.0, iterations=400):
+    """Exact first-hit distances of rays against an analytic SDF (inf where missed)."""
+    t = np.zeros(directions.shape[:-1])
+    done = np.zeros_like(t, bool)
+    for _ in range(iterations):
+        d = sdf(origin + t[..., None] * directions)
+        done |= d < 1e-5
+        t = np.where(done, t, t + d)
+        if done.all():
+            break
+    return np.where(done & (t < t_max), t, np.inf)

@@ -1,0 +1,100 @@
+"""The reference renderer: the image formation model on the study's boundary maps, on the GPU.
+
+Its images are the targets the neural field is trained on and judged against (I_ref). Forward only,
+deterministic, the same on CUDA and on Vulkan (lavapipe on a CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .camera import Camera
+from .gpu import GpuContext
+from .preprocess import PreparedStudy
+from .study import grid_corners_bounds
+from .style import BAND_WIDTHS, RenderStyle
+
+
+@dataclass
+class RenderedImage:
+    """One rendered view. ``rgba`` is premultiplied; ``depth`` is mm along the ray (0 where empty)."""
+
+    rgba: np.ndarray  # (H, W, 4) float32
+    depth: np.ndarray  # (H, W) float32
+    normal: np.ndarray  # (H, W, 3) float32, RAS, unit where anything was hit
+
+    def rgb(self, background: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> np.ndarray:
+        """Colour composited over a background, (H, W, 3) in [0, 1]."""
+        alpha = self.rgba[..., 3:4]
+        return np.clip(self.rgba[..., :3] + (1.0 - alpha) * np.asarray(background, np.float32), 0.0, 1.0)
+
+
+def volume_stack(gpu: GpuContext, volumes: np.ndarray, ras_to_ijk: np.ndarray):
+    """Upload (V, I, J, K) float32 volumes: (the tensor, which must stay alive; the shader struct)."""
+    import slangpy as spy
+
+    volumes = np.ascontiguousarray(volumes, dtype=np.float32)
+    tensor = spy.Tensor.from_numpy(gpu.device, volumes.reshape(-1))
+    struct = {
+        "data": tensor.storage.device_address,
+        "dims": spy.int3(*map(int, volumes.shape[1:])),
+        "count": int(volumes.shape[0]),
+        "rasToIjk": spy.float4x4(np.asarray(ras_to_ijk, dtype=np.float32)),
+    }
+    return tensor, struct
+
+
+def march_settings(prepared: PreparedStudy, style: RenderStyle) -> dict:
+    """Accuracy and the box where anything is: the mask's box widened by the surface band."""
+    import slangpy as spy
+
+    voxel = float(prepared.spacing.min())
+    epsilon = style.epsilon_voxels * voxel
+    volume_box = grid_corners_bounds(prepared.affine, prepared.study.shape)
+    low = np.maximum(prepared.bounds[0] - BAND_WIDTHS * epsilon, volume_box[0])
+    high = np.minimum(prepared.bounds[1] + BAND_WIDTHS * epsilon, volume_box[1])
+    return {
+        "epsilon": epsilon,
+        "step": style.step_voxels * voxel,
+        "shadowStep": style.shadow_step_voxels * voxel,
+        "boxMin": spy.float3(*map(float, low)),
+        "boxMax": spy.float3(*map(float, high)),
+    }
+
+
+def unpack_pixels(tensor, height: int, width: int) -> RenderedImage:
+    """A tensor of ``PixelResult`` structs (two float4) into arrays."""
+    values = np.asarray(tensor.to_numpy()).view(np.float32).reshape(height, width, 8)
+    return RenderedImage(values[..., 0:4].copy(), values[..., 7].copy(), values[..., 4:7].copy())
+
+
+class ReferenceRenderer:
+    """Renders a prepared study's boundary maps from any camera."""
+
+    def __init__(self, gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle | None = None) -> None:
+        self.gpu, self.prepared = gpu, prepared
+        self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
+        ras_to_ijk = np.linalg.inv(prepared.affine)
+        self._boundary, boundary = volume_stack(gpu, prepared.boundary, ras_to_ijk)
+        self._channels, channels = volume_stack(gpu, prepared.channels, ras_to_ijk)
+        self.scene = {"boundary": boundary, "channels": channels}
+        self.module = gpu.load_module("reference_render")
+
+    def render(self, camera: Camera, shadows: bool | None = None) -> RenderedImage:
+        import slangpy as spy
+
+        style = self.style
+        if shadows is not None:
+            style = replace(style, lighting=replace(style.lighting, shadows=shadows))
+        result = self.module.renderReference(
+            spy.grid((camera.height, camera.width)),
+            self.scene,
+            camera.to_shader(),
+            style.shader_look(self.prepared.structures, self.prepared.channel_names),
+            style.shader_lighting(),
+            march_settings(self.prepared, style),
+            _result="tensor",
+        )
+        return unpack_pixels(result, camera.height, camera.width)
