@@ -65,6 +65,43 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_render_reference(args: argparse.Namespace) -> int:
+    from .reference_views import render_reference_views, save_reference_views
+
+    gpu = open_device(args.device)
+    prepared = _prepare(args.study, use_cache=True)
+    views = render_reference_views(
+        gpu, prepared, args.views, args.size[0], args.size[1], shadows=args.shadows, view_angle=args.view_angle,
+        held_out_every=args.held_out_every, progress=ConsoleProgress(f"render {gpu.backend}"),
+    )
+    folder = save_reference_views(views, args.out)
+    print(f"{len(views.images)} views ({len(views.held_out)} held out) in {folder}; see {folder / 'contact_sheet.png'}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+    from .preprocess import prepare
+    from .sample import cached_sample
+    from .study import load_study
+
+    gpu = open_device(args.device)
+    manifest = cached_sample(args.case, args.spacing, progress=ConsoleProgress(f"sample {args.case}"))
+    prepared = prepare(load_study(manifest), progress=ConsoleProgress("prepare"))
+    study = f"{args.case} sample, {' x '.join(map(str, prepared.study.shape))} voxels"
+    command = "neuralraycast " + " ".join(sys.argv[1:]) if args.command_line is None else args.command_line
+    report = run_bench(gpu, prepared, study, args.suite, args.quick, command, ConsoleProgress("bench"))
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(report.markdown())
+    if args.append:
+        with open(args.append, "a") as handle:
+            handle.write("\n" + report.markdown())
+        print(f"appended to {args.append}", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the built-in sample case (extended as the renderer and trainer land)."""
     from .sample import write_sample
@@ -120,6 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preview", metavar="PNG", help="also save a slice preview with structure contours")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_prepare)
+
+    p = sub.add_parser("render-reference", help="render reference views of a study (PNG, depth, normals, cameras)")
+    device_option(p)
+    p.add_argument("study", help="study folder or manifest.json")
+    p.add_argument("--views", type=int, default=24, help="number of orbit views (default 24)")
+    p.add_argument("--size", type=int, nargs=2, default=(256, 256), metavar=("W", "H"), help="image size")
+    p.add_argument("--shadows", action="store_true", help="volumetric shadows of the key light (slower)")
+    p.add_argument("--view-angle", type=float, default=30.0, help="vertical field of view in degrees")
+    p.add_argument("--held-out-every", type=int, default=8, help="hold out every N-th view for evaluation")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(run=cmd_render_reference)
+
+    p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
+    device_option(p)
+    p.add_argument("--suite", nargs="+", default=["reference"], help="suites to run (default: reference)")
+    p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
+    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (for slow devices)")
+    p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("demo", help="the main job on the built-in sample case")
     device_option(p)

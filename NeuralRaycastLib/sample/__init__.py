@@ -75,6 +75,19 @@ def fixture_case():
     return {"t1": t1}, labels, affine
 
 
+def cached_sample(case: str = "icbm", spacing: float | None = None, seed: int = 0, progress=None) -> Path:
+    """A sample study kept in the cache folder (written on first use): the path of its manifest."""
+    from ..paths import cache_dir
+
+    folder = cache_dir() / "samples" / f"{case}-{spacing or 'native'}-seed{seed}"
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        partial = folder.with_name(folder.name + ".partial")
+        write_sample(partial, case, spacing, seed, progress)
+        partial.replace(folder)  # complete folders only: an interrupted run leaves nothing half-written
+    return manifest
+
+
 def write_sample(
     folder: str | Path,
     case: str = "icbm",
