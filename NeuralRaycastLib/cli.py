@@ -104,24 +104,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the built-in sample case (extended as the renderer and trainer land)."""
+    from .reference_views import render_reference_views, save_reference_views
     from .sample import write_sample
     from .summary import save_preview, study_summary, summary_text
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report = open_device(args.device).report
+    gpu = open_device(args.device)
+    report = gpu.report
     print(report.as_text())
     print()
     manifest = write_sample(out / "study", args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
     prepared = _prepare(str(manifest), use_cache=True)
     summary = study_summary(prepared)
     summary["preview"] = str(save_preview(prepared, out / "preview.png"))
+    size = 256 if report.software else 512
+    views = render_reference_views(gpu, prepared, 8, size, size, progress=ConsoleProgress(f"reference {gpu.backend}"))
+    summary["reference_views"] = str(save_reference_views(views, out / "reference") / "contact_sheet.png")
     summary["device"] = report.as_dict()
     summary["seconds"] = round(time.perf_counter() - started, 2)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(summary_text(summary))
-    print(f"\nwrote {out / 'summary.json'} and {summary['preview']} in {summary['seconds']} s")
+    print(f"\nwrote {out / 'summary.json'}, {summary['preview']} and {summary['reference_views']}"
+          f" in {summary['seconds']} s")
     return 0
 
 
