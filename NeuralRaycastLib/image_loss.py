@@ -1,0 +1,68 @@
+"""The image loss on patches, with its gradient: (1 − λ)·L1 + λ·DSSIM, λ = 0.2 as in 3D Gaussian splatting.
+
+Patches are small (e.g. 16×16) so that SSIM, which compares local statistics, is meaningful on a
+random batch of rays. The gradient with respect to the rendered pixels is written out by hand (SSIM's
+local means, variances and covariance are Gaussian filters, whose adjoint is the same filter), so it
+costs a few filters per step and is checked against finite differences in the tests. The SSIM
+definition is metrics.ssim's: an 11×11 Gaussian window (σ = 1.5) and borders excluded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import ndimage
+
+from .metrics import SSIM_K1, SSIM_K2, SSIM_SIGMA, SSIM_TRUNCATE
+
+DSSIM_WEIGHT = 0.2
+
+
+def _blur(x: np.ndarray, mode: str = "reflect") -> np.ndarray:
+    """Gaussian filter over the two pixel axes of (P, H, W, C) patches."""
+    return ndimage.gaussian_filter(x, sigma=(0, SSIM_SIGMA, SSIM_SIGMA, 0), truncate=SSIM_TRUNCATE, mode=mode)
+
+
+def ssim_and_gradient(x: np.ndarray, y: np.ndarray, data_range: float = 1.0) -> tuple[float, np.ndarray]:
+    """Mean SSIM of patches x against y, (P, H, W, C), and its gradient with respect to x."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    pad = int(SSIM_TRUNCATE * SSIM_SIGMA + 0.5)
+    if min(x.shape[1:3]) <= 2 * pad:
+        raise ValueError(f"patches must be larger than {2 * pad + 1} pixels for SSIM")
+    c1, c2 = (SSIM_K1 * data_range) ** 2, (SSIM_K2 * data_range) ** 2
+    mx, my = _blur(x), _blur(y)
+    exx, eyy, exy = _blur(x * x), _blur(y * y), _blur(x * y)
+    vx, vy, cxy = exx - mx * mx, eyy - my * my, exy - mx * my
+    a1, a2 = 2 * mx * my + c1, 2 * cxy + c2
+    b1, b2 = mx * mx + my * my + c1, vx + vy + c2
+    s = a1 * a2 / (b1 * b2)
+
+    weight = np.zeros_like(s)
+    weight[:, pad:-pad, pad:-pad, :] = 1.0
+    count = weight.sum()
+    weight /= count
+    # ∂S/∂(local statistics of x), then the adjoint of the Gaussian (the same filter, zero outside:
+    # interior windows never reach past the patch)
+    d_mx = (2 * my * a2 - a1 * 2 * my) / (b1 * b2) - s * 2 * mx / b1 + s * 2 * mx / b2
+    d_exx = -s / b2
+    d_exy = 2 * a1 / (b1 * b2)
+    gradient = (
+        _blur(weight * d_mx, "constant")
+        + 2 * x * _blur(weight * d_exx, "constant")
+        + y * _blur(weight * d_exy, "constant")
+    )
+    return float((s * weight).sum()), gradient
+
+
+def patch_loss_and_gradient(
+    rendered: np.ndarray, reference: np.ndarray, dssim_weight: float = DSSIM_WEIGHT
+) -> tuple[float, dict[str, float], np.ndarray]:
+    """(loss, its terms, ∂loss/∂rendered) for (P, H, W, C) patches."""
+    rendered, reference = np.asarray(rendered, np.float64), np.asarray(reference, np.float64)
+    difference = rendered - reference
+    l1 = float(np.abs(difference).mean())
+    d_l1 = np.sign(difference) / difference.size
+    ssim, d_ssim = ssim_and_gradient(rendered, reference)
+    dssim = (1.0 - ssim) / 2.0
+    loss = (1.0 - dssim_weight) * l1 + dssim_weight * dssim
+    gradient = (1.0 - dssim_weight) * d_l1 - dssim_weight * 0.5 * d_ssim
+    return loss, {"l1": l1, "dssim": dssim}, gradient
