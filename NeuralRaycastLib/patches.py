@@ -1,0 +1,72 @@
+"""Training batches of image patches: which views and pixels the differentiable renderer draws each step.
+
+Patches (default 16×16) rather than scattered rays, so the SSIM part of the loss sees local structure.
+Patch corners are drawn where the reference view shows something (most of them) or anywhere (the rest,
+so empty space is learnt to be empty too). Cameras travel to the device packed as 16 floats each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .camera import Camera
+
+CAMERA_FLOATS = 16  # shaders/neural_render.slang
+
+
+def pack_cameras(cameras: list[Camera]) -> np.ndarray:
+    packed = np.zeros((len(cameras), CAMERA_FLOATS), np.float32)
+    for index, camera in enumerate(cameras):
+        right, up, forward = camera.basis()
+        packed[index, 0:3] = camera.position
+        packed[index, 3:6], packed[index, 6:9], packed[index, 9:12] = right, up, forward
+        packed[index, 12] = np.tan(np.radians(camera.view_angle) / 2)
+        packed[index, 13:15] = camera.width, camera.height
+    return packed
+
+
+@dataclass
+class PatchSampler:
+    """Draws (view, x0, y0) patch corners from the training views of reference images (V, H, W, 4)."""
+
+    reference_rgba: np.ndarray
+    views: list[int]
+    size: int = 16
+    foreground_fraction: float = 0.8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _, height, width, _ = self.reference_rgba.shape
+        if self.size > min(height, width):
+            raise ValueError(f"patch size {self.size} is larger than the images ({width} x {height})")
+        self.rng = np.random.default_rng(self.seed)
+        last_y, last_x = height - self.size, width - self.size
+        self.foreground = []
+        for view in self.views:
+            alpha = self.reference_rgba[view, : last_y + 1, : last_x + 1, 3]
+            ys, xs = np.nonzero(alpha > 0.05)
+            self.foreground.append(np.stack([xs, ys], axis=1))
+
+    def sample(self, count: int) -> np.ndarray:
+        """(count, 3) int32 rows of view, x0, y0."""
+        _, height, width, _ = self.reference_rgba.shape
+        picks = self.rng.integers(0, len(self.views), count)
+        rows = np.empty((count, 3), np.int32)
+        for row, pick in enumerate(picks):
+            corners = self.foreground[pick]
+            if len(corners) and self.rng.random() < self.foreground_fraction:
+                x0, y0 = corners[self.rng.integers(len(corners))]
+            else:
+                x0, y0 = self.rng.integers(0, width - self.size + 1), self.rng.integers(0, height - self.size + 1)
+            # centre the patch on the chosen pixel where it fits
+            x0 = int(np.clip(x0 - self.size // 2, 0, width - self.size))
+            y0 = int(np.clip(y0 - self.size // 2, 0, height - self.size))
+            rows[row] = self.views[pick], x0, y0
+        return rows
+
+    def reference_patches(self, rows: np.ndarray) -> np.ndarray:
+        """The reference RGBA under each patch, (count, size, size, 4)."""
+        s = self.size
+        return np.stack([self.reference_rgba[v, y : y + s, x : x + s] for v, x, y in rows])
