@@ -64,21 +64,26 @@ def timed(function: Callable[[], object], min_seconds: float, max_repeats: int) 
 def bench_reference(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
     """Reference images per second (render + read-back) at 512² and 1024², without and with shadows."""
     from .camera import orbit_cameras
-    from .render import ReferenceRenderer
+    from .render import ReferenceRenderer, hybrid_shadows
 
     renderer = ReferenceRenderer(gpu, prepared)
-    rows = []
-    for shadows in (False, True):
-        for size in (512, 1024):
-            camera = orbit_cameras(prepared.bounds, 3, size, size)[1]
-            progress(f"reference {size}² shadows={'on' if shadows else 'off'}", 0.0)
+    start = time.perf_counter()
+    mesh = hybrid_shadows(gpu, prepared, renderer.style)
+    build = time.perf_counter() - start
+    rows = [BenchRow("reference", "meshes + BVH for hybrid shadows", build, "s",
+                     f"{mesh.bvh.triangle_count} triangles, marching cubes on the CPU")]
+    modes = {"no shadows": {"shadows": False}, "volumetric shadows": {"shadows": True},
+             "mesh shadows": {"mesh_shadows": mesh}}
+    for size in (512, 1024):
+        camera = orbit_cameras(prepared.bounds, 3, size, size)[1]
+        for label, options in modes.items():
+            progress(f"reference {size}² {label}", 0.0)
             first = time.perf_counter()
-            renderer.render(camera, shadows=shadows)  # compiles on first use
+            renderer.render(camera, **options)  # compiles on first use
             first = time.perf_counter() - first
-            seconds, repeats = timed(lambda c=camera, s=shadows: renderer.render(c, shadows=s),
+            seconds, repeats = timed(lambda c=camera, o=options: renderer.render(c, **o),
                                      0.5 if quick else 3.0, 3 if quick else 50)
-            label = f"{size}² {'with' if shadows else 'no'} shadows"
-            rows.append(BenchRow("reference", f"images/s {label}", 1.0 / seconds, "1/s",
+            rows.append(BenchRow("reference", f"images/s {size}² {label}", 1.0 / seconds, "1/s",
                                  f"{seconds * 1e3:.1f} ms each, {repeats} runs; first {first:.2f} s"))
     return rows
 

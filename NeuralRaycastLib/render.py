@@ -82,19 +82,42 @@ class ReferenceRenderer:
         self.scene = {"boundary": boundary, "channels": channels}
         self.module = gpu.load_module("reference_render")
 
-    def render(self, camera: Camera, shadows: bool | None = None) -> RenderedImage:
+    def render(self, camera: Camera, shadows: bool | None = None, mesh_shadows=None) -> RenderedImage:
+        """One view. ``shadows`` overrides the style's; ``mesh_shadows`` (a MeshShadows, see
+        :func:`hybrid_shadows`) takes the key light's visibility from meshes instead of volumetric marching."""
         import slangpy as spy
 
         style = self.style
-        if shadows is not None:
-            style = replace(style, lighting=replace(style.lighting, shadows=shadows))
-        result = self.module.renderReference(
-            spy.grid((camera.height, camera.width)),
-            self.scene,
+        if shadows is not None or mesh_shadows is not None:
+            on = bool(shadows) or (shadows is None and mesh_shadows is not None)
+            style = replace(style, lighting=replace(style.lighting, shadows=on))
+        arguments = (
             camera.to_shader(),
             style.shader_look(self.prepared.structures, self.prepared.channel_names),
             style.shader_lighting(),
             march_settings(self.prepared, style),
-            _result="tensor",
         )
+        grid = spy.grid((camera.height, camera.width))
+        if mesh_shadows is None:
+            result = self.module.renderReference(grid, self.scene, *arguments, _result="tensor")
+        else:
+            shadow_struct = {"bvh": mesh_shadows.struct, "settings": mesh_shadows.settings}
+            result = self.module.renderReferenceMeshShadows(grid, self.scene, shadow_struct, *arguments,
+                                                            _result="tensor")
         return unpack_pixels(result, camera.height, camera.width)
+
+
+def hybrid_shadows(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle, boundary: np.ndarray | None = None):
+    """Meshes of the surfaces (marching cubes of ``boundary``, default the study's B_k) in a BVH, with each
+    structure's opacity, for shadow rays: the hybrid replacement of volumetric shadows."""
+    from .bvh import build_bvh
+    from .mesh import mesh_sdf_grid
+    from .mesh_shadows import MeshShadows
+
+    meshes = mesh_sdf_grid(prepared.boundary if boundary is None else boundary, prepared.affine,
+                           prepared.structures)
+    opacities = [style.structures[s.name].opacity if s.name in style.structures else 1.0
+                 for s in prepared.structures]
+    # Shadow rays start from the distance field's surface, which the mesh facets approximate to a
+    # fraction of a voxel: keep a voxel away from the surface being left.
+    return MeshShadows(gpu, build_bvh(meshes), opacities, offset_mm=float(prepared.spacing.min()))

@@ -120,3 +120,24 @@ def test_study_render_shows_every_structure(gpu, phantom_study_dir):
     # the tumour is red-dominated where it shows through the brain
     red = image.rgba[..., 0] > 1.5 * image.rgba[..., 2] + 0.05
     assert red.sum() > 10
+
+
+def test_mesh_shadows_match_volumetric_shadows(gpu, phantom_study_dir):
+    """The hybrid route (shadow rays against marching-cubes meshes through a BVH) gives the gold
+    standard's picture: same shadowed pixels, high PSNR."""
+    from NeuralRaycastLib.metrics import psnr
+    from NeuralRaycastLib.preprocess import prepare
+    from NeuralRaycastLib.render import hybrid_shadows
+    from NeuralRaycastLib.study import load_study
+
+    prepared = prepare(load_study(phantom_study_dir), use_cache=False)
+    renderer = ReferenceRenderer(gpu, prepared)
+    camera = orbit_cameras(prepared.bounds, 5, 64, 64)[2]
+    mesh = hybrid_shadows(gpu, prepared, renderer.style)
+    lit = renderer.render(camera, shadows=False)
+    volumetric = renderer.render(camera, shadows=True)
+    hybrid = renderer.render(camera, mesh_shadows=mesh)
+    darkened = lit.rgb().sum(-1) - volumetric.rgb().sum(-1) > 0.05
+    assert darkened.sum() > 20  # the scene has shadows to compare
+    assert psnr(hybrid.rgb(), volumetric.rgb()) > 35.0
+    assert psnr(hybrid.rgb(), volumetric.rgb()) > psnr(lit.rgb(), volumetric.rgb()) + 5.0
