@@ -79,6 +79,18 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mesh(args: argparse.Namespace) -> int:
+    from .mesh import mesh_prepared, write_meshes
+
+    prepared = _prepare(args.study, use_cache=True)
+    meshes = mesh_prepared(prepared, args.smooth, args.decimate)
+    paths = write_meshes(meshes, args.out, args.formats)
+    for mesh in meshes:
+        print(f"{mesh.name:16s} {len(mesh.faces):8d} triangles")
+    print(f"{len(paths)} files in {args.out}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
     from .preprocess import prepare
@@ -174,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out-every", type=int, default=8, help="hold out every N-th view for evaluation")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(run=cmd_render_reference)
+
+    p = sub.add_parser("mesh", help="triangle meshes of a study's structures (marching cubes, RAS mm)")
+    p.add_argument("study", help="study folder or manifest.json")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--formats", nargs="+", default=["vtp"], choices=["vtp", "stl", "obj", "ply"],
+                   help="file formats (default vtp)")
+    p.add_argument("--smooth", type=int, default=0, metavar="N", help="windowed-sinc smoothing iterations")
+    p.add_argument("--decimate", type=float, default=0.0, metavar="F", help="fraction of triangles to remove")
+    p.set_defaults(run=cmd_mesh)
 
     p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
     device_option(p)

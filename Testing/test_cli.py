@@ -10,7 +10,7 @@ import pytest
 from NeuralRaycastLib.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "bench", "demo"])
+@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "mesh", "bench", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -58,3 +58,12 @@ def test_render_reference_writes_views_cameras_and_arrays(tmp_path, capsys):
     arrays = np.load(out / "reference.npz")
     assert arrays["rgba"].shape == (9, 20, 24, 4) and arrays["rgba"][..., 3].max() > 0.5
     assert len(list((out / "views").glob("*.png"))) == 9 and (out / "contact_sheet.png").is_file()
+
+
+def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    assert main(["mesh", manifest, "--out", str(tmp_path / "m"), "--formats", "vtp", "stl"]) == 0
+    names = sorted(p.name for p in (tmp_path / "m").iterdir())
+    assert names == sorted(f"{s}.{f}" for s in ("brain", "whole_tumor", "tumor_core", "enhancing_tumor")
+                           for f in ("vtp", "stl"))
