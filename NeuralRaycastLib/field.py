@@ -1,0 +1,335 @@
+"""The neural field: configuration, parameter layout, initialisation, and its Slang kernels on a device.
+
+All trainable numbers live in one flat fp32 buffer (the master weights), in this order: the hash tables
+of every level, the geometry network, the appearance network. Each range is an Adam parameter group.
+The Slang code is generic over the network sizes; this module compiles it with the sizes of a config
+(one compile per distinct config and device, cached on disk by slangpy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from .gpu import GpuContext
+from .paths import shader_dir
+
+GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
+GROUP_NAMES = ("hash_table", "geometry", "appearance")
+MAX_HIDDEN = 64
+MAX_STRUCTURES = 8
+TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
+
+
+class FieldConfigError(ValueError):
+    """A field configuration that cannot be built (sizes out of range, unknown keys)."""
+
+
+@dataclass(frozen=True)
+class EncodingConfig:
+    """Multi-resolution hash grid. Cell sizes follow from the study's box, in millimetres."""
+
+    levels: int = 16
+    features: int = 2
+    log2_table: int = 19
+    coarsest_cells: int = 16  # cells across the longest side of the box at the coarsest level
+    finest_cell_mm: float = 0.5
+
+    def check(self) -> None:
+        if not 1 <= self.levels <= 32 or self.features not in (1, 2, 4, 8):
+            raise FieldConfigError(f"encoding: levels must be 1..32 and features 1, 2, 4 or 8 (got {self})")
+        if not 8 <= self.log2_table <= 24:
+            raise FieldConfigError(f"encoding: log2_table must be 8..24 (got {self.log2_table})")
+        if self.coarsest_cells < 1 or self.finest_cell_mm <= 0:
+            raise FieldConfigError("encoding: coarsest_cells must be >= 1 and finest_cell_mm > 0")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Widths of the geometry and appearance networks (hidden widths at most 64)."""
+
+    hidden: int = 64
+    hidden_layers: int = 2
+    geometry_features: int = 15
+    appearance_hidden: int = 64
+    materials: int = 2  # per structure, besides the RGB albedo
+    distance_scale_mm: float = 10.0  # the geometry network outputs distances in units of this
+
+    def check(self) -> None:
+        if not (1 <= self.hidden <= MAX_HIDDEN and 1 <= self.appearance_hidden <= MAX_HIDDEN):
+            raise FieldConfigError(f"network: hidden widths must be 1..{MAX_HIDDEN}")
+        if self.hidden_layers not in (1, 2):
+            raise FieldConfigError("network: hidden_layers must be 1 or 2")
+        if self.geometry_features < 1 or self.materials < 1 or self.distance_scale_mm <= 0:
+            raise FieldConfigError("network: geometry_features and materials must be >= 1, distance_scale_mm > 0")
+
+
+@dataclass(frozen=True)
+class FieldConfig:
+    encoding: EncodingConfig = field(default_factory=EncodingConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FieldConfig:
+        """Strict: unknown or missing keys are errors (a model file from another version must not half-load)."""
+        try:
+            parts = {}
+            for name, kind in (("encoding", EncodingConfig), ("network", NetworkConfig)):
+                values = dict(data[name])
+                expected = {f.name for f in fields(kind)}
+                if set(values) != expected:
+                    raise FieldConfigError(f"{name}: keys {sorted(values)} differ from {sorted(expected)}")
+                parts[name] = kind(**values)
+            if set(data) != {"encoding", "network"}:
+                raise FieldConfigError(f"unexpected configuration keys {sorted(set(data) - {'encoding', 'network'})}")
+        except (KeyError, TypeError) as error:
+            raise FieldConfigError(f"malformed field configuration: {error}") from error
+        config = cls(**parts)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        self.encoding.check()
+        self.network.check()
+
+
+def mlp_parameter_count(inputs: int, hidden: int, outputs: int, hidden_layers: int) -> int:
+    """Matches ``Mlp<I, H, O, HL>.ParameterCount`` in shaders/mlp.slang."""
+    return (inputs * hidden + hidden) + (hidden_layers - 1) * (hidden * hidden + hidden) + (hidden * outputs + outputs)
+
+
+@dataclass(frozen=True)
+class LevelLayout:
+    dims: tuple[int, int, int]
+    cell_mm: float
+    offset: int
+    size: int
+    dense: bool
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """Where every parameter lives, for one config, box, number of structures and of local inputs."""
+
+    config: FieldConfig
+    structures: int
+    appearance_inputs: int  # MRI channels + 1 for P(x)
+    origin: tuple[float, float, float]
+    extent: tuple[float, float, float]
+    levels: tuple[LevelLayout, ...]
+    geometry_offset: int
+    appearance_offset: int
+    count: int
+
+    @classmethod
+    def build(cls, config: FieldConfig, bounds: np.ndarray, structures: int, channels: int) -> FieldLayout:
+        config.check()
+        if not 1 <= structures <= MAX_STRUCTURES:
+            raise FieldConfigError(f"the field holds 1..{MAX_STRUCTURES} structures (got {structures})")
+        bounds = np.asarray(bounds, dtype=np.float64)
+        extent = bounds[1] - bounds[0]
+        if not np.all(extent > 0):
+            raise FieldConfigError(f"empty bounding box {bounds.tolist()}")
+        enc, net = config.encoding, config.network
+        coarsest = float(extent.max()) / enc.coarsest_cells
+        finest = min(enc.finest_cell_mm, coarsest)
+        growth = (finest / coarsest) ** (1.0 / (enc.levels - 1)) if enc.levels > 1 else 1.0
+        table = 1 << enc.log2_table
+        levels, offset = [], 0
+        for level in range(enc.levels):
+            cell = coarsest * growth**level
+            dims = tuple(int(math.ceil(e / cell)) + 2 for e in extent)
+            vertices = dims[0] * dims[1] * dims[2]
+            dense = vertices <= table
+            size = vertices if dense else table
+            levels.append(LevelLayout(dims, cell, offset, size, dense))  # type: ignore[arg-type]
+            offset += size * enc.features
+        encoded = enc.levels * enc.features
+        geometry_offset = offset
+        appearance_offset = geometry_offset + mlp_parameter_count(
+            encoded, net.hidden, structures + net.geometry_features, net.hidden_layers
+        )
+        count = appearance_offset + mlp_parameter_count(
+            net.geometry_features + channels + 1, net.appearance_hidden, structures * (3 + net.materials), 1
+        )
+        return cls(
+            config, structures, channels + 1, tuple(map(float, bounds[0])), tuple(map(float, extent)),
+            tuple(levels), geometry_offset, appearance_offset, count,
+        )
+
+    @property
+    def finest_cell_mm(self) -> float:
+        return self.levels[-1].cell_mm
+
+    def defines(self) -> dict[str, int]:
+        enc, net = self.config.encoding, self.config.network
+        return {
+            "FIELD_LEVELS": enc.levels,
+            "FIELD_FEATURES": enc.features,
+            "FIELD_HIDDEN": net.hidden,
+            "FIELD_HIDDEN_LAYERS": net.hidden_layers,
+            "FIELD_STRUCTURES": self.structures,
+            "FIELD_GEOMETRY_FEATURES": net.geometry_features,
+            "FIELD_APPEARANCE_INPUTS": self.appearance_inputs,
+            "FIELD_APPEARANCE_HIDDEN": net.appearance_hidden,
+            "FIELD_MATERIALS": net.materials,
+        }
+
+    def groups(self) -> np.ndarray:
+        """The Adam group of every parameter."""
+        groups = np.full(self.count, GROUP_APPEARANCE, dtype=np.int32)
+        groups[: self.geometry_offset] = GROUP_TABLE
+        groups[self.geometry_offset : self.appearance_offset] = GROUP_GEOMETRY
+        return groups
+
+    def segments(self) -> dict[str, tuple[int, int]]:
+        """Parameter ranges by group name (what the model file stores as separate tensors)."""
+        return {
+            GROUP_NAMES[GROUP_TABLE]: (0, self.geometry_offset),
+            GROUP_NAMES[GROUP_GEOMETRY]: (self.geometry_offset, self.appearance_offset),
+            GROUP_NAMES[GROUP_APPEARANCE]: (self.appearance_offset, self.count),
+        }
+
+    def initial_parameters(self, seed: int = 0) -> np.ndarray:
+        """Table entries tiny and uniform; He-normal weights for ReLU layers, small output layers, zero biases."""
+        rng = np.random.default_rng(seed)
+        enc, net = self.config.encoding, self.config.network
+        values = np.zeros(self.count, dtype=np.float32)
+        values[: self.geometry_offset] = rng.uniform(-TABLE_INIT, TABLE_INIT, self.geometry_offset)
+        geometry = [enc.levels * enc.features] + [net.hidden] * net.hidden_layers + [
+            self.structures + net.geometry_features
+        ]
+        appearance = [net.geometry_features + self.appearance_inputs, net.appearance_hidden,
+                      self.structures * (3 + net.materials)]
+        for offset, widths in ((self.geometry_offset, geometry), (self.appearance_offset, appearance)):
+            for index, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+                last = index == len(widths) - 2
+                scale = math.sqrt((1.0 if last else 2.0) / fan_in)
+                values[offset : offset + fan_in * fan_out] = rng.normal(0.0, scale, fan_in * fan_out)
+                offset += fan_in * fan_out + fan_out  # biases stay 0
+        return values
+
+    def active_levels(self, cell_mm: float | None) -> int:
+        """How many levels are at least ``cell_mm`` coarse (all of them for None)."""
+        if cell_mm is None:
+            return len(self.levels)
+        return max(1, sum(1 for level in self.levels if level.cell_mm >= cell_mm * (1 - 1e-6)))
+
+
+_MODULES: dict[tuple[int, str], Any] = {}
+
+
+def field_source(layout: FieldLayout, parts: tuple[str, ...] = ("sdf_fit",)) -> str:
+    """The Slang source of a field module: the sizes as #defines, then the kernel files."""
+    lines = [f"#define {name} {value}" for name, value in layout.defines().items()]
+    for part in parts:
+        lines.append((shader_dir() / f"{part}.slang").read_text())
+    return "\n".join(lines)
+
+
+def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = ("sdf_fit",)):
+    """Compile (once per process, config and device) the field kernels for this layout's sizes."""
+    import slangpy as spy
+
+    source = field_source(layout, parts)
+    name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+    key = (id(gpu.device), name)
+    if key not in _MODULES:
+        _MODULES[key] = spy.Module.load_from_source(gpu.device, name, source)
+    return _MODULES[key]
+
+
+class NeuralField:
+    """A field on the device: its parameters, gradient buffer and kernels."""
+
+    def __init__(
+        self,
+        gpu: GpuContext,
+        layout: FieldLayout,
+        parameters: np.ndarray | None = None,
+        seed: int = 0,
+        parts: tuple[str, ...] = ("sdf_fit",),
+    ) -> None:
+        import slangpy as spy
+
+        self.gpu, self.layout = gpu, layout
+        self.module = load_field_module(gpu, layout, parts)
+        values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)
+        if values.shape != (layout.count,):
+            raise FieldConfigError(f"expected {layout.count} parameters, got {values.shape}")
+        self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
+        self.grads = spy.Tensor.zeros_like(self.values)
+        self.active_levels = len(layout.levels)
+
+    @property
+    def structures(self) -> int:
+        return self.layout.structures
+
+    def parameters(self) -> np.ndarray:
+        return np.asarray(self.values.to_numpy(), dtype=np.float32).reshape(-1)
+
+    def gradients(self) -> np.ndarray:
+        return np.asarray(self.grads.to_numpy(), dtype=np.float32).reshape(-1)
+
+    def set_parameters(self, values: np.ndarray) -> None:
+        self.values.copy_from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def zero_gradients(self) -> None:
+        self.grads.copy_from_numpy(np.zeros(self.layout.count, np.float32))
+
+    def shader_struct(self) -> dict[str, Any]:
+        """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang)."""
+        import slangpy as spy
+
+        levels = [
+            {
+                "dims": spy.int3(*level.dims),
+                "cellInv": 1.0 / level.cell_mm,
+                "offset": level.offset,
+                "size": level.size,
+                "dense": int(level.dense),
+            }
+            for level in self.layout.levels
+        ]
+        return {
+            "params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
+            "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
+            "geometryOffset": self.layout.geometry_offset,
+            "appearanceOffset": self.layout.appearance_offset,
+            "distanceScale": self.layout.config.network.distance_scale_mm,
+        }
+
+    def default_step_mm(self) -> float:
+        """Central-difference step for normals: half the finest active cell."""
+        return 0.5 * self.layout.levels[self.active_levels - 1].cell_mm
+
+    def distances(self, points: np.ndarray) -> np.ndarray:
+        """Signed distances (N, K) in mm at RAS points (N, 3)."""
+        points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
+        struct = self.shader_struct()
+        columns = [self.module.distanceAt(struct, k, points, _result="numpy") for k in range(self.structures)]
+        return np.stack(columns, axis=-1).reshape(-1, self.structures)
+
+    def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
+        """∇s_k (N, K, 3) by central differences (the same ones the Eikonal term uses)."""
+        points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
+        step = float(step_mm or self.default_step_mm())
+        struct = self.shader_struct()
+        columns = [
+            np.asarray(self.module.gradientAt(struct, k, points, step, _result="numpy")).reshape(-1, 3)
+            for k in range(self.structures)
+        ]
+        return np.stack(columns, axis=1)
+
+    def normals(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
+        """Outward unit normals (N, K, 3)."""
+        gradient = self.distance_gradients(points, step_mm)
+        length = np.linalg.norm(gradient, axis=-1, keepdims=True)
+        return np.where(length > 1e-12, gradient / np.maximum(length, 1e-12), np.array([0.0, 0.0, 1.0]))

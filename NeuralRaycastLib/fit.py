@@ -1,0 +1,239 @@
+"""Stage 1 of training: fit the field's signed distances to the boundary maps (no rendering).
+
+Each step draws a batch of points on the device (most near the surfaces, the rest uniform in the box),
+accumulates the gradient of the truncated L1 + Eikonal loss (shaders/sdf_fit.slang) and applies Adam
+(shaders/adam.slang). Coarse hash levels are trained first and finer ones switched on as the fit goes,
+as Neuralangelo does, with the central-difference step following the finest active level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
+from .gpu import GpuContext
+from .preprocess import PreparedStudy
+from .render import volume_stack
+
+Progress = Callable[[str, float], None]
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    steps: int = 2000
+    batch: int = 1 << 16
+    band_mm: float = 5.0  # points are drawn near surfaces from voxels with |B_k| below this
+    band_fraction: float = 0.75
+    truncation_mm: float = 10.0  # τ of the truncated L1 term
+    eikonal_weight: float = 0.1  # λ
+    eikonal_every: int = 4  # every n-th point of a batch carries the Eikonal term too
+    eikonal_step_cells: float = 0.5  # central-difference step, in cells of the finest active level
+    rate_table: float = 1e-2
+    rate_geometry: float = 1e-2
+    rate_appearance: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.99
+    epsilon: float = 1e-15  # Instant-NGP's choice: tiny, so rarely touched table entries still move
+    warmup_steps: int = 50
+    final_rate_fraction: float = 0.1  # cosine decay from 1 to this after the warm-up
+    coarse_to_fine: float = 0.3  # fraction of the steps over which the finer levels are switched on
+    start_levels: int = 4
+    seed: int = 0
+    monitor_every: int = 50  # steps between loss evaluations and progress reports
+
+
+def learning_rate_factor(step: int, config: FitConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then a cosine decay to ``final_rate_fraction`` at the last step."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    span = max(config.steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / span, 1.0)
+    low = config.final_rate_fraction
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def active_levels(step: int, config: FitConfig, levels: int) -> int:
+    """Coarse-to-fine: ``start_levels`` at first, all levels once ``coarse_to_fine`` of the steps are done."""
+    start = min(max(config.start_levels, 1), levels)
+    ramp = config.coarse_to_fine * config.steps
+    if ramp <= 0 or step >= ramp:
+        return levels
+    return min(levels, start + int((levels - start) * step / ramp))
+
+
+class Adam:
+    """Adam state on the device for one field (moments, group ids) and its step kernel."""
+
+    def __init__(self, gpu: GpuContext, field: NeuralField, config: FitConfig) -> None:
+        import slangpy as spy
+
+        self.field, self.config = field, config
+        self.module = gpu.load_module("adam")
+        self.m = spy.Tensor.zeros_like(field.values)
+        self.v = spy.Tensor.zeros_like(field.values)
+        self.groups = spy.Tensor.from_numpy(gpu.device, field.layout.groups())
+        self.step_count = 0
+
+    def settings(self, factor: float) -> dict:
+        import slangpy as spy
+
+        c, t = self.config, self.step_count
+        rates = [0.0] * 4
+        rates[GROUP_TABLE], rates[GROUP_GEOMETRY] = c.rate_table * factor, c.rate_geometry * factor
+        rates[GROUP_APPEARANCE] = c.rate_appearance * factor
+        return {
+            "rates": spy.float4(*rates),
+            "beta1": c.beta1,
+            "beta2": c.beta2,
+            "epsilon": c.epsilon,
+            "correction1": 1.0 / (1.0 - c.beta1**t),
+            "correction2": 1.0 / (1.0 - c.beta2**t),
+            "sparseGroups": 1 << GROUP_TABLE,
+        }
+
+    def step(self, factor: float = 1.0) -> None:
+        """One update with the gradients accumulated so far; they are zeroed."""
+        self.step_count += 1
+        self.module.adamStep(
+            self.field.values, self.field.grads, self.m, self.v, self.groups, self.settings(factor)
+        )
+
+
+def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
+    """Voxel indices (n, 3) with |B_k| < band_mm, grouped by structure: (voxels, offsets, counts)."""
+    lists = [np.argwhere(np.abs(b) < band_mm).astype(np.int32) for b in prepared.boundary]
+    counts = [len(v) for v in lists]
+    offsets = [int(o) for o in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+    voxels = np.concatenate(lists) if sum(counts) else np.zeros((1, 3), np.int32)
+    return voxels, offsets, counts
+
+
+@dataclass
+class FitResult:
+    steps: int
+    seconds: float
+    points_per_second: float  # forward + backward + Adam
+    losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    cancelled: bool = False
+
+
+class SdfFitter:
+    """Fits ``field``'s distances to ``prepared.boundary``; ``run`` or ``step`` by step."""
+
+    def __init__(self, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, config: FitConfig) -> None:
+        import slangpy as spy
+
+        if prepared.boundary.shape[0] != field.structures:
+            raise ValueError(f"the field has {field.structures} structures, the study {prepared.boundary.shape[0]}")
+        self.gpu, self.prepared, self.field, self.config = gpu, prepared, field, config
+        self.adam = Adam(gpu, field, config)
+        self._boundary, self.boundary = volume_stack(gpu, prepared.boundary, np.linalg.inv(prepared.affine))
+        voxels, offsets, counts = band_voxels(prepared, config.band_mm)
+        self._voxels = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(voxels.reshape(-1)))
+        self.band = {"voxels": self._voxels.storage.device_address, "offset": offsets, "count": counts}
+        self.step_index = 0
+        field.zero_gradients()
+
+    def settings(self, step: int) -> dict:
+        import slangpy as spy
+
+        c, layout = self.config, self.field.layout
+        eikonal_points = math.ceil(c.batch / c.eikonal_every)
+        finest = layout.levels[self.field.active_levels - 1].cell_mm
+        low, high = self.prepared.bounds
+        return {
+            "boxMin": spy.float3(*map(float, low)),
+            "boxMax": spy.float3(*map(float, high)),
+            "ijkToRas": spy.float4x4(np.asarray(self.prepared.affine, dtype=np.float32)),
+            "bandFraction": c.band_fraction,
+            "truncation": c.truncation_mm,
+            "eikonalStep": c.eikonal_step_cells * finest,
+            "eikonalEvery": c.eikonal_every,
+            "dataScale": 1.0 / (c.batch * layout.structures),
+            "eikonalScale": c.eikonal_weight / (eikonal_points * layout.structures),
+            "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
+        }
+
+    def step(self) -> None:
+        import slangpy as spy
+
+        c, step = self.config, self.step_index
+        self.field.active_levels = active_levels(step, c, len(self.field.layout.levels))
+        self.field.module.fitStep(
+            spy.grid((c.batch,)), self.field.shader_struct(), self.boundary, self.band, self.settings(step)
+        )
+        self.adam.step(learning_rate_factor(step, c))
+        self.step_index += 1
+
+    def loss(self) -> float:
+        """The loss of the next step's batch, with the current parameters."""
+        import slangpy as spy
+
+        values = self.field.module.fitLoss(
+            spy.grid((self.config.batch,)),
+            self.field.shader_struct(),
+            self.boundary,
+            self.band,
+            self.settings(self.step_index),
+            _result="numpy",
+        )
+        return float(np.sum(values, dtype=np.float64))
+
+    def run(self, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None) -> FitResult:
+        """Fit to the end, or until ``should_stop()`` says so (the result then says ``cancelled``)."""
+        c = self.config
+        report = progress or (lambda message, fraction: None)
+        result = FitResult(steps=0, seconds=0.0, points_per_second=0.0)
+        timed = 0.0
+        while self.step_index < c.steps:
+            if should_stop is not None and should_stop():
+                result.cancelled = True
+                break
+            if self.step_index % c.monitor_every == 0:
+                loss = self.loss()
+                result.losses.append((self.step_index, loss))
+                report(f"step {self.step_index}/{c.steps} loss {loss:.4g}", self.step_index / c.steps)
+            start = time.perf_counter()
+            self.step()
+            self.gpu.device.wait()
+            timed += time.perf_counter() - start
+            result.steps += 1
+        result.losses.append((self.step_index, self.loss()))
+        result.seconds = timed
+        result.points_per_second = result.steps * c.batch / timed if timed > 0 else 0.0
+        report(f"done: loss {result.losses[-1][1]:.4g}", 1.0)
+        return result
+
+
+def fit_sdf(
+    gpu: GpuContext,
+    prepared: PreparedStudy,
+    field: NeuralField,
+    config: FitConfig | None = None,
+    progress: Progress | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> FitResult:
+    """Fit ``field`` (in place) to the study's boundary maps."""
+    return SdfFitter(gpu, prepared, field, config or FitConfig()).run(progress, should_stop)
+
+
+def band_errors(field: NeuralField, points: np.ndarray, reference: np.ndarray, band_mm: float) -> dict[str, float]:
+    """Mean |s - reference| and mean |‖∇s‖ - 1| over the points within ``band_mm`` of each surface.
+
+    ``reference`` (N, K) holds the true signed distances at ``points`` (N, 3); averaged over structures.
+    """
+    distance = field.distances(points)
+    gradient = np.linalg.norm(field.distance_gradients(points), axis=-1)
+    near = np.abs(reference) < band_mm
+    errors, eikonal = [], []
+    for k in range(reference.shape[1]):
+        if near[:, k].any():
+            errors.append(float(np.mean(np.abs(distance[near[:, k], k] - reference[near[:, k], k]))))
+            eikonal.append(float(np.mean(np.abs(gradient[near[:, k], k] - 1.0))))
+    return {"mean_abs_error_mm": float(np.mean(errors)), "mean_gradient_error": float(np.mean(eikonal))}

@@ -1,0 +1,73 @@
+"""Adam in Slang against a numpy reference, and the Python-side schedules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from NeuralRaycastLib.fit import FitConfig, active_levels, learning_rate_factor
+
+
+def numpy_adam(values, grads, m, v, groups, rates, beta1, beta2, epsilon, step, sparse_groups):
+    g = np.where(np.isfinite(grads), grads, 0.0)
+    skip = (g == 0) & (((sparse_groups >> groups) & 1) == 1)
+    m_new = np.where(skip, m, beta1 * m + (1 - beta1) * g)
+    v_new = np.where(skip, v, beta2 * v + (1 - beta2) * g * g)
+    update = rates[groups] * (m_new / (1 - beta1**step)) / (np.sqrt(v_new / (1 - beta2**step)) + epsilon)
+    return np.where(skip, values, values - update), m_new, v_new
+
+
+@pytest.mark.gpu
+def test_adam_matches_reference_with_groups_sparsity_and_zeroing(gpu):
+    import slangpy as spy
+
+    module = gpu.load_module("adam")
+    rng = np.random.default_rng(0)
+    n = 257
+    groups = rng.integers(0, 3, n).astype(np.int32)
+    values = rng.normal(size=n).astype(np.float32)
+    rates = np.array([1e-2, 3e-3, 1e-3, 0.0])
+    beta1, beta2, epsilon, sparse = 0.9, 0.99, 1e-8, 1
+    tensors = [spy.Tensor.from_numpy(gpu.device, a) for a in (values, np.zeros(n, np.float32))]
+    m = spy.Tensor.zeros_like(tensors[0])
+    v = spy.Tensor.zeros_like(tensors[0])
+    group_tensor = spy.Tensor.from_numpy(gpu.device, groups)
+    ref_values, ref_m, ref_v = values.astype(np.float64), np.zeros(n), np.zeros(n)
+    for step in range(1, 4):
+        grads = rng.normal(size=n).astype(np.float32)
+        grads[::7] = 0.0  # sparse entries of group 0 keep their state
+        grads[5] = np.nan  # a bad gradient is dropped, not propagated
+        tensors[1].copy_from_numpy(grads)
+        settings = {
+            "rates": spy.float4(*rates), "beta1": beta1, "beta2": beta2, "epsilon": epsilon,
+            "correction1": 1 / (1 - beta1**step), "correction2": 1 / (1 - beta2**step), "sparseGroups": sparse,
+        }
+        module.adamStep(tensors[0], tensors[1], m, v, group_tensor, settings)
+        ref_values, ref_m, ref_v = numpy_adam(ref_values, grads.astype(np.float64), ref_m, ref_v, groups, rates,
+                                              beta1, beta2, epsilon, step, sparse)
+        np.testing.assert_allclose(tensors[0].to_numpy(), ref_values, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(m.to_numpy(), ref_m, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(v.to_numpy(), ref_v, rtol=1e-5, atol=1e-9)
+        assert not tensors[1].to_numpy().any(), "gradients are zeroed after the step"
+    assert np.all(np.isfinite(tensors[0].to_numpy()))
+    untouched = (np.arange(n) % 7 == 0) & (groups == 0)
+    np.testing.assert_array_equal(tensors[0].to_numpy()[untouched], values[untouched])
+    fed = (np.arange(n) % 7 != 0) & (np.arange(n) != 5)  # got a finite, non-zero gradient every step
+    assert np.all(tensors[0].to_numpy()[fed] != values[fed])
+
+
+def test_learning_rate_schedule():
+    config = FitConfig(steps=1000, warmup_steps=100, final_rate_fraction=0.1)
+    factors = np.array([learning_rate_factor(s, config) for s in range(config.steps + 1)])
+    assert factors[0] == pytest.approx(0.01) and factors[99] == pytest.approx(1.0)
+    assert np.all(np.diff(factors[:100]) > 0) and np.all(np.diff(factors[100:]) <= 1e-12)
+    assert factors[100] == pytest.approx(1.0) and factors[-1] == pytest.approx(0.1)
+    assert factors[550] == pytest.approx(0.55)
+
+
+def test_coarse_to_fine_levels():
+    config = FitConfig(steps=100, coarse_to_fine=0.5, start_levels=4)
+    levels = [active_levels(s, config, 8) for s in range(100)]
+    assert levels[0] == 4 and levels[49] == 7 and levels[50] == 8 and levels[-1] == 8
+    assert levels == sorted(levels)
+    assert active_levels(0, FitConfig(coarse_to_fine=0.0), 8) == 8

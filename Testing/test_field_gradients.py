@@ -1,0 +1,237 @@
+"""Gradient checks of the field's Slang code against central differences of a float64 numpy reference.
+
+Each component (hash encoding, geometry network, appearance network, each loss term) is checked for
+its forward values and for its derivatives with respect to the parameters and to its inputs, on
+random inputs, on the device the suite runs on (lavapipe on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from field_reference import appearance, central_difference, encode, geometry, point_loss, tiny_config
+
+from NeuralRaycastLib.field import FieldLayout, NeuralField
+
+pytestmark = pytest.mark.gpu
+
+BOX = np.array([[-4.0, 2.0, 1.0], [16.0, 26.0, 17.0]])
+STRUCTURES, CHANNELS = 4, 1
+POINTS = 48
+
+
+@pytest.fixture(scope="module")
+def layout() -> FieldLayout:
+    return FieldLayout.build(tiny_config(), BOX, STRUCTURES, CHANNELS)
+
+
+@pytest.fixture(scope="module")
+def params(layout) -> np.ndarray:
+    """Parameters large enough that every layer is far from zero (initial tables are ~1e-4)."""
+    rng = np.random.default_rng(3)
+    values = layout.initial_parameters(seed=3).astype(np.float64)
+    values[: layout.geometry_offset] = rng.uniform(-1.0, 1.0, layout.geometry_offset)
+    values[layout.geometry_offset :] += rng.normal(0.0, 0.05, layout.count - layout.geometry_offset)
+    return values.astype(np.float32).astype(np.float64)  # exactly what the device holds
+
+
+@pytest.fixture(scope="module")
+def field(gpu, layout, params) -> NeuralField:
+    return NeuralField(gpu, layout, params, parts=("sdf_fit", "field_checks"))
+
+
+@pytest.fixture(scope="module")
+def points() -> np.ndarray:
+    rng = np.random.default_rng(4)
+    inside = rng.uniform(BOX[0] + 0.3, BOX[1] - 0.3, (POINTS, 3))
+    return inside.astype(np.float32).astype(np.float64)
+
+
+def f32(points: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(points, dtype=np.float32)
+
+
+def float3(x: np.ndarray):
+    import slangpy as spy
+
+    return spy.float3(*map(float, x))
+
+
+def device_backward(field: NeuralField, kernel, *args):
+    """Run a backward probe from zeroed gradients: (its return value, the parameter gradients)."""
+    field.zero_gradients()
+    result = np.asarray(kernel(field.shader_struct(), *args, _result="numpy"), dtype=np.float64)
+    return result, field.gradients().astype(np.float64)
+
+
+def assert_parameter_gradient(function, params: np.ndarray, gradient: np.ndarray, step: float = 1e-5) -> None:
+    """Device gradient vs central differences: along random directions and on the largest coordinates."""
+    rng = np.random.default_rng(5)
+    scale = np.abs(gradient).max()
+    assert scale > 0, "the gradient is identically zero"
+    directions = rng.normal(size=(3, params.size))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    numeric = central_difference(function, params, directions, step)
+    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale * np.sqrt(params.size))
+    largest = np.argsort(-np.abs(gradient))[:24]
+    untouched = rng.choice(np.flatnonzero(gradient == 0), size=min(8, int((gradient == 0).sum())), replace=False)
+    chosen = np.concatenate([largest, untouched])
+    numeric = central_difference(function, params, np.eye(params.size)[chosen], step)
+    np.testing.assert_allclose(gradient[chosen], numeric, rtol=2e-3, atol=2e-4 * scale)
+
+
+def assert_position_gradient(function, x: np.ndarray, gradient: np.ndarray, step: float = 1e-5) -> None:
+    """Per-point d/dx of a per-point function vs central differences."""
+    numeric = np.stack([(function(x + step * a) - function(x - step * a)) / (2 * step) for a in np.eye(3)], axis=1)
+    scale = np.abs(numeric).max()
+    assert scale > 0
+    np.testing.assert_allclose(gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
+
+
+def test_layout_has_dense_and_hashed_levels(layout):
+    dense = [level.dense for level in layout.levels]
+    assert any(dense) and not all(dense), dense
+    for level in layout.levels:
+        vertices = int(np.prod(level.dims))
+        assert level.size == (vertices if level.dense else 1 << layout.config.encoding.log2_table)
+    cells = [level.cell_mm for level in layout.levels]
+    assert cells == sorted(cells, reverse=True)
+    assert cells[0] == pytest.approx((BOX[1] - BOX[0]).max() / 4) and cells[-1] == pytest.approx(2.0)
+
+
+def test_hash_encoding_values_and_gradients(field, layout, params, points):
+    encoded = layout.config.encoding.levels * layout.config.encoding.features
+    w = np.random.default_rng(6).normal(size=encoded)
+    values = np.asarray(field.module.encodingValue(field.shader_struct(), f32(points), list(w), _result="numpy"))
+    reference = encode(layout, params, points) @ w
+    np.testing.assert_allclose(values, reference, rtol=1e-4, atol=1e-5 * np.abs(reference).max())
+
+    dx, gradient = device_backward(field, field.module.encodingBackward, f32(points), list(w))
+    # Linear in the table: every table entry a point touches gets its weight; nothing else moves.
+    assert_parameter_gradient(lambda p: (encode(layout, p, points) @ w).sum(), params, gradient)
+    assert not gradient[layout.geometry_offset :].any()
+    assert_position_gradient(lambda x: encode(layout, params, x) @ w, points, dx.reshape(-1, 3))
+
+
+def test_hash_encoding_active_levels(field, layout, params, points):
+    """Coarse-to-fine: levels from activeLevels on contribute nothing."""
+    encoded = layout.config.encoding.levels * layout.config.encoding.features
+    w = np.random.default_rng(7).normal(size=encoded)
+    field.active_levels = 3
+    try:
+        values = np.asarray(field.module.encodingValue(field.shader_struct(), f32(points), list(w), _result="numpy"))
+    finally:
+        field.active_levels = len(layout.levels)
+    np.testing.assert_allclose(values, encode(layout, params, points, active=3) @ w, rtol=1e-4, atol=1e-5)
+
+
+def test_geometry_network_values_and_gradients(field, layout, params, points):
+    outputs = STRUCTURES + layout.config.network.geometry_features
+    w = np.random.default_rng(8).normal(size=outputs)
+
+    def reference(p, x):
+        distance, feature = geometry(layout, p, x)
+        return np.concatenate([distance, feature], axis=1) @ w
+
+    values = np.asarray(field.module.geometryValue(field.shader_struct(), f32(points), list(w), _result="numpy"))
+    np.testing.assert_allclose(values, reference(params, points), rtol=1e-4, atol=1e-4)
+    distances = field.distances(points)
+    np.testing.assert_allclose(distances, geometry(layout, params, points)[0], rtol=1e-4, atol=1e-4)
+
+    dx, gradient = device_backward(field, field.module.geometryBackward, f32(points), list(w))
+    assert_parameter_gradient(lambda p: reference(p, points).sum(), params, gradient)
+    assert gradient[layout.geometry_offset : layout.appearance_offset].any()
+    assert not gradient[layout.appearance_offset :].any()
+    assert_position_gradient(lambda x: reference(params, x), points, dx.reshape(-1, 3))
+
+
+def test_appearance_network_values_and_gradients(field, layout, params):
+    rng = np.random.default_rng(9)
+    features = rng.normal(size=(POINTS, layout.config.network.geometry_features))
+    inputs = rng.uniform(0.0, 1.0, (POINTS, layout.appearance_inputs))
+    outputs = STRUCTURES * (3 + layout.config.network.materials)
+    w = rng.normal(size=outputs)
+    rows_f, rows_i = [list(map(float, r)) for r in features], [list(map(float, r)) for r in inputs]
+
+    def reference(p, f, i):
+        return appearance(layout, p, f, i) @ w
+
+    values = np.array([
+        field.module.appearanceValue(field.shader_struct(), f, i, list(w)) for f, i in zip(rows_f, rows_i, strict=True)
+    ])
+    np.testing.assert_allclose(values, reference(params, features, inputs), rtol=1e-4, atol=1e-5)
+
+    field.zero_gradients()
+    d_inputs = np.array([
+        list(field.module.appearanceBackward(field.shader_struct(), f, i, list(w)))
+        for f, i in zip(rows_f, rows_i, strict=True)
+    ])
+    gradient = field.gradients().astype(np.float64)
+    assert not gradient[: layout.appearance_offset].any()
+    assert_parameter_gradient(lambda p: reference(p, features, inputs).sum(), params, gradient)
+    e = np.zeros_like(features)
+    e[:, 0] = 1e-5
+    numeric_f = (reference(params, features + e, inputs) - reference(params, features - e, inputs)) / 2e-5
+    e = np.zeros_like(inputs)
+    e[:, 0] = 1e-5
+    numeric_i = (reference(params, features, inputs + e) - reference(params, features, inputs - e)) / 2e-5
+    np.testing.assert_allclose(d_inputs, np.stack([numeric_f, numeric_i], axis=1), rtol=2e-3, atol=1e-5)
+
+
+def loss_settings(data_scale: float, eikonal_scale: float) -> dict:
+    import slangpy as spy
+
+    return {
+        "boxMin": spy.float3(*BOX[0]),
+        "boxMax": spy.float3(*BOX[1]),
+        "ijkToRas": spy.float4x4(np.eye(4, dtype=np.float32)),
+        "bandFraction": 0.5,
+        "truncation": 5.0,
+        "eikonalStep": 0.5,
+        "eikonalEvery": 1,
+        "dataScale": data_scale,
+        "eikonalScale": eikonal_scale,
+        "seed": 1,
+    }
+
+
+@pytest.mark.parametrize("term", ["truncated_l1", "eikonal"])
+def test_loss_term_gradients(field, layout, params, points, term):
+    eikonal = term == "eikonal"
+    settings = loss_settings(0.0 if eikonal else 0.7, 0.3 if eikonal else 0.0)
+    distance = geometry(layout, params, points)[0]
+    rng = np.random.default_rng(10)
+    # Targets around the current distances, some beyond the truncation: every branch of the term is hit.
+    targets = distance + rng.normal(0.0, 4.0, distance.shape)
+    targets[::5] = np.sign(targets[::5]) * 12.0
+    targets = targets.astype(np.float32).astype(np.float64)
+    rows = [list(map(float, t)) for t in targets]
+
+    values = np.array([
+        field.module.pointLossValue(field.shader_struct(), float3(x), t, eikonal, settings)
+        for x, t in zip(points, rows, strict=True)
+    ])
+    reference = point_loss(layout, params, points, targets, eikonal, settings)
+    np.testing.assert_allclose(values, reference, rtol=1e-3, atol=1e-4 * np.abs(reference).max())
+    assert np.abs(reference).max() > 0
+
+    field.zero_gradients()
+    for x, t in zip(points, rows, strict=True):
+        field.module.pointLossBackward(field.shader_struct(), float3(x), t, eikonal, settings)
+    gradient = field.gradients().astype(np.float64)
+    assert_parameter_gradient(lambda p: point_loss(layout, p, points, targets, eikonal, settings).sum(), params,
+                              gradient, step=1e-6 if eikonal else 1e-5)
+
+
+def test_normals_point_along_the_distance_gradient(field, layout, params, points):
+    h = 0.5
+    numeric = np.stack(
+        [(geometry(layout, params, points + h * a)[0] - geometry(layout, params, points - h * a)[0]) / (2 * h)
+         for a in np.eye(3)],
+        axis=-1,
+    )
+    gradient = field.distance_gradients(points, h)
+    np.testing.assert_allclose(gradient, numeric, rtol=2e-3, atol=2e-3 * np.abs(numeric).max())
+    normals = field.normals(points, h)
+    np.testing.assert_allclose(np.linalg.norm(normals, axis=-1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(normals, numeric / np.linalg.norm(numeric, axis=-1, keepdims=True), atol=1e-3)
