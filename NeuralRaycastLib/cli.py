@@ -79,6 +79,40 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit(args: argparse.Namespace) -> int:
+    """Stage 1 (geometry from the boundary maps); the rendering stages are added as they land."""
+    from .field import EncodingConfig, FieldConfig, FieldLayout, NetworkConfig, NeuralField
+    from .fit import FitConfig, fit_sdf
+    from .model_io import ModelFileError, save_field
+
+    gpu = open_device(args.device)
+    prepared = _prepare(args.study, use_cache=True)
+    voxel = float(prepared.spacing.min())
+    if gpu.report.software:  # a small field: the full one takes minutes to compile and hours to fit on a CPU
+        print("software device: fitting a small field (8 levels, 32 wide)", file=sys.stderr)
+        config = FieldConfig(
+            EncodingConfig(levels=8, log2_table=16, coarsest_cells=8, finest_cell_mm=max(voxel, 2.0)),
+            NetworkConfig(hidden=32, hidden_layers=1, geometry_features=3, appearance_hidden=16),
+        )
+    else:
+        config = FieldConfig(encoding=EncodingConfig(finest_cell_mm=voxel))
+    layout = FieldLayout.build(config, prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    field = NeuralField(gpu, layout, seed=args.seed)
+    batch = args.batch or (1 << 14 if gpu.report.software else 1 << 18)
+    result = fit_sdf(gpu, prepared, field, FitConfig(steps=args.steps, batch=batch, seed=args.seed),
+                     progress=ConsoleProgress(f"fit {gpu.backend}"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        path = save_field(out / "model.safetensors", field, prepared,
+                          {"stage": "geometry", "steps": result.steps, "cancelled": result.cancelled})
+    except ModelFileError as error:
+        raise ValueError(str(error)) from error
+    print(f"{result.steps} steps in {result.seconds:.1f} s ({result.points_per_second / 1e6:.2f} M points/s); "
+          f"final loss {result.losses[-1][1]:.4g}; model {path}")
+    return 0
+
+
 def cmd_mesh(args: argparse.Namespace) -> int:
     from .mesh import mesh_prepared, write_meshes
 
@@ -186,6 +220,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--held-out-every", type=int, default=8, help="hold out every N-th view for evaluation")
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(run=cmd_render_reference)
+
+    p = sub.add_parser("fit", help="fit the neural field's signed distances to a study (stage 1: geometry)")
+    device_option(p)
+    p.add_argument("study", help="study folder or manifest.json")
+    p.add_argument("--out", required=True, help="output folder (model.safetensors)")
+    p.add_argument("--steps", type=int, default=2000, help="optimisation steps (default 2000)")
+    p.add_argument("--batch", type=int, default=None, help="points per step (default 2^18 on a GPU, 2^14 on a CPU)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("mesh", help="triangle meshes of a study's structures (marching cubes, RAS mm)")
     p.add_argument("study", help="study folder or manifest.json")

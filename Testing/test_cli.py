@@ -10,7 +10,7 @@ import pytest
 from NeuralRaycastLib.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "mesh", "bench", "demo"])
+@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "fit", "mesh", "bench", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -67,3 +67,26 @@ def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
     names = sorted(p.name for p in (tmp_path / "m").iterdir())
     assert names == sorted(f"{s}.{f}" for s in ("brain", "whole_tumor", "tumor_core", "enhancing_tumor")
                            for f in ("vtp", "stl"))
+
+
+def test_fit_writes_a_model_for_the_study(tmp_path, capsys):
+    from NeuralRaycastLib.model_io import ModelFileError, StudyGeometry, load_model
+    from NeuralRaycastLib.preprocess import prepare
+    from NeuralRaycastLib.study import load_study
+
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    assert main(["fit", manifest, "--steps", "20", "--batch", "4096", "--out", str(tmp_path / "run")]) == 0
+    assert "20 steps" in capsys.readouterr().out
+    geometry = StudyGeometry.from_prepared(prepare(load_study(manifest)))
+    model = load_model(tmp_path / "run" / "model.safetensors", geometry)
+    assert model.parameters.size == model.layout.count
+    other = prepare(load_study(write_phantom(tmp_path)))
+    with pytest.raises(ModelFileError):
+        load_model(tmp_path / "run" / "model.safetensors", StudyGeometry.from_prepared(other))
+
+
+def write_phantom(tmp_path):
+    from NeuralRaycastLib.sample import write_sample
+
+    return write_sample(tmp_path / "phantom", "phantom", spacing=4.0)
