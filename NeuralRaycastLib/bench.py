@@ -93,11 +93,10 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     5 mm of each surface is at most 0.5 mm (issue target on an H100: ≥ 200 M points/s, ≤ 10 s)."""
     import numpy as np
 
-    from .field import EncodingConfig, FieldConfig, FieldLayout, NeuralField
+    from .field import FieldLayout, NeuralField, field_config_for
     from .fit import FitConfig, SdfFitter, band_errors
 
-    voxel = float(prepared.spacing.min())
-    config = FieldConfig(encoding=EncodingConfig(finest_cell_mm=voxel))
+    config = field_config_for(float(prepared.spacing.min()))
     layout = FieldLayout.build(config, prepared.bounds, len(prepared.structures), len(prepared.channel_names))
     start = time.perf_counter()
     field = NeuralField(gpu, layout, seed=0)

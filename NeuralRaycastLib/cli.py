@@ -81,21 +81,15 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     """Stage 1 (geometry from the boundary maps); the rendering stages are added as they land."""
-    from .field import EncodingConfig, FieldConfig, FieldLayout, NetworkConfig, NeuralField
+    from .field import FieldLayout, NeuralField, field_config_for
     from .fit import FitConfig, fit_sdf
-    from .model_io import ModelFileError, save_field
+    from .model_io import save_field
 
     gpu = open_device(args.device)
     prepared = _prepare(args.study, use_cache=True)
-    voxel = float(prepared.spacing.min())
-    if gpu.report.software:  # a small field: the full one takes minutes to compile and hours to fit on a CPU
+    if gpu.report.software:
         print("software device: fitting a small field (8 levels, 32 wide)", file=sys.stderr)
-        config = FieldConfig(
-            EncodingConfig(levels=8, log2_table=16, coarsest_cells=8, finest_cell_mm=max(voxel, 2.0)),
-            NetworkConfig(hidden=32, hidden_layers=1, geometry_features=3, appearance_hidden=16),
-        )
-    else:
-        config = FieldConfig(encoding=EncodingConfig(finest_cell_mm=voxel))
+    config = field_config_for(float(prepared.spacing.min()), small=gpu.report.software)
     layout = FieldLayout.build(config, prepared.bounds, len(prepared.structures), len(prepared.channel_names))
     field = NeuralField(gpu, layout, seed=args.seed)
     batch = args.batch or (1 << 14 if gpu.report.software else 1 << 18)
@@ -103,11 +97,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
                      progress=ConsoleProgress(f"fit {gpu.backend}"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        path = save_field(out / "model.safetensors", field, prepared,
-                          {"stage": "geometry", "steps": result.steps, "cancelled": result.cancelled})
-    except ModelFileError as error:
-        raise ValueError(str(error)) from error
+    path = save_field(out / "model.safetensors", field, prepared,
+                      {"stage": "geometry", "steps": result.steps, "cancelled": result.cancelled})
     print(f"{result.steps} steps in {result.seconds:.1f} s ({result.points_per_second / 1e6:.2f} M points/s); "
           f"final loss {result.losses[-1][1]:.4g}; model {path}")
     return 0

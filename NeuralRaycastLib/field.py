@@ -100,6 +100,17 @@ class FieldConfig:
         self.network.check()
 
 
+def field_config_for(voxel_mm: float, small: bool = False) -> FieldConfig:
+    """The field to fit to a study with voxels of ``voxel_mm``: the full one (finest cells one voxel), or
+    with ``small`` one for software devices, where the full one takes minutes to compile and hours to fit."""
+    if small:
+        return FieldConfig(
+            EncodingConfig(levels=8, log2_table=16, coarsest_cells=8, finest_cell_mm=max(voxel_mm, 2.0)),
+            NetworkConfig(hidden=32, hidden_layers=1, geometry_features=3, appearance_hidden=16),
+        )
+    return FieldConfig(encoding=EncodingConfig(finest_cell_mm=voxel_mm))
+
+
 def mlp_parameter_count(inputs: int, hidden: int, outputs: int, hidden_layers: int) -> int:
     """Matches ``Mlp<I, H, O, HL>.ParameterCount`` in shaders/mlp.slang."""
     return (inputs * hidden + hidden) + (hidden_layers - 1) * (hidden * hidden + hidden) + (hidden * outputs + outputs)

@@ -88,9 +88,10 @@ class ReferenceRenderer:
         import slangpy as spy
 
         style = self.style
-        if shadows is not None or mesh_shadows is not None:
-            on = bool(shadows) or (shadows is None and mesh_shadows is not None)
-            style = replace(style, lighting=replace(style.lighting, shadows=on))
+        if mesh_shadows is not None:
+            shadows = True
+        if shadows is not None:
+            style = replace(style, lighting=replace(style.lighting, shadows=shadows))
         arguments = (
             camera.to_shader(),
             style.shader_look(self.prepared.structures, self.prepared.channel_names),
