@@ -13,7 +13,7 @@ import numpy as np
 
 from .camera import Camera
 
-CAMERA_FLOATS = 16  # shaders/neural_render.slang
+CAMERA_FLOATS = 16  # shaders/ray_samples.slang
 
 
 def pack_cameras(cameras: list[Camera]) -> np.ndarray:

@@ -1,0 +1,226 @@
+"""The differentiable renderer: any trainable scene (the neural field, or analytic spheres in the tests)
+rendered with the image formation model of the reference renderer, forward and backward.
+
+A batch of rays goes through five small kernels rather than one large one:
+
+1. rays from a camera or from training patches (shaders/ray_samples.slang),
+2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid),
+3. the scene at every sample (one thread per sample; shaders/diff_scene.slang),
+4. compositing front to back into per-ray sums (shaders/composite.slang),
+5. backward: compositing's gradient per stored value, then the scene's backward pass per sample.
+
+Keeping the networks out of the ray loop keeps every kernel small (quick to compile, also on a CPU
+device) and lets all samples of a batch run in parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .camera import Camera
+from .gpu import GpuContext
+from .render import RenderedImage
+
+OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
+VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
+
+
+class TrainableScene(Protocol):
+    """What the renderer needs from a scene: its structure count and its two sample kernels."""
+
+    structures: int
+
+    def evaluate(self, grid: Any, buffers: dict, step_mm: float) -> None: ...
+
+    def backward(self, grid: Any, buffers: dict, step_mm: float) -> None: ...
+
+
+@dataclass
+class Occupancy:
+    """Cells of an axis-aligned RAS grid where some surface may be; elsewhere rays are not sampled."""
+
+    cells: np.ndarray  # (Z, Y, X) bool
+    origin: np.ndarray  # (3,) RAS mm of the corner of cell (0, 0, 0)
+    cell_mm: float
+
+    @classmethod
+    def from_distances(
+        cls,
+        distances: Callable[[np.ndarray], np.ndarray],
+        box: np.ndarray,
+        cell_mm: float,
+        band_mm: float,
+        lipschitz: float = 1.0,
+    ) -> Occupancy:
+        """Occupied where some |d_k| at the cell centre is within the cell's half-diagonal (times the
+        distances' Lipschitz bound) plus ``band_mm`` (where the smooth step is not flat)."""
+        box = np.asarray(box, np.float64)
+        dims = np.maximum(np.ceil((box[1] - box[0]) / cell_mm).astype(int), 1)
+        axes = [box[0, a] + (np.arange(dims[a]) + 0.5) * cell_mm for a in range(3)]
+        z, y, x = np.meshgrid(axes[2], axes[1], axes[0], indexing="ij")
+        centres = np.stack([x, y, z], axis=-1).reshape(-1, 3)
+        nearest = np.min(np.abs(distances(centres)), axis=1)
+        reach = lipschitz * 0.5 * np.sqrt(3.0) * cell_mm + band_mm
+        return cls((nearest <= reach).reshape(dims[2], dims[1], dims[0]), box[0].copy(), float(cell_mm))
+
+    @property
+    def fraction(self) -> float:
+        return float(self.cells.mean())
+
+    def upload(self, gpu: GpuContext) -> tuple[Any, dict]:
+        import slangpy as spy
+
+        tensor = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(self.cells.astype(np.int32).reshape(-1)))
+        z, y, x = self.cells.shape
+        struct = {
+            "cells": tensor.storage.device_address,
+            "dims": spy.int3(x, y, z),
+            "origin": spy.float3(*map(float, self.origin)),
+            "cellInv": 1.0 / self.cell_mm,
+        }
+        return tensor, struct
+
+
+class RayBatch:
+    """Device buffers for up to ``capacity`` rays with ``max_samples`` samples each."""
+
+    def __init__(self, gpu: GpuContext, capacity: int, max_samples: int, structures: int) -> None:
+        import slangpy as spy
+
+        device = gpu.device
+        slots = capacity * max_samples
+        self.capacity, self.max_samples, self.structures = capacity, max_samples, structures
+        self.rays = spy.Tensor.zeros(device, shape=(capacity * 6,), dtype="float")
+        self.samples = spy.Tensor.zeros(device, shape=(slots * 2,), dtype="float")
+        self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
+        self.values = spy.Tensor.zeros(device, shape=(slots * VALUES_PER_STRUCTURE * structures,), dtype="float")
+        self.grads = spy.Tensor.zeros_like(self.values)
+        self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
+        self.d_sums = spy.Tensor.zeros_like(self.sums)
+        self.struct = {
+            "rays": self.rays.storage.device_address,
+            "samples": self.samples.storage.device_address,
+            "counts": self.counts.storage.device_address,
+            "values": self.values.storage.device_address,
+            "grads": self.grads.storage.device_address,
+            "maxSamples": max_samples,
+            "structures": structures,
+        }
+
+
+class DiffRenderer:
+    """Renders a :class:`TrainableScene` and sends image gradients back into its parameters."""
+
+    def __init__(
+        self,
+        gpu: GpuContext,
+        scene: TrainableScene,
+        look: dict,
+        lighting: dict,
+        settings: dict,
+        occupancy: Occupancy,
+        normal_step_mm: float,
+        max_samples: int = 256,
+    ) -> None:
+        self.gpu, self.scene = gpu, scene
+        self.shading = {"look": look, "lighting": lighting, "settings": settings}
+        self.settings = settings
+        self.normal_step_mm = normal_step_mm
+        self.max_samples = max_samples
+        self.rays_module = gpu.load_module("ray_samples")
+        self.composite_module = gpu.load_module("composite")
+        self._batch: RayBatch | None = None
+        self.set_occupancy(occupancy)
+        self.ray_count = 0
+
+    def set_occupancy(self, occupancy: Occupancy) -> None:
+        self.occupancy = occupancy
+        self._occupancy_tensor, self._occupancy = occupancy.upload(self.gpu)
+
+    def batch(self, rays: int) -> RayBatch:
+        if self._batch is None or self._batch.capacity < rays:
+            self._batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
+        return self._batch
+
+    # rays ---------------------------------------------------------------------------------------------
+    def camera_rays(self, camera: Camera, first_row: int = 0, rows: int | None = None) -> RayBatch:
+        import slangpy as spy
+
+        rows = camera.height - first_row if rows is None else rows
+        batch = self.batch(rows * camera.width)
+        self.rays_module.cameraRays(spy.grid((rows, camera.width)), camera.to_shader(), first_row,
+                                    batch.rays.storage.device_address)
+        self.ray_count = rows * camera.width
+        return batch
+
+    def patch_rays(self, cameras: Any, patches: np.ndarray, size: int) -> RayBatch:
+        """Rays of patches (view, x0, y0) of ``size``² pixels; ``cameras`` a tensor of packed cameras."""
+        import slangpy as spy
+
+        batch = self.batch(len(patches) * size * size)
+        self._patches = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(patches, np.int32).reshape(-1))
+        struct = {"cameras": cameras.storage.device_address, "patches": self._patches.storage.device_address,
+                  "size": size}
+        self.rays_module.patchRays(spy.grid((len(patches), size, size)), struct, batch.rays.storage.device_address)
+        self.ray_count = len(patches) * size * size
+        return batch
+
+    # passes -------------------------------------------------------------------------------------------
+    def forward(self, batch: RayBatch) -> None:
+        """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`)."""
+        import slangpy as spy
+
+        n = self.ray_count
+        self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
+        self.scene.evaluate(spy.grid((n, self.max_samples)), batch.struct, self.normal_step_mm)
+        self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
+                                           batch.sums.storage.device_address)
+
+    def sums(self, batch: RayBatch) -> np.ndarray:
+        return np.asarray(batch.sums.to_numpy()).reshape(-1, OUTPUTS)[: self.ray_count]
+
+    def backward(self, batch: RayBatch, d_sums: np.ndarray) -> None:
+        """Add ∂L/∂parameters to the scene's gradient buffer, given ∂L/∂sums (rays, OUTPUTS) of the last
+        :meth:`forward`."""
+        import slangpy as spy
+
+        n = self.ray_count
+        padded = np.zeros((batch.capacity, OUTPUTS), np.float32)
+        padded[:n] = np.asarray(d_sums, np.float32).reshape(n, OUTPUTS)
+        batch.d_sums.copy_from_numpy(padded.reshape(-1))
+        self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
+                                                batch.sums.storage.device_address,
+                                                batch.d_sums.storage.device_address)
+        self.scene.backward(spy.grid((n, self.max_samples)), batch.struct, self.normal_step_mm)
+
+    def sample_counts(self, batch: RayBatch) -> np.ndarray:
+        return np.asarray(batch.counts.to_numpy())[: self.ray_count]
+
+    # whole images -------------------------------------------------------------------------------------
+    def render(self, camera: Camera, rays_per_pass: int = 1 << 16) -> RenderedImage:
+        """One view, in bands of rows so memory stays bounded."""
+        rows_per_pass = max(1, rays_per_pass // camera.width)
+        sums = np.zeros((camera.height, camera.width, OUTPUTS), np.float32)
+        for first in range(0, camera.height, rows_per_pass):
+            rows = min(rows_per_pass, camera.height - first)
+            batch = self.camera_rays(camera, first, rows)
+            self.forward(batch)
+            sums[first:first + rows] = self.sums(batch).reshape(rows, camera.width, OUTPUTS)
+        return finish_pixels(sums)
+
+
+def finish_pixels(sums: np.ndarray) -> RenderedImage:
+    """The G-buffer from per-ray sums (…, OUTPUTS): premultiplied RGBA, unit normal, depth (as the
+    reference renderer reports them)."""
+    sums = np.asarray(sums, np.float32)
+    rgba = sums[..., 0:4].copy()
+    normal = sums[..., 4:7]
+    length = np.linalg.norm(normal, axis=-1, keepdims=True)
+    normal = np.where(length > 0, normal / np.maximum(length, 1e-30), 0.0).astype(np.float32)
+    alpha = sums[..., 3]
+    depth = np.where(alpha > 0, sums[..., 7] / np.maximum(alpha, 1e-30), 0.0).astype(np.float32)
+    return RenderedImage(rgba, depth, normal)
