@@ -4,7 +4,6 @@ pass against the reference renderer (one image formation model), and inverse ren
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from conftest import analytic_prepared
 
 from NeuralRaycastLib.camera import Camera, orbit_cameras
