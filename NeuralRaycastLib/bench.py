@@ -141,7 +141,60 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     ]
 
 
-SUITES: dict[str, Callable] = {"reference": bench_reference, "sdf_fit": bench_sdf_fit}
+def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
+    """The whole training (``standard`` preset; ``quick`` on a study downsampled to 96³ with 128² views):
+    training rays/s (stages 2 and 3: forward + backward + Adam), held-out PSNR over time, geometry scores,
+    and the neural render's frame time at 512² and 1024²."""
+    from .camera import orbit_cameras
+    from .evaluate import geometry_metrics
+    from .field import FieldLayout, NeuralField, field_config_for
+    from .preprocess import prepare
+    from .reference_views import render_reference_views
+    from .study import downsample_study
+    from .train import Trainer, preset
+
+    name = "quick" if quick else "standard"
+    if quick:
+        prepared = prepare(downsample_study(prepared.study, 96))
+    shape = "x".join(map(str, prepared.study.shape))
+    size, count = (128, 16) if quick else (512, 24)
+    views = render_reference_views(gpu, prepared, count, size, size)
+    layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
+                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    field = NeuralField(gpu, layout, seed=0)
+    trainer = Trainer(gpu, prepared, field, views, preset(name))
+    log = trainer.run(lambda message, fraction: progress(f"train: {message}", fraction))
+    scores = [row for row in log.rows if "heldout_psnr" in row]
+    rows = [
+        BenchRow("train", "training rays/s (render stages)", log.rays / max(log.render_seconds, 1e-9), "1/s",
+                 f"preset {name}, {trainer.config.patches} patches of {trainer.config.patch_size}² per step"),
+        BenchRow("train", "total training time", log.seconds, "s",
+                 f"{trainer.config.geometry.steps} + {trainer.config.appearance_steps} + "
+                 f"{trainer.config.joint_steps} steps, {size}² views, study {shape}"),
+        BenchRow("train", "held-out PSNR at the end", scores[-1]["heldout_psnr"], "dB",
+                 f"SSIM {scores[-1]['heldout_ssim']:.4f}, {len(views.held_out)} views"),
+    ]
+    for target in (28.0, 35.0):
+        reached = next((row for row in scores if row["heldout_psnr"] >= target), None)
+        seconds = reached["seconds"] if reached else float("nan")
+        rows.append(BenchRow("train", f"time to held-out {target:.0f} dB", seconds, "s",
+                             "" if reached else "not reached"))
+    geometry = geometry_metrics(field, prepared)
+    for structure, values in geometry.items():
+        rows.append(BenchRow("train", f"{structure}: Dice", values["dice"], "",
+                             f"mean surface distance {values['mean_surface_distance_mm']:.2f} mm, "
+                             f"HD95 {values['hd95_mm']:.2f} mm"))
+    renderer = trainer.renderer
+    for width in (512, 1024):
+        camera = orbit_cameras(prepared.bounds, 3, width, width)[1]
+        renderer.render(camera)
+        seconds, repeats = timed(lambda c=camera: renderer.render(c), 0.5 if quick else 3.0, 3 if quick else 20)
+        rows.append(BenchRow("train", f"neural render {width}² (no shadows)", seconds * 1e3, "ms",
+                             f"{repeats} runs incl. read-back; {renderer.max_samples} samples/ray max"))
+    return rows
+
+
+SUITES: dict[str, Callable] = {"reference": bench_reference, "sdf_fit": bench_sdf_fit, "train": bench_train}
 
 
 def run_bench(gpu: GpuContext, prepared, study_name: str, suites: list[str], quick: bool, command: str,

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 from . import __version__
@@ -15,9 +14,10 @@ from .progress import ConsoleProgress
 from .sample import CASES
 from .sample.icbm import SampleDataError
 from .study import StudyError
+from .train import PRESETS, TrainingError
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
-USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundError, ValueError)
+USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundError, ValueError, TrainingError)
 
 
 def _print_json(data) -> None:
@@ -80,27 +80,39 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    """Stage 1 (geometry from the boundary maps); the rendering stages are added as they land."""
-    from .field import FieldLayout, NeuralField, field_config_for
-    from .fit import FitConfig, fit_sdf
-    from .model_io import save_field
+    """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
+    from .pipeline import CancelOnInterrupt, RunSettings, train_run
 
     gpu = open_device(args.device)
-    prepared = _prepare(args.study, use_cache=True)
-    if gpu.report.software:
-        print("software device: fitting a small field (8 levels, 32 wide)", file=sys.stderr)
-    config = field_config_for(float(prepared.spacing.min()), small=gpu.report.software)
-    layout = FieldLayout.build(config, prepared.bounds, len(prepared.structures), len(prepared.channel_names))
-    field = NeuralField(gpu, layout, seed=args.seed)
-    batch = args.batch or (1 << 14 if gpu.report.software else 1 << 18)
-    result = fit_sdf(gpu, prepared, field, FitConfig(steps=args.steps, batch=batch, seed=args.seed),
-                     progress=ConsoleProgress(f"fit {gpu.backend}"))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = save_field(out / "model.safetensors", field, prepared,
-                      {"stage": "geometry", "steps": result.steps, "cancelled": result.cancelled})
-    print(f"{result.steps} steps in {result.seconds:.1f} s ({result.points_per_second / 1e6:.2f} M points/s); "
-          f"final loss {result.losses[-1][1]:.4g}; model {path}")
+    settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
+                                      views=args.views, size=args.size)
+    if args.preset is None and gpu.report.software:
+        print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
+              file=sys.stderr)
+    with CancelOnInterrupt() as cancel:
+        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel)
+    log = run.log
+    state = "cancelled; the state so far is saved" if log.cancelled else "done"
+    psnr = log.last("heldout_psnr")
+    print(f"{state}: {log.seconds:.1f} s, {log.rays / max(log.render_seconds, 1e-9):,.0f} training rays/s"
+          + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from .pipeline import evaluate_run
+
+    gpu = open_device(args.device)
+    metrics = evaluate_run(gpu, args.run_folder, ConsoleProgress("evaluate"))
+    if args.json:
+        _print_json(metrics)
+        return 0
+    print(f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, SSIM {metrics['heldout_ssim']:.4f}")
+    print(f"{'structure':18s} {'Dice':>6s} {'mean mm':>8s} {'HD95 mm':>8s}")
+    for name, dice in metrics["dice"].items():
+        mean, hd95 = metrics["mean_surface_distance_mm"][name], metrics["hd95_mm"][name]
+        print(f"{name:18s} {dice:6.3f} {mean:8.2f} {hd95:8.2f}")
+    print(f"written to {Path(args.run_folder) / 'metrics.json'}")
     return 0
 
 
@@ -140,31 +152,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job on the built-in sample case (extended as the renderer and trainer land)."""
-    from .reference_views import render_reference_views, save_reference_views
-    from .sample import write_sample
-    from .summary import save_preview, study_summary, summary_text
+    """The main job on the built-in sample case: train, render, mesh, evaluate, report."""
+    from .demo import run_demo
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    gpu = open_device(args.device)
-    report = gpu.report
-    print(report.as_text())
-    print()
-    manifest = write_sample(out / "study", args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
-    prepared = _prepare(str(manifest), use_cache=True)
-    summary = study_summary(prepared)
-    summary["preview"] = str(save_preview(prepared, out / "preview.png"))
-    size = 256 if report.software else 512
-    views = render_reference_views(gpu, prepared, 8, size, size, progress=ConsoleProgress(f"reference {gpu.backend}"))
-    summary["reference_views"] = str(save_reference_views(views, out / "reference") / "contact_sheet.png")
-    summary["device"] = report.as_dict()
-    summary["seconds"] = round(time.perf_counter() - started, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(summary_text(summary))
-    print(f"\nwrote {out / 'summary.json'}, {summary['preview']} and {summary['reference_views']}"
-          f" in {summary['seconds']} s")
+    report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset)
+    print(f"\nreport: {report}")
     return 0
 
 
@@ -212,14 +204,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder")
     p.set_defaults(run=cmd_render_reference)
 
-    p = sub.add_parser("fit", help="fit the neural field's signed distances to a study (stage 1: geometry)")
+    p = sub.add_parser("fit", help="train a neural field on a study (geometry, appearance, joint) into a run folder")
     device_option(p)
     p.add_argument("study", help="study folder or manifest.json")
-    p.add_argument("--out", required=True, help="output folder (model.safetensors)")
-    p.add_argument("--steps", type=int, default=2000, help="optimisation steps (default 2000)")
-    p.add_argument("--batch", type=int, default=None, help="points per step (default 2^18 on a GPU, 2^14 on a CPU)")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--out", required=True, help="run folder (model.safetensors, train_log.json, reference/)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="quick (CPU: study <= 96 voxels a side, 128 px views), standard, high "
+                        "(default: quick on a software device, else standard)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="optimisation steps of all stages together (default: the preset's)")
+    p.add_argument("--views", type=int, default=None, help="reference views (default: 16 quick, 24 otherwise)")
+    p.add_argument("--size", type=int, default=None, help="view size in pixels (default: 128 quick, 512 otherwise)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
     p.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
+    device_option(p)
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_evaluate)
 
     p = sub.add_parser("mesh", help="triangle meshes of a study's structures (marching cubes, RAS mm)")
     p.add_argument("study", help="study folder or manifest.json")
@@ -241,8 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_bench)
 
-    p = sub.add_parser("demo", help="the main job on the built-in sample case")
+    p = sub.add_parser("demo", help="the main job on the built-in sample case: train, render, mesh, report.html")
     device_option(p)
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="training preset (default: quick on a software device, else standard)")
     p.add_argument("--out", default="demo-output", help="output folder (default: demo-output)")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")

@@ -19,6 +19,7 @@ from .gpu import GpuContext
 from .paths import shader_dir
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
+FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module, in order
 GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
@@ -237,7 +238,7 @@ class FieldLayout:
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def field_source(layout: FieldLayout, parts: tuple[str, ...] = ("sdf_fit",)) -> str:
+def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS) -> str:
     """The Slang source of a field module: the sizes as #defines, then the kernel files."""
     lines = [f"#define {name} {value}" for name, value in layout.defines().items()]
     for part in parts:
@@ -245,7 +246,7 @@ def field_source(layout: FieldLayout, parts: tuple[str, ...] = ("sdf_fit",)) -> 
     return "\n".join(lines)
 
 
-def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = ("sdf_fit",)):
+def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS):
     """Compile (once per process, config and device) the field kernels for this layout's sizes."""
     import slangpy as spy
 
@@ -266,7 +267,7 @@ class NeuralField:
         layout: FieldLayout,
         parameters: np.ndarray | None = None,
         seed: int = 0,
-        parts: tuple[str, ...] = ("sdf_fit",),
+        parts: tuple[str, ...] = FIELD_PARTS,
     ) -> None:
         import slangpy as spy
 

@@ -80,13 +80,14 @@ class Adam:
         self.groups = spy.Tensor.from_numpy(gpu.device, field.layout.groups())
         self.step_count = 0
 
-    def settings(self, factor: float) -> dict:
+    def settings(self, factor: float, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> dict:
         import slangpy as spy
 
         c, t = self.config, self.step_count
         rates = [0.0] * 4
-        rates[GROUP_TABLE], rates[GROUP_GEOMETRY] = c.rate_table * factor, c.rate_geometry * factor
-        rates[GROUP_APPEARANCE] = c.rate_appearance * factor
+        rates[GROUP_TABLE] = c.rate_table * factor * group_scales[GROUP_TABLE]
+        rates[GROUP_GEOMETRY] = c.rate_geometry * factor * group_scales[GROUP_GEOMETRY]
+        rates[GROUP_APPEARANCE] = c.rate_appearance * factor * group_scales[GROUP_APPEARANCE]
         return {
             "rates": spy.float4(*rates),
             "beta1": c.beta1,
@@ -97,11 +98,12 @@ class Adam:
             "sparseGroups": 1 << GROUP_TABLE,
         }
 
-    def step(self, factor: float = 1.0) -> None:
-        """One update with the gradients accumulated so far; they are zeroed."""
+    def step(self, factor: float = 1.0, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> None:
+        """One update with the gradients accumulated so far; they are zeroed. ``group_scales`` multiply
+        the rates of the hash table, geometry and appearance groups (0 freezes a group)."""
         self.step_count += 1
         self.module.adamStep(
-            self.field.values, self.field.grads, self.m, self.v, self.groups, self.settings(factor)
+            self.field.values, self.field.grads, self.m, self.v, self.groups, self.settings(factor, group_scales)
         )
 
 
@@ -161,15 +163,22 @@ class SdfFitter:
         }
 
     def step(self) -> None:
-        import slangpy as spy
-
         c, step = self.config, self.step_index
         self.field.active_levels = active_levels(step, c, len(self.field.layout.levels))
-        self.field.module.fitStep(
-            spy.grid((c.batch,)), self.field.shader_struct(), self.boundary, self.band, self.settings(step)
-        )
+        self.accumulate(step)
         self.adam.step(learning_rate_factor(step, c))
         self.step_index += 1
+
+    def accumulate(self, step: int, weight: float = 1.0) -> None:
+        """Add ``weight`` × the gradient of one batch's SDF + Eikonal loss to the field's gradient buffer."""
+        import slangpy as spy
+
+        settings = self.settings(step)
+        settings["dataScale"] *= weight
+        settings["eikonalScale"] *= weight
+        self.field.module.fitStep(
+            spy.grid((self.config.batch,)), self.field.shader_struct(), self.boundary, self.band, settings
+        )
 
     def loss(self) -> float:
         """The loss of the next step's batch, with the current parameters."""

@@ -5,7 +5,8 @@ A batch of rays goes through five small kernels rather than one large one:
 
 1. rays from a camera or from training patches (shaders/ray_samples.slang),
 2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid),
-3. the scene at every sample (one thread per sample; shaders/diff_scene.slang),
+3. the scene at every sample: distances, then normals and appearance where a segment is not empty
+   (one thread per sample; shaders/diff_scene.slang),
 4. compositing front to back into per-ray sums (shaders/composite.slang),
 5. backward: compositing's gradient per stored value, then the scene's backward pass per sample.
 
@@ -30,13 +31,16 @@ VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
 
 
 class TrainableScene(Protocol):
-    """What the renderer needs from a scene: its structure count and its two sample kernels."""
+    """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
+    of shaders/diff_scene.slang instantiated for the scene)."""
 
     structures: int
 
-    def evaluate(self, grid: Any, buffers: dict, step_mm: float) -> None: ...
+    def distances(self, grid: Any, buffers: dict) -> None: ...
 
-    def backward(self, grid: Any, buffers: dict, step_mm: float) -> None: ...
+    def surface(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None: ...
+
+    def backward(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None: ...
 
 
 @dataclass
@@ -128,7 +132,7 @@ class DiffRenderer:
     ) -> None:
         self.gpu, self.scene = gpu, scene
         self.shading = {"look": look, "lighting": lighting, "settings": settings}
-        self.settings = settings
+        self.look, self.settings = look, settings
         self.normal_step_mm = normal_step_mm
         self.max_samples = max_samples
         self.rays_module = gpu.load_module("ray_samples")
@@ -176,7 +180,9 @@ class DiffRenderer:
 
         n = self.ray_count
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
-        self.scene.evaluate(spy.grid((n, self.max_samples)), batch.struct, self.normal_step_mm)
+        grid = spy.grid((n, self.max_samples))
+        self.scene.distances(grid, batch.struct)
+        self.scene.surface(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
         self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
                                            batch.sums.storage.device_address)
 
@@ -195,7 +201,8 @@ class DiffRenderer:
         self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
                                                 batch.sums.storage.device_address,
                                                 batch.d_sums.storage.device_address)
-        self.scene.backward(spy.grid((n, self.max_samples)), batch.struct, self.normal_step_mm)
+        self.scene.backward(spy.grid((n, self.max_samples)), batch.struct, self.look, self.settings,
+                            self.normal_step_mm)
 
     def sample_counts(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]

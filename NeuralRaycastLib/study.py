@@ -401,3 +401,32 @@ def load_study(path: str | Path) -> Study:
     if (path / MANIFEST).is_file():
         return load_manifest(path / MANIFEST)
     return load_brats_folder(path)
+
+
+def downsample_study(study: Study, max_voxels: int) -> Study:
+    """The study on a grid coarser by a whole factor, so no axis has more than ``max_voxels`` voxels:
+    images and P(x) averaged over blocks, labels taken at the block's centre voxel (unchanged if small)."""
+    factor = int(np.ceil(max(study.shape) / max_voxels))
+    if factor <= 1:
+        return study
+    shape = tuple(s // factor for s in study.shape)
+
+    def blocks(array: np.ndarray) -> np.ndarray:
+        cropped = array[: shape[0] * factor, : shape[1] * factor, : shape[2] * factor].astype(np.float32)
+        return cropped.reshape(shape[0], factor, shape[1], factor, shape[2], factor).mean(axis=(1, 3, 5))
+
+    centre = factor // 2
+    labels = None
+    if study.labels is not None:
+        labels = study.labels[centre::factor, centre::factor, centre::factor][: shape[0], : shape[1], : shape[2]]
+    scale = np.diag([factor, factor, factor, 1.0])
+    scale[:3, 3] = (factor - 1) / 2.0  # the new voxel centre is the old block's centre
+    return Study(
+        name=study.name,
+        channels={name: blocks(image) for name, image in study.channels.items()},
+        affine=study.affine @ scale,
+        labels=None if labels is None else np.ascontiguousarray(labels),
+        probability=None if study.probability is None else blocks(study.probability),
+        structures=dict(study.structures),
+        sources={**study.sources, "grid": f"downsampled by {factor}"},
+    )

@@ -69,21 +69,30 @@ def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
                            for f in ("vtp", "stl"))
 
 
-def test_fit_writes_a_model_for_the_study(tmp_path, capsys):
+def test_fit_and_evaluate_a_run(tmp_path, capsys):
     from NeuralRaycastLib.model_io import ModelFileError, StudyGeometry, load_model
     from NeuralRaycastLib.preprocess import prepare
     from NeuralRaycastLib.study import load_study
 
     assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
     manifest = capsys.readouterr().out.strip()
-    assert main(["fit", manifest, "--steps", "20", "--batch", "4096", "--out", str(tmp_path / "run")]) == 0
-    assert "20 steps" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert main(["fit", manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
+                 "--out", str(run)]) == 0
+    assert "held-out PSNR" in capsys.readouterr().out
+    assert {"run.json", "model.safetensors", "train_log.json", "reference"} <= {p.name for p in run.iterdir()}
+    assert main(["evaluate", str(run), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["heldout_psnr"] > 10 and 0 <= metrics["heldout_ssim"] <= 1
+    assert set(metrics["dice"]) == {"brain", "whole_tumor", "tumor_core", "enhancing_tumor"}
+    assert metrics["dice"]["brain"] > 0.5  # a few geometry steps already find the brain
+    assert metrics["model_bytes"] == (run / "model.safetensors").stat().st_size
     geometry = StudyGeometry.from_prepared(prepare(load_study(manifest)))
-    model = load_model(tmp_path / "run" / "model.safetensors", geometry)
+    model = load_model(run / "model.safetensors", geometry)
     assert model.parameters.size == model.layout.count
     other = prepare(load_study(write_phantom(tmp_path)))
     with pytest.raises(ModelFileError):
-        load_model(tmp_path / "run" / "model.safetensors", StudyGeometry.from_prepared(other))
+        load_model(run / "model.safetensors", StudyGeometry.from_prepared(other))
 
 
 def write_phantom(tmp_path):

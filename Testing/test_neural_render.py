@@ -35,11 +35,14 @@ class Spheres:
         self.struct = {"params": {"values": self.values.storage.device_address,
                                   "grads": self.grads.storage.device_address}, "count": self.structures}
 
-    def evaluate(self, grid, buffers: dict, step_mm: float) -> None:
-        self.module.sphereSamples(grid, self.struct, buffers, step_mm)
+    def distances(self, grid, buffers: dict) -> None:
+        self.module.sphereDistances(grid, self.struct, buffers)
 
-    def backward(self, grid, buffers: dict, step_mm: float) -> None:
-        self.module.sphereSamplesBackward(grid, self.struct, buffers, step_mm)
+    def surface(self, grid, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
+        self.module.sphereSurface(grid, self.struct, buffers, look, settings, step_mm)
+
+    def backward(self, grid, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
+        self.module.sphereBackward(grid, self.struct, buffers, look, settings, step_mm)
 
 
 def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES):

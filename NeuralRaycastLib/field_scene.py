@@ -1,0 +1,63 @@
+"""The neural field as a scene of the differentiable renderer (shaders/field_render.slang): its
+distances, normals (central differences), albedo and specular weight at sample points, fed the study's
+normalised MRI channels and P(x) as the appearance network's local inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .field import NeuralField
+from .gpu import GpuContext
+from .neural_render import Occupancy
+from .preprocess import PreparedStudy
+from .render import volume_stack
+from .style import BAND_WIDTHS
+
+
+class FieldScene:
+    def __init__(self, gpu: GpuContext, field: NeuralField, prepared: PreparedStudy) -> None:
+        inputs = np.concatenate([prepared.channels, prepared.probability[None]], axis=0)
+        if inputs.shape[0] != field.layout.appearance_inputs:
+            raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
+                             f"the study gives {inputs.shape[0]}")
+        self.field = field
+        self._inputs, self.inputs = volume_stack(gpu, inputs, np.linalg.inv(prepared.affine))
+
+    @property
+    def structures(self) -> int:
+        return self.field.structures
+
+    def struct(self) -> dict[str, Any]:
+        return {"field": self.field.shader_struct(), "inputs": self.inputs}
+
+    def distances(self, grid: Any, buffers: dict) -> None:
+        self.field.module.fieldDistances(grid, self.struct(), buffers)
+
+    def surface(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
+        self.field.module.fieldSurface(grid, self.struct(), buffers, look, settings, step_mm)
+
+    def backward(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
+        self.field.module.fieldBackward(grid, self.struct(), buffers, look, settings, step_mm)
+
+
+def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:
+    """Where the boundary maps put a surface (the occupancy before anything is learnt)."""
+    from scipy import ndimage
+
+    ras_to_ijk = np.linalg.inv(prepared.affine)
+
+    def distances(points: np.ndarray) -> np.ndarray:
+        ijk = points @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3]
+        return np.stack([ndimage.map_coordinates(b, ijk.T, order=1, mode="nearest") for b in prepared.boundary],
+                        axis=1)
+
+    return Occupancy.from_distances(distances, box, cell_mm, BAND_WIDTHS * epsilon_mm)
+
+
+def field_occupancy(field: NeuralField, box: np.ndarray, cell_mm: float, epsilon_mm: float,
+                    lipschitz: float = 1.5) -> Occupancy:
+    """Where the learned distances put a surface (refreshed as training goes); a margin for a field
+    that is not yet exactly 1-Lipschitz."""
+    return Occupancy.from_distances(field.distances, box, cell_mm, BAND_WIDTHS * epsilon_mm, lipschitz)

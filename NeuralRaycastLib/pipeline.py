@@ -1,0 +1,190 @@
+"""Whole jobs on a study, shared by the CLI, the demo and the Slicer module: train a field into a run
+folder, and evaluate a run folder.
+
+A run folder holds ``run.json`` (what was trained on and how), ``model.safetensors``, ``train_log.json``
+(every logged loss term and held-out score) and ``reference/`` (the reference views used, with their
+training / held-out split).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .field import FieldLayout, NeuralField, field_config_for
+from .gpu import GpuContext
+from .preprocess import PreparedStudy, prepare
+from .reference_views import ReferenceViews, render_reference_views, save_reference_views
+from .study import downsample_study, load_study
+from .train import PRESETS, Trainer, TrainLog, preset
+
+Progress = Callable[[str, float], None]
+RUN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    preset: str
+    seed: int = 0
+    views: int = 24
+    size: int = 512  # pixels, square views
+    held_out_every: int = 8
+    max_voxels: int | None = None  # downsample the study so no axis is longer (the quick preset)
+    iterations: int | None = None  # steps of all stages together, split as the preset splits them
+
+    @classmethod
+    def for_device(cls, gpu: GpuContext, name: str | None = None, **overrides: Any) -> RunSettings:
+        """The preset's defaults: ``quick`` (96³, 128² views) on a software device, ``standard`` otherwise."""
+        name = name or ("quick" if gpu.report.software else "standard")
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset '{name}' (choose from {', '.join(PRESETS)})")
+        base = cls(name, views=16, size=128, max_voxels=96) if name == "quick" else cls(name)
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def prepare_for_run(study_path: str | Path, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
+    study = load_study(study_path)
+    if settings.max_voxels:
+        study = downsample_study(study, settings.max_voxels)
+    return prepare(study, progress=progress)
+
+
+def reference_views_for_run(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
+                            progress: Progress | None = None) -> ReferenceViews:
+    return render_reference_views(gpu, prepared, settings.views, settings.size, settings.size,
+                                  held_out_every=settings.held_out_every, progress=progress)
+
+
+class CancelOnInterrupt:
+    """While active, Ctrl-C asks training to stop at the next step (the state so far is saved);
+    a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def __enter__(self) -> CancelOnInterrupt:
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: no signal handling
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+@dataclass
+class TrainedRun:
+    folder: Path
+    prepared: PreparedStudy
+    field: NeuralField
+    views: ReferenceViews
+    log: TrainLog
+    trainer: Trainer
+
+
+def train_run(
+    gpu: GpuContext,
+    study_path: str | Path,
+    out: str | Path,
+    settings: RunSettings,
+    progress: Progress | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> TrainedRun:
+    """Prepare the study, render its reference views, train a field through all stages, save the run."""
+    from .model_io import save_field
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    prepared = prepare_for_run(study_path, settings, progress)
+    views = reference_views_for_run(gpu, prepared, settings, progress)
+    save_reference_views(views, folder / "reference")
+    config = preset(settings.preset, settings.seed)
+    if settings.iterations is not None:
+        config = config.with_total_steps(settings.iterations)
+    layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
+                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    field = NeuralField(gpu, layout, seed=settings.seed)
+    trainer = Trainer(gpu, prepared, field, views, config)
+    log = trainer.run(progress, should_stop)
+    save_field(folder / "model.safetensors", field, prepared,
+               {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
+    (folder / "train_log.json").write_text(json.dumps({
+        "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
+        "rays_per_second": log.rays / log.render_seconds if log.render_seconds else 0.0,
+        "cancelled": log.cancelled, "skipped_steps": log.skipped_steps, "rows": log.rows,
+    }, indent=1) + "\n")
+    (folder / "run.json").write_text(json.dumps({
+        "version": RUN_VERSION, "study": str(Path(study_path).resolve()), "settings": asdict(settings),
+        "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }, indent=2) + "\n")
+    return TrainedRun(folder, prepared, field, views, log, trainer)
+
+
+def read_run(folder: str | Path) -> dict[str, Any]:
+    folder = Path(folder)
+    path = folder / "run.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{folder} is not a run folder (no run.json; create one with 'neuralraycast fit')")
+    try:
+        run = json.loads(path.read_text())
+        if run.get("version") != RUN_VERSION:
+            raise ValueError(f"{path}: unsupported run version {run.get('version')!r}")
+        run["settings"] = RunSettings(**run["settings"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: damaged run description ({error})") from error
+    return run
+
+
+def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: NeuralField, views: ReferenceViews,
+                settings: RunSettings, renderer=None) -> dict[str, Any]:
+    """The metrics of a trained field (see :func:`evaluate_run`), written to ``metrics.json``."""
+    from .evaluate import geometry_metrics
+    from .train import field_renderer, score_views
+
+    renderer = renderer or field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
+    metrics: dict[str, Any] = score_views(renderer, views, views.held_out)
+    geometry = geometry_metrics(field, prepared)
+    metrics["dice"] = {name: g["dice"] for name, g in geometry.items()}
+    metrics["mean_surface_distance_mm"] = {name: g["mean_surface_distance_mm"] for name, g in geometry.items()}
+    metrics["hd95_mm"] = {name: g["hd95_mm"] for name, g in geometry.items()}
+    log_path = folder / "train_log.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    metrics["train_seconds"] = log.get("seconds")
+    metrics["train_rays_per_second"] = log.get("rays_per_second")
+    metrics["device"] = gpu.report.adapter
+    metrics["backend"] = gpu.backend
+    metrics["model_bytes"] = (folder / "model.safetensors").stat().st_size
+    metrics["preset"] = settings.preset
+    metrics["image_size"] = settings.size
+    metrics["study_shape"] = list(prepared.study.shape)
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def evaluate_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Held-out PSNR / SSIM against freshly rendered reference views, and per-structure Dice and surface
+    distances; also written to ``metrics.json`` in the run folder."""
+    from .model_io import load_field
+
+    folder = Path(folder)
+    run = read_run(folder)
+    settings: RunSettings = run["settings"]
+    prepared = prepare_for_run(run["study"], settings, progress)
+    field = load_field(gpu, folder / "model.safetensors", prepared)
+    views = reference_views_for_run(gpu, prepared, settings, progress)
+    return run_metrics(gpu, folder, prepared, field, views, settings)

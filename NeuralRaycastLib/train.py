@@ -1,0 +1,267 @@
+"""Staged training of the neural field (geometry first):
+
+1. geometry: the signed distances fit to the boundary maps B_k (SDF + Eikonal; fit.py), no rendering;
+2. appearance: the appearance network learns the reference images through the differentiable renderer
+   while the geometry stays fixed;
+3. joint: everything trains on the images (L1 + DSSIM on patches) while the SDF and Eikonal terms keep
+   the geometry a true signed distance that agrees with the segmentation.
+
+Every ``eval_every`` steps the held-out views are rendered and their PSNR logged; the occupancy grid
+used to place samples is refreshed from the learned distances. A step whose loss is not finite is
+skipped and the learning rate halved; the parameters are restored from the last good state if they
+ever become non-finite. ``should_stop`` cancels between steps, keeping the last good state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .camera import Camera
+from .field import NeuralField
+from .field_scene import FieldScene, boundary_occupancy, field_occupancy
+from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
+from .gpu import GpuContext
+from .image_loss import patch_loss_and_gradient
+from .metrics import psnr, ssim
+from .neural_render import OUTPUTS, DiffRenderer
+from .patches import PatchSampler, pack_cameras
+from .preprocess import PreparedStudy
+from .reference_views import ReferenceViews
+from .render import march_settings
+from .style import RenderStyle
+
+Progress = Callable[[str, float], None]
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (the loss stays non-finite); the field keeps its last good state."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    geometry: FitConfig = field(default_factory=FitConfig)  # stage 1
+    appearance_steps: int = 300  # stage 2
+    joint_steps: int = 1500  # stage 3
+    patches: int = 32  # per step, of patch_size² rays each
+    patch_size: int = 16
+    max_samples: int = 256  # per ray
+    image_weight: float = 1.0
+    sdf_weight: float = 0.1  # of the SDF + Eikonal loss in stage 3 (relative to the image loss)
+    sdf_batch: int = 1 << 14
+    rate_table: float = 5e-3
+    rate_geometry: float = 2e-3
+    rate_appearance: float = 5e-3
+    occupancy_cell_mm: float = 4.0
+    eval_every: int = 200
+    seed: int = 0
+    max_bad_steps: int = 5  # consecutive non-finite losses before giving up
+
+    def with_total_steps(self, total: int) -> TrainConfig:
+        """The same schedule scaled to ``total`` steps over the three stages (each at least one)."""
+        steps = (self.geometry.steps, self.appearance_steps, self.joint_steps)
+        scaled = [max(1, round(total * s / sum(steps))) for s in steps]
+        evaluate = max(1, min(self.eval_every, scaled[1] + scaled[2]))
+        return replace(self, geometry=replace(self.geometry, steps=scaled[0],
+                                              monitor_every=min(self.geometry.monitor_every, scaled[0])),
+                       appearance_steps=scaled[1], joint_steps=scaled[2], eval_every=evaluate)
+
+    def render_fit_config(self, steps: int) -> FitConfig:
+        """Adam settings for the rendering stages (the schedule spans ``steps``)."""
+        return replace(self.geometry, steps=steps, batch=self.sdf_batch, rate_table=self.rate_table,
+                       rate_geometry=self.rate_geometry, rate_appearance=self.rate_appearance,
+                       warmup_steps=min(self.geometry.warmup_steps, max(steps // 10, 1)), coarse_to_fine=0.0)
+
+
+def preset(name: str, seed: int = 0) -> TrainConfig:
+    """``quick`` (a CPU device: small batches), ``standard`` (a GPU), ``high`` (a GPU, longer)."""
+    if name == "quick":
+        return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=100, joint_steps=200,
+                           patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=100, seed=seed)
+    if name == "standard":
+        return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), seed=seed)
+    if name == "high":
+        return TrainConfig(FitConfig(steps=4000, batch=1 << 18, seed=seed), appearance_steps=600,
+                           joint_steps=5000, patches=64, seed=seed)
+    raise ValueError(f"unknown preset '{name}' (quick, standard, high)")
+
+
+PRESETS = ("quick", "standard", "high")
+
+
+@dataclass
+class TrainLog:
+    rows: list[dict] = dataclasses.field(default_factory=list)  # one per logged step
+    seconds: float = 0.0
+    rays: int = 0  # rendered and back-propagated rays in stages 2 and 3
+    render_seconds: float = 0.0
+    cancelled: bool = False
+    skipped_steps: int = 0
+
+    def last(self, key: str) -> float | None:
+        return next((row[key] for row in reversed(self.rows) if key in row), None)
+
+
+def field_renderer(
+    gpu: GpuContext,
+    prepared: PreparedStudy,
+    field: NeuralField,
+    max_samples: int,
+    style: RenderStyle | None = None,
+    occupancy_cell_mm: float = 4.0,
+    from_boundary: bool = False,
+) -> DiffRenderer:
+    """The differentiable renderer of a field, in the study's style; samples placed where the learned
+    distances (or, before training, the boundary maps) put a surface."""
+    style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
+    settings = march_settings(prepared, style)
+    box = np.array([list(settings["boxMin"]), list(settings["boxMax"])], np.float64)
+    epsilon = float(settings["epsilon"])
+    occupancy = (boundary_occupancy(prepared, box, occupancy_cell_mm, epsilon) if from_boundary
+                 else field_occupancy(field, box, occupancy_cell_mm, epsilon))
+    renderer = DiffRenderer(gpu, FieldScene(gpu, field, prepared),
+                            style.shader_look(prepared.structures, prepared.channel_names), style.shader_lighting(),
+                            settings, occupancy, normal_step_mm=field.default_step_mm(), max_samples=max_samples)
+    renderer.box, renderer.epsilon = box, epsilon
+    return renderer
+
+
+def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int]) -> dict[str, float]:
+    """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``."""
+    psnrs, ssims = [], []
+    for index in indices:
+        image = renderer.render(views.cameras[index])
+        reference = views.images[index]
+        psnrs.append(psnr(image.rgb(), reference.rgb()))
+        ssims.append(ssim(image.rgb(), reference.rgb()))
+    return {"heldout_psnr": float(np.mean(psnrs)), "heldout_ssim": float(np.mean(ssims))}
+
+
+class Trainer:
+    def __init__(
+        self,
+        gpu: GpuContext,
+        prepared: PreparedStudy,
+        field: NeuralField,
+        views: ReferenceViews,
+        config: TrainConfig,
+        style: RenderStyle | None = None,
+    ) -> None:
+        import slangpy as spy
+
+        self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, config
+        self.renderer = field_renderer(gpu, prepared, field, config.max_samples, style, config.occupancy_cell_mm,
+                                       from_boundary=True)
+        reference = np.stack([image.rgba for image in views.images])
+        self.sampler = PatchSampler(reference, views.training, config.patch_size, seed=config.seed)
+        self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
+        self.log = TrainLog()
+
+    # one step of stages 2 and 3 --------------------------------------------------------------------------
+    def image_step(self) -> dict[str, float]:
+        """Render a batch of patches, add the image loss's gradient; returns the loss terms."""
+        c = self.config
+        rows = self.sampler.sample(c.patches)
+        batch = self.renderer.patch_rays(self._cameras, rows, c.patch_size)
+        self.renderer.forward(batch)
+        sums = self.renderer.sums(batch).reshape(c.patches, c.patch_size, c.patch_size, OUTPUTS)
+        loss, terms, d_rgba = patch_loss_and_gradient(sums[..., :4], self.sampler.reference_patches(rows))
+        if not np.isfinite(loss):
+            return {"loss": float("nan")}
+        gradient = np.zeros_like(sums)
+        gradient[..., :4] = c.image_weight * d_rgba
+        self.renderer.backward(batch, gradient.reshape(-1, OUTPUTS))
+        self.log.rays += c.patches * c.patch_size * c.patch_size
+        return {"loss": c.image_weight * loss, **terms}
+
+    def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
+        return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
+
+    def render(self, camera: Camera):
+        return self.renderer.render(camera)
+
+    def refresh_occupancy(self) -> None:
+        self.renderer.set_occupancy(field_occupancy(self.field, self.renderer.box, self.config.occupancy_cell_mm,
+                                                    self.renderer.epsilon))
+
+    # the whole schedule -----------------------------------------------------------------------------------
+    def run(self, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None) -> TrainLog:
+        c = self.config
+        report = progress or (lambda message, fraction: None)
+        stop = should_stop or (lambda: False)
+        total = c.geometry.steps + c.appearance_steps + c.joint_steps
+        start = time.perf_counter()
+
+        # stage 1: geometry from the boundary maps
+        fitter = SdfFitter(self.gpu, self.prepared, self.field, c.geometry)
+        geometry = fitter.run(lambda message, fraction: report(f"geometry: {message}", fraction * c.geometry.steps
+                                                               / total), stop)
+        for step, loss in geometry.losses:
+            self.log.rows.append({"step": step, "stage": 1, "sdf": loss})
+        if geometry.cancelled:
+            return self._finish(start, cancelled=True)
+        self.refresh_occupancy()
+        self.renderer.normal_step_mm = self.field.default_step_mm()
+
+        # stages 2 and 3: through the renderer
+        steps = c.appearance_steps + c.joint_steps
+        adam = Adam(self.gpu, self.field, c.render_fit_config(steps))
+        sdf = SdfFitter(self.gpu, self.prepared, self.field, replace(c.render_fit_config(steps), batch=c.sdf_batch,
+                                                                     eikonal_weight=c.geometry.eikonal_weight))
+        good = self.field.parameters()
+        rate, bad = 1.0, 0
+        for step in range(steps):
+            if stop():
+                return self._finish(start, cancelled=True)
+            joint = step >= c.appearance_steps
+            stage = 3 if joint else 2
+            t0 = time.perf_counter()
+            terms = self.image_step()
+            if joint:
+                sdf.accumulate(step, c.sdf_weight)
+            if not np.isfinite(terms["loss"]):
+                self.field.zero_gradients()
+                rate, bad = rate * 0.5, bad + 1
+                self.log.skipped_steps += 1
+                if bad > c.max_bad_steps:
+                    self.field.set_parameters(good)
+                    raise TrainingError(f"the loss stayed non-finite for {bad} steps at step {step}; "
+                                        "the last good state is kept")
+                continue
+            bad = 0
+            scales = (1.0, 1.0, 1.0) if joint else (0.0, 0.0, 1.0)
+            adam.step(learning_rate_factor(step, adam.config) * rate, scales)
+            self.gpu.device.wait()
+            self.log.render_seconds += time.perf_counter() - t0
+            done = c.geometry.steps + step + 1
+            if step % 20 == 0 or step == steps - 1:
+                self.log.rows.append({"step": done, "stage": stage, "seconds": time.perf_counter() - start,
+                                      **terms})
+            if (step + 1) % c.eval_every == 0 or step == steps - 1:
+                parameters = self.field.parameters()
+                if not np.all(np.isfinite(parameters)):
+                    self.field.set_parameters(good)
+                    rate *= 0.5
+                    self.log.skipped_steps += 1
+                    continue
+                good = parameters
+                if joint:
+                    self.refresh_occupancy()
+                elapsed = time.perf_counter() - start  # before the evaluation renders
+                scores = self.evaluate_views()
+                self.log.rows.append({"step": done, "stage": stage, "seconds": elapsed, **scores})
+                report(f"stage {stage}: loss {terms['loss']:.4f}, held-out PSNR {scores['heldout_psnr']:.2f} dB",
+                       done / total)
+            elif step % 10 == 0:
+                report(f"stage {stage}: loss {terms['loss']:.4f}", done / total)
+        return self._finish(start, cancelled=False)
+
+    def _finish(self, start: float, cancelled: bool) -> TrainLog:
+        self.log.seconds = time.perf_counter() - start
+        self.log.cancelled = cancelled
+        return self.log
+
