@@ -86,11 +86,16 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     clock = time.perf_counter()
     learned = learned_distances(run.field, run.prepared)
     meshes = []
-    for k, structure in enumerate(run.prepared.structures):
-        mesh = mesh_structure(learned[k], run.prepared.affine, structure.name, structure.color, smoothing_iterations=10)
-        if len(mesh.faces):
-            path = write_mesh(mesh, out / "meshes" / f"{structure.name}.vtp")
-            meshes.append({"name": structure.name, "triangles": len(mesh.faces), "file": str(path.relative_to(out))})
+    try:
+        for k, structure in enumerate(run.prepared.structures):
+            mesh = mesh_structure(learned[k], run.prepared.affine, structure.name, structure.color,
+                                  smoothing_iterations=10)
+            if len(mesh.faces):
+                path = write_mesh(mesh, out / "meshes" / f"{structure.name}.vtp")
+                meshes.append({"name": structure.name, "triangles": len(mesh.faces),
+                               "file": str(path.relative_to(out))})
+    except ImportError as error:  # VTK missing (a bare server install): everything else still gets reported
+        meshes.append({"name": "(meshes skipped)", "triangles": 0, "file": f"VTK not available: {error}"})
     timings["meshes of the learned surfaces"] = time.perf_counter() - clock
 
     clock = time.perf_counter()

@@ -80,8 +80,8 @@ class TrainConfig:
 def preset(name: str, seed: int = 0) -> TrainConfig:
     """``quick`` (a CPU device: small batches), ``standard`` (a GPU), ``high`` (a GPU, longer)."""
     if name == "quick":
-        return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=100, joint_steps=200,
-                           patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=100, seed=seed)
+        return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=60, joint_steps=120,
+                           patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, seed=seed)
     if name == "standard":
         return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), seed=seed)
     if name == "high":
