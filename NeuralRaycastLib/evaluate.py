@@ -31,7 +31,8 @@ def dice(a: np.ndarray, b: np.ndarray) -> float:
     return 1.0 if total == 0 else 2.0 * int(np.logical_and(a, b).sum()) / total
 
 
-def _at(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.ndarray:
+def sample_at(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """A voxel volume trilinearly at RAS points (N, 3) (edge values outside)."""
     ras_to_ijk = np.linalg.inv(affine)
     ijk = points @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3]
     return ndimage.map_coordinates(volume, ijk.T, order=1, mode="nearest")
@@ -50,7 +51,7 @@ def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, d
         truth_vertices, _ = extract_surface(prepared.boundary[k], prepared.affine)
         distances = []
         if len(learned_vertices):
-            distances.append(np.abs(_at(prepared.boundary[k], prepared.affine, learned_vertices)))
+            distances.append(np.abs(sample_at(prepared.boundary[k], prepared.affine, learned_vertices)))
         if len(truth_vertices):
             distances.append(np.abs(field.distances(truth_vertices)[:, k]))
         both = np.concatenate(distances) if distances else np.array([np.inf])

@@ -44,14 +44,10 @@ class FieldScene:
 
 def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:
     """Where the boundary maps put a surface (the occupancy before anything is learnt)."""
-    from scipy import ndimage
-
-    ras_to_ijk = np.linalg.inv(prepared.affine)
+    from .evaluate import sample_at
 
     def distances(points: np.ndarray) -> np.ndarray:
-        ijk = points @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3]
-        return np.stack([ndimage.map_coordinates(b, ijk.T, order=1, mode="nearest") for b in prepared.boundary],
-                        axis=1)
+        return np.stack([sample_at(b, prepared.affine, points) for b in prepared.boundary], axis=1)
 
     return Occupancy.from_distances(distances, box, cell_mm, BAND_WIDTHS * epsilon_mm)
 

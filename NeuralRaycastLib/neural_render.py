@@ -141,6 +141,15 @@ class DiffRenderer:
         self.set_occupancy(occupancy)
         self.ray_count = 0
 
+    @property
+    def box(self) -> np.ndarray:
+        """(2, 3) RAS box where samples are placed (from the march settings)."""
+        return np.array([list(self.settings["boxMin"]), list(self.settings["boxMax"])], np.float64)
+
+    @property
+    def epsilon(self) -> float:
+        return float(self.settings["epsilon"])
+
     def set_occupancy(self, occupancy: Occupancy) -> None:
         self.occupancy = occupancy
         self._occupancy_tensor, self._occupancy = occupancy.upload(self.gpu)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .camera import Camera
 from .field import NeuralField
 from .field_scene import FieldScene, boundary_occupancy, field_occupancy
 from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
@@ -126,7 +125,6 @@ def field_renderer(
     renderer = DiffRenderer(gpu, FieldScene(gpu, field, prepared),
                             style.shader_look(prepared.structures, prepared.channel_names), style.shader_lighting(),
                             settings, occupancy, normal_step_mm=field.default_step_mm(), max_samples=max_samples)
-    renderer.box, renderer.epsilon = box, epsilon
     return renderer
 
 
@@ -180,9 +178,6 @@ class Trainer:
 
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
         return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
-
-    def render(self, camera: Camera):
-        return self.renderer.render(camera)
 
     def refresh_occupancy(self) -> None:
         self.renderer.set_occupancy(field_occupancy(self.field, self.renderer.box, self.config.occupancy_cell_mm,
