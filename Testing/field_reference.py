@@ -79,7 +79,9 @@ def point_loss(layout, params, x, target, eikonal: bool, settings: dict) -> np.n
     """Per-point loss of shaders/sdf_fit.slang (N,)."""
     tau = settings["truncation"]
     distance, _ = geometry(layout, params, x)
-    loss = settings["dataScale"] * np.abs(np.clip(distance, -tau, tau) - np.clip(target, -tau, tau)).sum(axis=1)
+    error = np.where(target >= tau, np.maximum(tau - distance, 0.0),
+                     np.where(target <= -tau, np.maximum(distance + tau, 0.0), np.abs(distance - target)))
+    loss = settings["dataScale"] * error.sum(axis=1)
     if eikonal:
         h = settings["eikonalStep"]
         gradient = np.stack(
