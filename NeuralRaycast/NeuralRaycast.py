@@ -8,6 +8,7 @@ imported here at load time: dependencies are checked and installed when the user
 import importlib.metadata
 import logging
 import os
+import pathlib
 import re
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Annotated
 import numpy as np
 import slicer
 import vtk
-from slicer import vtkMRMLScalarVolumeNode, vtkMRMLSegmentationNode
+from slicer import vtkMRMLScalarVolumeNode, vtkMRMLSegmentationNode, vtkMRMLVectorVolumeNode
 from slicer.i18n import tr as _
 from slicer.i18n import translate
 from slicer.parameterNodeWrapper import Choice, WithinRange, parameterNodeWrapper
@@ -39,10 +40,18 @@ except ModuleNotFoundError as _error:
 
 MODULE_NAME = "NeuralRaycast"
 README_URL = "https://github.com/SlicerNeuralRaycast/SlicerNeuralRaycast#readme"
-PRESETS = ("quick", "standard", "high")
+PRESETS = ("auto", "quick", "standard", "high")
 DEVICES = ("auto", "cuda", "vulkan")
 #: Extra channels beside the reference volume (the parameter node wrapper has no GUI for node lists).
 ADDITIONAL_VOLUME_PARAMETERS = ("inputVolume2", "inputVolume3", "inputVolume4")
+
+
+class GridMismatchError(ValueError):
+    """A volume is not on the reference volume's grid (it can be resampled onto it after asking)."""
+
+
+#: Attribute that marks the model nodes this module made, valued with the structure name.
+MODEL_ATTRIBUTE = "NeuralRaycast.Structure"
 
 
 #
@@ -68,6 +77,8 @@ preset and press Apply. Missing Python packages are installed on first use, afte
 See the <a href="{url}">project documentation</a> for details. Version {version}.
 """
         ).format(url=README_URL, version=NeuralRaycastLib.__version__)
+        # Sample data is registered once the Sample Data module exists.
+        slicer.app.connect("startupCompleted()", registerSampleData)
         self.parent.acknowledgementText = _(
             """
 Developed by the SlicerNeuralRaycast authors. Rendering and training use
@@ -75,6 +86,43 @@ Developed by the SlicerNeuralRaycast authors. Rendering and training use
 image processing uses NumPy, SciPy, scikit-image and nibabel.
 """
         )
+
+
+#
+# Sample data
+#
+
+SAMPLE_NAME = "NeuralRaycastBrainTumour"
+
+
+def registerSampleData():
+    """The built-in sample case in the Sample Data module: real anatomy (ICBM 2009a) with a synthetic lesion.
+
+    It is generated on first use (the template is fetched once, pinned and checksummed, then cached), so
+    there is nothing to download here: the button calls ``NeuralRaycastLogic.loadSampleStudy``.
+    """
+    import SampleData
+
+    iconsPath = os.path.join(os.path.dirname(os.path.abspath(__file__)), "Resources", "Icons")
+    if hasattr(SampleData.SampleDataLogic, "registerCustomSampleDataCategory"):  # Slicer 5.12 and later
+        SampleData.SampleDataLogic.registerCustomSampleDataCategory(MODULE_NAME, title=_("Neural Raycast"))
+    SampleData.SampleDataLogic.registerCustomSampleDataSource(
+        category=MODULE_NAME,
+        sampleName=SAMPLE_NAME,
+        uris=[],
+        fileNames=[],
+        thumbnailFileName=os.path.join(iconsPath, "NeuralRaycastSample.png"),
+        customDownloader=lambda source: _loadSampleWithErrorDisplay(),
+    )
+
+
+def _loadSampleWithErrorDisplay():
+    with slicer.util.tryWithErrorDisplay(_("Failed to load the Neural Raycast sample."), waitCursor=True):
+        logic = NeuralRaycastLogic()
+        logic.ensureDependencies()
+        volumes, segmentation = logic.loadSampleStudy()
+        slicer.util.setSliceViewerLayers(background=volumes[0], fit=True)
+        segmentation.CreateClosedSurfaceRepresentation()
 
 
 #
@@ -91,10 +139,14 @@ class NeuralRaycastParameterNode:
     inputVolume2..4 - further channels, on the same grid as inputVolume.
     inputSegmentation - the tumour segmentation; each segment becomes a structure.
     probabilityVolume - optional tumour probability map in [0, 1]; derived from the labels if absent.
-    preset - training quality preset.
+    preset - training quality preset; auto is quick on a software device and standard on a GPU.
     device - slangpy device: auto, cuda or vulkan.
     seed - random seed for reproducible training.
     iterations - training iterations; 0 uses the preset's number.
+    runFolder - where the trained model is saved (empty: a new folder under ~/NeuralRaycast/runs);
+        the scene keeps it, so the model can be reloaded after the scene is.
+    meshSmoothing - smoothing iterations of the learned surfaces' models.
+    outputRender - the RGB volume that receives renders of the 3D view's camera.
     """
 
     inputVolume: vtkMRMLScalarVolumeNode
@@ -103,10 +155,13 @@ class NeuralRaycastParameterNode:
     inputVolume4: vtkMRMLScalarVolumeNode
     inputSegmentation: vtkMRMLSegmentationNode
     probabilityVolume: vtkMRMLScalarVolumeNode
-    preset: Annotated[str, Choice(list(PRESETS))] = "standard"
+    preset: Annotated[str, Choice(list(PRESETS))] = "auto"
     device: Annotated[str, Choice(list(DEVICES))] = "auto"
     seed: Annotated[int, WithinRange(0, 2**31 - 1)] = 0
     iterations: Annotated[int, WithinRange(0, 1_000_000)] = 0
+    runFolder: pathlib.Path
+    meshSmoothing: Annotated[int, WithinRange(0, 100)] = 10
+    outputRender: vtkMRMLVectorVolumeNode
 
     def volumeNodes(self) -> list:
         """The selected channel volumes, reference first, without empty slots."""
@@ -132,6 +187,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._parameterNode = None
         self._parameterNodeGuiTag = None
         self._running = False
+        self._cancelRequested = False
 
     def setup(self) -> None:
         """Called when the user opens the module the first time and the widget is initialized."""
@@ -148,6 +204,9 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.addObserver(slicer.mrmlScene, slicer.mrmlScene.EndCloseEvent, self.onSceneEndClose)
 
         self.ui.applyButton.connect("clicked(bool)", self.onApplyButton)
+        self.ui.loadButton.connect("clicked(bool)", self.onLoadButton)
+        self.ui.renderButton.connect("clicked(bool)", self.onRenderButton)
+        self.ui.modelsButton.connect("clicked(bool)", self.onModelsButton)
         self._resetProgress()
 
         self.initializeParameterNode()
@@ -208,12 +267,18 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def _checkCanApply(self, caller=None, event=None) -> None:
         if self._running:
             return
-        if self._parameterNode and self._parameterNode.inputVolume:
-            self.ui.applyButton.toolTip = _("Check the inputs and prepare the study for training")
-            self.ui.applyButton.enabled = True
-        else:
-            self.ui.applyButton.toolTip = _("Select at least the reference input volume")
-            self.ui.applyButton.enabled = False
+        ready = bool(self._parameterNode and self._parameterNode.inputVolume and self._parameterNode.inputSegmentation)
+        self.ui.applyButton.text = _("Train")
+        self.ui.applyButton.enabled = ready
+        self.ui.applyButton.toolTip = (
+            _("Train a neural field on the selected study; then add its models and a render to the scene")
+            if ready
+            else _("Select the reference volume and the segmentation")
+        )
+        self.ui.loadButton.enabled = ready
+        trained = self.logic is not None and self.logic.run is not None
+        self.ui.renderButton.enabled = trained
+        self.ui.modelsButton.enabled = trained
 
     def _resetProgress(self) -> None:
         self.ui.progressBar.setRange(0, 100)
@@ -226,28 +291,106 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         slicer.util.showStatusMessage(message)
         slicer.app.processEvents()
 
+    def _shouldStop(self) -> bool:
+        """Polled by the trainer between steps: lets Slicer handle events (and the Cancel click)."""
+        slicer.app.processEvents()
+        return self._cancelRequested
+
+    def _setRunning(self, running: bool) -> None:
+        self._running = running
+        self._cancelRequested = False
+        for button in (self.ui.loadButton, self.ui.renderButton, self.ui.modelsButton):
+            button.enabled = not running
+        if running:
+            self.ui.applyButton.text = _("Cancel")
+            self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")
+            self.ui.applyButton.enabled = True
+        else:
+            self._checkCanApply()
+
     def onApplyButton(self) -> None:
-        """Check dependencies, read the selected nodes into a study and prepare it; show a summary."""
+        """Train (the button then reads Cancel), then add the models and a render of the 3D view."""
         if self._running:
+            self._cancelRequested = True
+            self.ui.applyButton.enabled = False
+            self._onProgress(_("cancelling after this step"), self.ui.progressBar.value / 100.0)
             return
         parameters = self._parameterNode
-        self._running = True
-        self.ui.applyButton.enabled = False
         self._resetProgress()
         self.ui.resultsText.setPlainText("")
+        self._setRunning(True)
         try:
-            with slicer.util.tryWithErrorDisplay(_("Failed to prepare the study."), waitCursor=True):
+            with slicer.util.tryWithErrorDisplay(_("Training failed."), waitCursor=False):
                 self.logic.ensureDependencies()
-                self._onProgress(_("reading volumes and segmentation"), 0.0)
-                study = self.logic.studyFromNodes(
-                    parameters.volumeNodes(), parameters.inputSegmentation, parameters.probabilityVolume
+                resample = self._askToResample()
+                if resample is None:
+                    return
+                run = self.logic.train(
+                    parameters.volumeNodes(),
+                    parameters.inputSegmentation,
+                    parameters.probabilityVolume,
+                    preset=parameters.preset,
+                    device=parameters.device,
+                    seed=parameters.seed,
+                    iterations=parameters.iterations,
+                    runFolder=parameters.runFolder,
+                    progress=self._onProgress,
+                    shouldStop=self._shouldStop,
+                    resampleToReference=resample,
                 )
-                prepared = self.logic.prepareStudy(study, progress=self._onProgress)
-                self.ui.resultsText.setPlainText(self.logic.summaryText(prepared))
-                self._onProgress(_("study ready"), 1.0)
+                parameters.runFolder = pathlib.Path(run.folder)
+                self.ui.resultsText.setPlainText(self.logic.trainingSummary(run))
+                self._showResults()
         finally:
-            self._running = False
-            self._checkCanApply()
+            self._setRunning(False)
+
+    def _askToResample(self) -> bool | None:
+        """False when every input is on the reference grid; True if the user agrees to resample the others;
+        None if not."""
+        parameters = self._parameterNode
+        offGrid = self.logic.volumesOffGrid(parameters.volumeNodes(), parameters.probabilityVolume)
+        if not offGrid:
+            return False
+        question = _("These volumes are not on the grid of the reference volume '{reference}':\n{names}\n\n"
+                     "Resample them onto it (trilinear)? They must already be registered to it.").format(
+            reference=parameters.inputVolume.GetName(), names="\n".join(offGrid))
+        return True if slicer.util.confirmYesNoDisplay(question, windowTitle=_("Resample volumes")) else None
+
+    def onLoadButton(self) -> None:
+        parameters = self._parameterNode
+        with slicer.util.tryWithErrorDisplay(_("Failed to load the model."), waitCursor=True):
+            self.logic.ensureDependencies()
+            resample = self._askToResample()
+            if resample is None:
+                return
+            run = self.logic.loadRun(parameters.runFolder, parameters.volumeNodes(), parameters.inputSegmentation,
+                                     parameters.probabilityVolume, parameters.device, resample)
+            self.ui.resultsText.setPlainText(self.logic.trainingSummary(run))
+        self._checkCanApply()
+
+    def onRenderButton(self) -> None:
+        with slicer.util.tryWithErrorDisplay(_("Failed to render."), waitCursor=True):
+            self._renderThreeDView()
+
+    def onModelsButton(self) -> None:
+        with slicer.util.tryWithErrorDisplay(_("Failed to create the models."), waitCursor=True):
+            self.logic.createModels(self._parameterNode.meshSmoothing)
+
+    def _renderThreeDView(self) -> None:
+        """Render the trained field from the first 3D view's camera and show it in the red slice view."""
+        threeDView = slicer.app.layoutManager().threeDWidget(0).threeDView()
+        cameraNode = slicer.modules.cameras.logic().GetViewActiveCameraNode(threeDView.mrmlViewNode())
+        camera = self.logic.cameraFromNode(cameraNode, (threeDView.width, threeDView.height))
+        node = self.logic.renderCamera(camera, self._parameterNode.outputRender)
+        self._parameterNode.outputRender = node
+        slicer.util.setSliceViewerLayers(background=node, fit=True)
+
+    def _showResults(self) -> None:
+        self._onProgress(_("creating models of the learned surfaces"), 1.0)
+        self.logic.createModels(self._parameterNode.meshSmoothing)
+        self._onProgress(_("rendering the 3D view"), 1.0)
+        self._renderThreeDView()
+        self._onProgress(_("done"), 1.0)
 
 
 #
@@ -265,6 +408,10 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def __init__(self) -> None:
         """Called when the logic class is instantiated. Can be used for initializing member variables."""
         ScriptedLoadableModuleLogic.__init__(self)
+        #: The trained or loaded field (``NeuralRaycastLib.pipeline.TrainedRun``); None until train/loadRun.
+        self.run = None
+        #: Structure name -> (segment name, segment colour) of the last segmentation read.
+        self.structureSegments: dict[str, tuple[str, tuple[float, float, float]]] = {}
 
     def getParameterNode(self):
         return NeuralRaycastParameterNode(super().getParameterNode())
@@ -382,12 +529,12 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     @staticmethod
     def _checkSameGrid(volumeNode, array: np.ndarray, affine: np.ndarray, refNode, refShape, refAffine) -> None:
-        """Raise ValueError unless ``volumeNode`` lies on the reference grid (same shape, corners within a
-        tenth of a voxel)."""
+        """Raise GridMismatchError unless ``volumeNode`` lies on the reference grid (same shape, corners
+        within a tenth of a voxel)."""
         from NeuralRaycastLib.study import GRID_TOLERANCE_VOXELS, grid_corners
 
         if array.shape[:3] != refShape[:3]:
-            raise ValueError(
+            raise GridMismatchError(
                 f"Volume '{volumeNode.GetName()}' has {array.shape[2]} x {array.shape[1]} x {array.shape[0]} voxels "
                 f"(IJK) but the reference '{refNode.GetName()}' has {refShape[2]} x {refShape[1]} x {refShape[0]}; "
                 "resample it onto the reference volume first"
@@ -396,10 +543,50 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         offset = float(np.abs(grid_corners(affine, shapeIjk) - grid_corners(refAffine, shapeIjk)).max())
         tolerance = GRID_TOLERANCE_VOXELS * float(np.linalg.norm(refAffine[:3, :3], axis=0).min())
         if offset > tolerance:
-            raise ValueError(
+            raise GridMismatchError(
                 f"Volume '{volumeNode.GetName()}' is not on the grid of the reference '{refNode.GetName()}' "
                 f"(corners differ by up to {offset:.2f} mm); register and resample it onto the reference first"
             )
+
+    @staticmethod
+    def resampledOnto(array: np.ndarray, affine: np.ndarray, refShape, refAffine: np.ndarray) -> np.ndarray:
+        """A KJI volume array resampled (trilinear; zero outside) onto the reference grid; both affines map
+        IJK to the same world RAS, so registration is assumed done."""
+        from scipy import ndimage
+
+        toOther = np.linalg.inv(affine) @ refAffine  # reference IJK -> this volume's IJK
+        reverse = np.eye(3)[::-1]  # IJK <-> KJI
+        return ndimage.affine_transform(
+            np.asarray(array, np.float32), reverse @ toOther[:3, :3] @ reverse, reverse @ toOther[:3, 3],
+            output_shape=tuple(refShape[:3]), order=1, mode="constant", cval=0.0,
+        )
+
+    def volumesOffGrid(self, volumeNodes, probabilityNode=None) -> list[str]:
+        """Names of the selected volumes that are not on the reference (first) volume's grid."""
+        nodes = [node for node in (volumeNodes or []) if node is not None]
+        if not nodes:
+            return []
+        reference, refAffine = nodes[0], self.ijkToWorldMatrix(nodes[0])
+        refShape = self._volumeArray(reference).shape
+        names = []
+        for node in nodes[1:] + ([probabilityNode] if probabilityNode is not None else []):
+            try:
+                self._checkSameGrid(node, self._volumeArray(node), self.ijkToWorldMatrix(node), reference, refShape,
+                                    refAffine)
+            except GridMismatchError:
+                names.append(node.GetName())
+        return names
+
+    def _onReferenceGrid(self, node, reference, refShape, refAffine, resample: bool) -> np.ndarray:
+        array, affine = self._volumeArray(node), self.ijkToWorldMatrix(node)
+        try:
+            self._checkSameGrid(node, array, affine, reference, refShape, refAffine)
+        except GridMismatchError:
+            if not resample:
+                raise
+            logging.info(f"Volume '{node.GetName()}' resampled onto the grid of '{reference.GetName()}'")
+            return self.resampledOnto(array, affine, refShape, refAffine)
+        return array
 
     def segmentationLabels(self, segmentationNode, referenceVolumeNode) -> tuple[np.ndarray, dict[str, list[int]]]:
         """Export the segments onto the reference volume's grid.
@@ -419,6 +606,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         nodesBefore = {scene.GetNthNode(index).GetID() for index in range(scene.GetNumberOfNodes())}
         labelmapNode = scene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode", "NeuralRaycast export (temporary)")
         masks: dict[str, np.ndarray] = {}
+        segments: dict[str, tuple] = {}
         used: set = set()
         try:
             for segmentId in segmentIds:
@@ -437,7 +625,9 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 if not mask.any():
                     logging.warning(f"Segment '{segmentName}' is empty on the reference grid; it is skipped")
                     continue
-                masks[self._sanitizedName(segmentName, "segment", used)] = mask
+                structureName = self._sanitizedName(segmentName, "segment", used)
+                masks[structureName] = mask
+                segments[structureName] = (segmentName, tuple(segmentation.GetSegment(segmentId).GetColor()))
         finally:
             # Removes the labelmap and whatever the export created with it (display, color table nodes).
             added = [
@@ -451,6 +641,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         if not masks:
             raise ValueError(f"Every segment of '{segmentationNode.GetName()}' is empty on the reference grid")
+        self.structureSegments = segments
         names = list(masks)
         stack = np.stack([masks[name] for name in names], axis=-1)
         labels = np.zeros(stack.shape[:3], dtype=np.int16)
@@ -470,10 +661,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         }
         return labels, structures
 
-    def studyFromNodes(self, volumeNodes, segmentationNode=None, probabilityNode=None):
-        """Build a checked ``NeuralRaycastLib.study.Study`` from scene nodes.
+    def studyFromNodes(self, volumeNodes, segmentationNode=None, probabilityNode=None, resampleToReference=False):
+        """Build a checked ``NeuralRaycastLib.study.Study`` from scene nodes (the scene is not changed).
 
-        :param volumeNodes: scalar volumes, the reference channel first; all must share its grid.
+        :param volumeNodes: scalar volumes, the reference channel first; all must share its grid, unless
+            ``resampleToReference``: then volumes on other grids are resampled onto it (trilinear).
         :param segmentationNode: optional segmentation; exported onto the reference grid, one structure
             per non-empty segment, named after it.
         :param probabilityNode: optional tumour probability volume in [0, 1] on the reference grid.
@@ -498,16 +690,14 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         channels: dict[str, np.ndarray] = {}
         used: set = set()
         for node in volumeNodes:
-            array = refArray if node is reference else self._volumeArray(node)
-            if node is not reference:
-                self._checkSameGrid(node, array, self.ijkToWorldMatrix(node), reference, refArray.shape, refAffine)
+            array = (refArray if node is reference
+                     else self._onReferenceGrid(node, reference, refArray.shape, refAffine, resampleToReference))
             channels[self.channelName(node.GetName(), used)] = array
 
         probability = None
         if probabilityNode is not None:
-            probability = self._volumeArray(probabilityNode)
-            probabilityAffine = self.ijkToWorldMatrix(probabilityNode)
-            self._checkSameGrid(probabilityNode, probability, probabilityAffine, reference, refArray.shape, refAffine)
+            probability = self._onReferenceGrid(probabilityNode, reference, refArray.shape, refAffine,
+                                                resampleToReference)
 
         labels, structures = None, None
         if segmentationNode is not None:
@@ -545,6 +735,232 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         return summary_text(study_summary(prepared))
 
+    # -- studies into the scene -----------------------------------------------------------------------
+
+    def addStudyToScene(self, study, name: str | None = None):
+        """Add a ``NeuralRaycastLib.study.Study`` to the scene: one volume per channel and, if it has labels,
+        a segmentation with one (possibly overlapping) segment per structure, in the structure's colour.
+
+        Returns ``(volume nodes, segmentation node or None)``. All or nothing: on an error the nodes added
+        so far are removed.
+        """
+        from NeuralRaycastLib.structures import make_structures
+
+        name = name or study.name
+        added = []
+        try:
+            volumes = []
+            for channel in study.channel_names:
+                array = np.ascontiguousarray(study.channels[channel].transpose(2, 1, 0), dtype=np.float32)
+                volume = slicer.util.addVolumeFromArray(array, ijkToRAS=study.affine, name=f"{name} {channel}")
+                added.append(volume)
+                volumes.append(volume)
+            segmentationNode = None
+            if study.labels is not None:
+                segmentationNode = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLSegmentationNode", f"{name} segmentation")
+                added.append(segmentationNode)
+                segmentationNode.CreateDefaultDisplayNodes()
+                segmentationNode.SetReferenceImageGeometryParameterFromVolumeNode(volumes[0])
+                for structure in make_structures(study.structures, include_brain=False):
+                    mask = np.isin(study.labels, structure.labels).transpose(2, 1, 0).astype(np.uint8)
+                    segmentId = segmentationNode.GetSegmentation().AddEmptySegment(
+                        "", structure.name.replace("_", " ").capitalize(), list(structure.color)
+                    )
+                    slicer.util.updateSegmentBinaryLabelmapFromArray(mask, segmentationNode, segmentId, volumes[0])
+        except Exception:
+            self._removeNodes(added)
+            raise
+        return volumes, segmentationNode
+
+    def loadSampleStudy(self, folder: str | None = None, case: str = "icbm", spacing: float | None = None,
+                        progress=None):
+        """The built-in sample case (``neuralraycast sample``) in the scene; see :meth:`addStudyToScene`.
+
+        :param case: ``icbm`` (real anatomy with a synthetic lesion; the template is fetched once, pinned and
+            checksummed) or ``phantom`` (analytic shapes, nothing fetched).
+        """
+        from NeuralRaycastLib.sample import write_sample
+        from NeuralRaycastLib.study import load_study
+
+        folder = folder or os.path.join(os.path.expanduser("~"), "NeuralRaycast", "samples", case)
+        study = load_study(write_sample(folder, case, spacing, progress=progress))
+        return self.addStudyToScene(study, name=f"{case} sample")
+
+    # -- training -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def gpuContext(device: str = "auto"):
+        """The slangpy device (opened once per process); raises GpuUnavailableError naming what to install."""
+        from NeuralRaycastLib.gpu import open_device
+
+        return open_device(None if device in (None, "", "auto") else device)
+
+    @staticmethod
+    def runSettings(gpu, preset: str = "auto", seed: int = 0, iterations: int = 0, views: int = 0, size: int = 0):
+        """``auto`` is the quick preset on a software device (lavapipe) and the standard one on a GPU; zeros
+        keep the preset's number of iterations, reference views and view size."""
+        from NeuralRaycastLib.pipeline import RunSettings
+
+        return RunSettings.for_device(gpu, None if preset in (None, "", "auto") else preset, seed=seed,
+                                      iterations=iterations or None, views=views or None, size=size or None)
+
+    @staticmethod
+    def defaultRunFolder(studyName: str) -> str:
+        """``~/NeuralRaycast/runs/<study>-<date-time>``: kept after Slicer closes, so a saved scene can reload it."""
+        name = re.sub(r"[^A-Za-z0-9_-]+", "_", studyName or "study").strip("_") or "study"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return os.path.join(os.path.expanduser("~"), "NeuralRaycast", "runs", f"{name}-{stamp}")
+
+    def train(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto", device: str = "auto",
+              seed: int = 0, iterations: int = 0, runFolder: str | None = None, progress=None, shouldStop=None,
+              views: int = 0, size: int = 0, config=None, resampleToReference: bool = False):
+        """Read the study from the scene, train a field (blocking) and save it in ``runFolder``.
+
+        :param progress: optional ``callback(message, fraction)``; the widget uses it to keep Slicer responsive.
+        :param shouldStop: optional ``callback() -> bool`` polled between steps; a cancel keeps and saves the
+            state reached (``run.log.cancelled`` is then True).
+        :param views, size: number and pixel size of the reference views (0: the preset's).
+        :param config: a ``NeuralRaycastLib.train.TrainConfig`` replacing the preset's schedule (scripting).
+        :param resampleToReference: resample volumes on other grids onto the reference (else an error).
+        :return: ``NeuralRaycastLib.pipeline.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
+        Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
+        stays non-finite.
+        """
+        from NeuralRaycastLib.pipeline import prepare_study_for_run, train_prepared
+
+        gpu = self.gpuContext(device)
+        study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference)
+        settings = self.runSettings(gpu, preset, seed, iterations, views, size)
+        startTime = time.time()
+        prepared = prepare_study_for_run(study, settings, progress)
+        folder = str(runFolder) if runFolder and str(runFolder) not in ("", ".") else self.defaultRunFolder(study.name)
+        self.run = train_prepared(gpu, prepared, folder, settings, progress, shouldStop, config=config)
+        logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
+                     f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
+        return self.run
+
+    def loadRun(self, runFolder: str, volumeNodes, segmentationNode, probabilityNode=None, device: str = "auto",
+                resampleToReference: bool = False):
+        """Reload a trained model for the study in the scene (the one it was trained on: its geometry is
+        checked). Returns the TrainedRun (also kept as ``self.run``)."""
+        from NeuralRaycastLib.pipeline import load_run, prepare_study_for_run, read_run
+
+        folder = str(runFolder or "")
+        if folder in ("", ".") or not os.path.isdir(folder):
+            raise ValueError(f"Model folder '{folder}' does not exist; train a model first or select its folder")
+        settings = read_run(folder)["settings"]
+        study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference)
+        prepared = prepare_study_for_run(study, settings)
+        self.run = load_run(self.gpuContext(device), folder, prepared)
+        return self.run
+
+    def _requireRun(self):
+        if self.run is None:
+            raise RuntimeError("No trained model: train one (Apply) or load a model folder first")
+        return self.run
+
+    @staticmethod
+    def trainingSummary(run) -> str:
+        lines = [f"Model folder: {run.folder}", f"Preset: {run.settings.preset}, study "
+                 f"{' x '.join(map(str, run.prepared.study.shape))} voxels"]
+        if run.log is not None:
+            cancelled = " (cancelled, the state reached is kept)" if run.log.cancelled else ""
+            lines.append(f"Training: {run.log.seconds:.1f} s{cancelled}")
+            score = run.log.last("heldout_psnr")
+            if score is not None:
+                lines.append(f"Held-out PSNR: {score:.2f} dB, SSIM {run.log.last('heldout_ssim'):.3f}")
+        return "\n".join(lines)
+
+    # -- results into the scene -----------------------------------------------------------------------
+
+    @staticmethod
+    def cameraFromNode(cameraNode, size: tuple[int, int]):
+        """A ``NeuralRaycastLib.camera.Camera`` from a vtkMRMLCameraNode and an image size (width, height)."""
+        from NeuralRaycastLib.camera import Camera
+
+        camera = cameraNode.GetCamera()
+        return Camera.from_slicer(camera.GetPosition(), camera.GetFocalPoint(), camera.GetViewUp(),
+                                  camera.GetViewAngle(), size)
+
+    def renderCamera(self, camera, outputVolumeNode=None, name: str = "NeuralRaycast render"):
+        """Render the trained field from ``camera`` into an RGB vector volume (created if not given).
+
+        The picture lies in the axial plane, upright and unmirrored in an axial slice view (row 0 at the
+        top, 1 mm pixels). Returns the volume node; the scene gains it only once the picture is complete.
+        """
+        run = self._requireRun()
+        image = run.render(camera).rgb()
+        pixels = np.round(255.0 * image).astype(np.uint8)[np.newaxis]  # (1, H, W, 3) = KJI + components
+        ijkToRas = np.diag([-1.0, -1.0, 1.0, 1.0])  # i to the screen's right (patient left), j downwards
+        scene = slicer.mrmlScene
+        created = outputVolumeNode is None
+        if created:
+            outputVolumeNode = scene.AddNewNodeByClass("vtkMRMLVectorVolumeNode", name)
+        try:
+            slicer.util.updateVolumeFromArray(outputVolumeNode, pixels)
+            outputVolumeNode.SetIJKToRASMatrix(slicer.util.vtkMatrixFromArray(ijkToRas))
+            if outputVolumeNode.GetDisplayNode() is None:
+                outputVolumeNode.CreateDefaultDisplayNodes()
+        except Exception:
+            if created:
+                self._removeNodes([outputVolumeNode])
+            raise
+        return outputVolumeNode
+
+    def createModels(self, smoothingIterations: int = 10, replaceExisting: bool = True) -> list:
+        """One model node per learned structure (the surface s_k = 0), in RAS, named and coloured after
+        its segment (the brain after itself).
+
+        All meshes are computed before the scene changes; if adding a node fails, the nodes added so far
+        are removed. With ``replaceExisting``, models made earlier for the same structure are updated.
+        """
+        run = self._requireRun()
+        meshes = [mesh for mesh in run.meshes(smoothing_iterations=smoothingIterations) if len(mesh.faces)]
+        if not meshes:
+            raise ValueError("The learned field has no surface inside the study's box (is the model trained?)")
+        scene = slicer.mrmlScene
+        added, models = [], []
+        try:
+            for mesh in meshes:
+                segmentName, color = self.structureSegments.get(mesh.name, (mesh.name.replace("_", " "), mesh.color))
+                model = self._existingModel(mesh.name) if replaceExisting else None
+                if model is None:
+                    model = scene.AddNewNodeByClass("vtkMRMLModelNode", f"{segmentName} (neural)")
+                    added.append(model)
+                    model.SetAttribute(MODEL_ATTRIBUTE, mesh.name)
+                    model.CreateDefaultDisplayNodes()
+                model.SetAndObservePolyData(mesh.polydata())
+                model.GetDisplayNode().SetColor(*color)
+                models.append(model)
+        except Exception:
+            self._removeNodes(added)
+            raise
+        return models
+
+    @staticmethod
+    def _existingModel(structureName: str):
+        for model in slicer.util.getNodesByClass("vtkMRMLModelNode"):
+            if model.GetAttribute(MODEL_ATTRIBUTE) == structureName:
+                return model
+        return None
+
+    @staticmethod
+    def _removeNodes(nodes) -> None:
+        """Remove nodes with their display and storage nodes."""
+        scene = slicer.mrmlScene
+        for node in nodes:
+            if node is None or node.GetScene() is None:
+                continue
+            if hasattr(node, "GetNumberOfDisplayNodes"):
+                for index in reversed(range(node.GetNumberOfDisplayNodes())):
+                    display = node.GetNthDisplayNode(index)
+                    if display is not None:
+                        scene.RemoveNode(display)
+            storage = node.GetStorageNode() if hasattr(node, "GetStorageNode") else None
+            if storage is not None:
+                scene.RemoveNode(storage)
+            scene.RemoveNode(node)
+
 
 #
 # NeuralRaycastTest
@@ -564,6 +980,8 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         self.test_StudyFromNodes()
         self.setUp()
         self.test_OverlappingSegmentsAndTransforms()
+        self.setUp()
+        self.test_TrainRenderModels()
 
     @staticmethod
     def _syntheticVolume(name, shapeKji=(10, 12, 14), ijkToRas=None):
@@ -662,6 +1080,77 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         t1.SetAndObserveTransformNodeID(warp.GetID())
         with self.assertRaisesRegex(ValueError, "non-linear"):
             logic.studyFromNodes([t1], segmentationNode)
+        self.delayDisplay("Test passed")
+
+    def phantomInScene(self, folder: str, spacing: float = 3.0):
+        """The analytic phantom sample as four volumes and a three-segment segmentation (the way the
+        Sample Data button adds a sample), with the segments' masks (IJK)."""
+        from NeuralRaycastLib.study import load_study
+
+        volumes, segmentationNode = NeuralRaycastLogic().loadSampleStudy(folder, "phantom", spacing)
+        study = load_study(os.path.join(folder, "manifest.json"))
+        masks = {
+            name.replace("_", " ").capitalize(): np.isin(study.labels, values)
+            for name, values in study.structures.items()
+        }
+        return study, volumes, segmentationNode, masks
+
+    def test_TrainRenderModels(self):
+        """End to end on a tiny phantom: train, render a camera into a volume, one model per segment."""
+        import tempfile
+        from dataclasses import replace
+
+        from NeuralRaycastLib.train import preset
+
+        self.delayDisplay("Starting the train, render and models test (about a minute on a CPU)")
+        logic = NeuralRaycastLogic()
+        # Mostly geometry (what the models show), a few rendering steps.
+        quick = preset("quick")
+        schedule = replace(quick, geometry=replace(quick.geometry, steps=150), appearance_steps=4, joint_steps=4,
+                           eval_every=8)
+        with tempfile.TemporaryDirectory() as folder:
+            study, volumes, segmentationNode, masks = self.phantomInScene(folder)
+            nodesBefore = slicer.mrmlScene.GetNumberOfNodes()
+            run = logic.train(volumes, segmentationNode, preset="quick", views=4, size=32, config=schedule,
+                              runFolder=os.path.join(folder, "run"))
+            self.assertEqual(slicer.mrmlScene.GetNumberOfNodes(), nodesBefore, "training must not change the scene")
+            self.assertTrue(os.path.isfile(os.path.join(folder, "run", "model.safetensors")))
+            self.assertFalse(run.log.cancelled)
+
+            # A render of a camera node's view: an RGB volume of the requested size, not blank.
+            cameraNode = slicer.mrmlScene.AddNewNodeByClass("vtkMRMLCameraNode", "test camera")
+            values = run.views.cameras[0].to_slicer()
+            cameraNode.SetPosition(values["position"])
+            cameraNode.SetFocalPoint(values["focal_point"])
+            cameraNode.SetViewUp(values["view_up"])
+            cameraNode.SetViewAngle(values["view_angle"])
+            renderNode = logic.renderCamera(logic.cameraFromNode(cameraNode, (48, 40)))
+            pixels = slicer.util.arrayFromVolume(renderNode)
+            self.assertEqual(pixels.shape, (1, 40, 48, 3))
+            self.assertEqual(renderNode.GetImageData().GetNumberOfScalarComponents(), 3)
+            covered = (pixels.max(axis=-1) > 10).mean()
+            self.assertGreater(covered, 0.1, "the render is blank")
+            self.assertLess(covered, 0.95, "the render has no background")
+
+            # One model per segment (and the brain), named and coloured after it, bounds as the segment's.
+            models = logic.createModels(smoothingIterations=0)
+            byName = {model.GetName(): model for model in models}
+            spacing = float(np.linalg.norm(study.affine[:3, :3], axis=0).max())
+            for segmentName, mask in masks.items():
+                model = byName[f"{segmentName} (neural)"]
+                segment = segmentationNode.GetSegmentation().GetSegment(
+                    segmentationNode.GetSegmentation().GetSegmentIdBySegmentName(segmentName)
+                )
+                np.testing.assert_allclose(model.GetDisplayNode().GetColor(), segment.GetColor(), atol=1e-6)
+                ijk = np.argwhere(mask)  # IJK, as the study's affine expects
+                corners = np.array([ijk.min(axis=0) - 0.5, ijk.max(axis=0) + 0.5])
+                ras = corners @ study.affine[:3, :3].T + study.affine[:3, 3]
+                expected = np.ravel(np.column_stack([ras.min(axis=0), ras.max(axis=0)]))
+                np.testing.assert_allclose(model.GetPolyData().GetBounds(), expected, atol=spacing,
+                                           err_msg=f"bounds of the model of '{segmentName}'")
+            # Creating them again updates the same nodes.
+            self.assertEqual([node.GetID() for node in logic.createModels(smoothingIterations=0)],
+                             [node.GetID() for node in models])
         self.delayDisplay("Test passed")
 
 

@@ -15,9 +15,8 @@ import numpy as np
 
 from . import __version__
 from .camera import orbit_cameras
-from .evaluate import learned_distances
 from .gpu import open_device
-from .mesh import mesh_structure, write_mesh
+from .mesh import write_mesh
 from .metrics import depth_picture, normal_picture, psnr, save_png
 from .pipeline import CancelOnInterrupt, RunSettings, run_metrics, train_run
 from .progress import ConsoleProgress
@@ -60,7 +59,7 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     with CancelOnInterrupt() as cancel:
         run = train_run(gpu, manifest, out / "run", settings, ConsoleProgress(f"train ({settings.preset})"), cancel)
     timings["prepare, reference views and training"] = time.perf_counter() - clock
-    renderer = run.trainer.renderer
+    renderer = run.renderer
 
     clock = time.perf_counter()
     progress = ConsoleProgress("pictures")
@@ -84,15 +83,12 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     timings["held-out renders and turntable"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    learned = learned_distances(run.field, run.prepared)
     meshes = []
     try:
-        for k, structure in enumerate(run.prepared.structures):
-            mesh = mesh_structure(learned[k], run.prepared.affine, structure.name, structure.color,
-                                  smoothing_iterations=10)
+        for mesh in run.meshes(smoothing_iterations=10):
             if len(mesh.faces):
-                path = write_mesh(mesh, out / "meshes" / f"{structure.name}.vtp")
-                meshes.append({"name": structure.name, "triangles": len(mesh.faces),
+                path = write_mesh(mesh, out / "meshes" / f"{mesh.name}.vtp")
+                meshes.append({"name": mesh.name, "triangles": len(mesh.faces),
                                "file": str(path.relative_to(out))})
     except ImportError as error:  # VTK missing (a bare server install): everything else still gets reported
         meshes.append({"name": "(meshes skipped)", "triangles": 0, "file": f"VTK not available: {error}"})

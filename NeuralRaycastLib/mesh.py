@@ -41,6 +41,10 @@ class Mesh:
         a, b, c = (self.vertices[self.faces[:, i]] for i in range(3))
         return float(np.einsum("ij,ij->i", a, np.cross(b, c)).sum() / 6.0)
 
+    def polydata(self):
+        """The mesh as a vtkPolyData in RAS millimetres with point normals (what a Slicer model node takes)."""
+        return _polydata(self.vertices, self.faces, self.normals)
+
 
 def grid_points(affine: np.ndarray, shape: Sequence[int]) -> np.ndarray:
     """RAS coordinates (I, J, K, 3) of the voxel centres of a grid."""
@@ -244,7 +248,7 @@ def write_mesh(mesh: Mesh, path: str | Path) -> Path:
 
     path = Path(path)
     kind = path.suffix.lower().lstrip(".")
-    polydata = _polydata(mesh.vertices, mesh.faces, mesh.normals)
+    polydata = mesh.polydata()
     if kind == "vtp":
         name = vtk.vtkStringArray()
         name.SetName("Name")

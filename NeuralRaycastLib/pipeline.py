@@ -16,12 +16,16 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .camera import Camera
 from .field import FieldLayout, NeuralField, field_config_for
 from .gpu import GpuContext
+from .mesh import Mesh, mesh_sdf_grid
+from .neural_render import DiffRenderer
 from .preprocess import PreparedStudy, prepare
 from .reference_views import ReferenceViews, render_reference_views, save_reference_views
-from .study import downsample_study, load_study
-from .train import PRESETS, Trainer, TrainLog, preset
+from .render import RenderedImage
+from .study import Study, downsample_study, load_study
+from .train import PRESETS, TrainConfig, Trainer, TrainLog, field_renderer, preset
 
 Progress = Callable[[str, float], None]
 RUN_VERSION = 1
@@ -48,7 +52,11 @@ class RunSettings:
 
 
 def prepare_for_run(study_path: str | Path, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
-    study = load_study(study_path)
+    return prepare_study_for_run(load_study(study_path), settings, progress)
+
+
+def prepare_study_for_run(study: Study, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
+    """Downsample (the quick preset) and prepare an in-memory study, e.g. one read from a Slicer scene."""
     if settings.max_voxels:
         study = downsample_study(study, settings.max_voxels)
     return prepare(study, progress=progress)
@@ -89,12 +97,26 @@ class CancelOnInterrupt:
 
 @dataclass
 class TrainedRun:
+    """A trained (or loaded) field with what it needs to render: the prepared study and its renderer."""
+
     folder: Path
     prepared: PreparedStudy
     field: NeuralField
-    views: ReferenceViews
-    log: TrainLog
-    trainer: Trainer
+    renderer: DiffRenderer
+    settings: RunSettings
+    views: ReferenceViews | None = None  # the reference views trained on (None for a loaded model)
+    log: TrainLog | None = None
+
+    def render(self, camera: Camera) -> RenderedImage:
+        return self.renderer.render(camera)
+
+    def meshes(self, smoothing_iterations: int = 10, decimation: float = 0.0) -> list[Mesh]:
+        """One mesh per structure of the learned surfaces s_k = 0, in RAS millimetres (empty meshes kept, so
+        indices match the structures)."""
+        from .evaluate import learned_distances
+
+        return mesh_sdf_grid(learned_distances(self.field, self.prepared), self.prepared.affine,
+                             self.prepared.structures, smoothing_iterations, decimation)
 
 
 def train_run(
@@ -105,17 +127,37 @@ def train_run(
     progress: Progress | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> TrainedRun:
-    """Prepare the study, render its reference views, train a field through all stages, save the run."""
+    """Prepare the study file, render its reference views, train a field through all stages, save the run."""
+    prepared = prepare_for_run(study_path, settings, progress)
+    return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
+
+
+def train_prepared(
+    gpu: GpuContext,
+    prepared: PreparedStudy,
+    out: str | Path,
+    settings: RunSettings,
+    progress: Progress | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    source: str | None = None,
+    config: TrainConfig | None = None,
+) -> TrainedRun:
+    """Render the prepared study's reference views, train a field through all stages, save the run folder.
+
+    ``source`` (the study's file, if any) is recorded so ``evaluate`` can prepare the study again. A cancel
+    (``should_stop``) still saves the state reached. ``config`` replaces the preset's training schedule
+    (``settings.iterations`` then does not apply).
+    """
     from .model_io import save_field
 
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    prepared = prepare_for_run(study_path, settings, progress)
     views = reference_views_for_run(gpu, prepared, settings, progress)
     save_reference_views(views, folder / "reference")
-    config = preset(settings.preset, settings.seed)
-    if settings.iterations is not None:
-        config = config.with_total_steps(settings.iterations)
+    if config is None:
+        config = preset(settings.preset, settings.seed)
+        if settings.iterations is not None:
+            config = config.with_total_steps(settings.iterations)
     layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
                                prepared.bounds, len(prepared.structures), len(prepared.channel_names))
     field = NeuralField(gpu, layout, seed=settings.seed)
@@ -129,10 +171,22 @@ def train_run(
         "cancelled": log.cancelled, "skipped_steps": log.skipped_steps, "rows": log.rows,
     }, indent=1) + "\n")
     (folder / "run.json").write_text(json.dumps({
-        "version": RUN_VERSION, "study": str(Path(study_path).resolve()), "settings": asdict(settings),
+        "version": RUN_VERSION, "study": source, "settings": asdict(settings),
         "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }, indent=2) + "\n")
-    return TrainedRun(folder, prepared, field, views, log, trainer)
+    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log)
+
+
+def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> TrainedRun:
+    """A run folder's field on ``prepared`` (the study it was trained on, prepared the same way); the model
+    file's study geometry must match (ModelFileError otherwise)."""
+    from .model_io import load_field
+
+    folder = Path(folder)
+    settings: RunSettings = read_run(folder)["settings"]
+    field = load_field(gpu, folder / "model.safetensors", prepared)
+    renderer = field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
+    return TrainedRun(folder, prepared, field, renderer, settings)
 
 
 def read_run(folder: str | Path) -> dict[str, Any]:
@@ -154,7 +208,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
                 settings: RunSettings, renderer=None) -> dict[str, Any]:
     """The metrics of a trained field (see :func:`evaluate_run`), written to ``metrics.json``."""
     from .evaluate import geometry_metrics
-    from .train import field_renderer, score_views
+    from .train import score_views
 
     renderer = renderer or field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
     metrics: dict[str, Any] = score_views(renderer, views, views.held_out)
@@ -184,6 +238,9 @@ def evaluate_run(gpu: GpuContext, folder: str | Path, progress: Progress | None 
     folder = Path(folder)
     run = read_run(folder)
     settings: RunSettings = run["settings"]
+    if not run.get("study"):
+        raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
+                         "evaluate it where it was trained")
     prepared = prepare_for_run(run["study"], settings, progress)
     field = load_field(gpu, folder / "model.safetensors", prepared)
     views = reference_views_for_run(gpu, prepared, settings, progress)

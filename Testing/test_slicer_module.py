@@ -1,0 +1,251 @@
+"""The Slicer module headless: its .ui against its code, its own self-tests, the parameter node through a
+saved scene, and bad input that must leave the scene as it was (see slicer_harness.py)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import slicer_harness
+
+UI_FILE = slicer_harness.ROOT / "NeuralRaycast" / "Resources" / "UI" / "NeuralRaycast.ui"
+
+
+@pytest.fixture(scope="module")
+def module():
+    return slicer_harness.load_module()
+
+
+@pytest.fixture
+def scene(module):
+    import slicer
+
+    slicer.mrmlScene.Clear(0)
+    return slicer.mrmlScene
+
+
+@pytest.fixture
+def self_test(module, scene):
+    return module.NeuralRaycastTest()
+
+
+def node_ids(scene) -> set[str]:
+    return {scene.GetNthNode(index).GetID() for index in range(scene.GetNumberOfNodes())}
+
+
+# --- the .ui file and the code that uses it ---------------------------------------------------------------
+
+
+def test_every_bound_widget_names_a_parameter_and_every_parameter_has_a_widget(module):
+    bound = {element.find("string").text for element in ET.parse(UI_FILE).iter("property")
+             if element.get("name") == "SlicerParameterName"}
+    parameters = set(module.NeuralRaycastParameterNode.allParameters)
+    assert bound == parameters
+
+
+def test_every_widget_the_code_touches_exists_in_the_ui(module):
+    widgets = {element.get("name") for element in ET.parse(UI_FILE).iter("widget")}
+    used = set(re.findall(r"self\.ui\.(\w+)", slicer_harness.MODULE_FILE.read_text()))
+    assert used, "the widget reads no widgets?"
+    assert used <= widgets, f"missing in the .ui: {sorted(used - widgets)}"
+
+
+# --- the module's own self-tests (what Slicer's "Reload and Test" runs) --------------------------------------
+
+
+def test_study_from_nodes(self_test):
+    self_test.test_StudyFromNodes()
+
+
+def test_overlapping_segments_and_transforms(self_test):
+    self_test.test_OverlappingSegmentsAndTransforms()
+
+
+@pytest.mark.gpu
+def test_train_render_and_models_end_to_end(self_test):
+    self_test.test_TrainRenderModels()
+
+
+# --- parameter node and scene files -----------------------------------------------------------------------------
+
+
+def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_test, tmp_path):
+    volume, _array, _affine = self_test._syntheticVolume("T1 scan")
+    segmentation = self_test._newSegmentation(volume)
+    parameters = module.NeuralRaycastLogic().getParameterNode()
+    assert (parameters.preset, parameters.device, parameters.meshSmoothing) == ("auto", "auto", 10)
+    parameters.inputVolume = volume
+    parameters.inputSegmentation = segmentation
+    parameters.preset = "quick"
+    parameters.seed = 7
+    parameters.iterations = 123
+    parameters.meshSmoothing = 3
+    parameters.runFolder = tmp_path / "run"
+    with pytest.raises(ValueError):
+        parameters.preset = "fastest"  # not a choice
+    with pytest.raises(ValueError):
+        parameters.meshSmoothing = 1000  # out of range
+
+    scene.SetURL(str(tmp_path / "scene.mrml"))
+    assert scene.Commit()
+    scene.Clear(0)
+    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 0
+    scene.SetURL(str(tmp_path / "scene.mrml"))
+    assert scene.Import()
+
+    reloaded = module.NeuralRaycastLogic().getParameterNode()
+    assert reloaded.inputVolume.GetName() == "T1 scan"
+    assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
+    assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
+    assert reloaded.runFolder == tmp_path / "run"
+    assert reloaded.volumeNodes() == [reloaded.inputVolume]
+
+
+# --- bad input: a clear error, and the scene gains nothing -----------------------------------------------------
+
+
+def test_missing_inputs_are_refused(module, scene):
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    with pytest.raises(ValueError, match="No input volume"):
+        logic.train([], None)
+    with pytest.raises(RuntimeError, match="No trained model"):
+        logic.createModels()
+    with pytest.raises(RuntimeError, match="No trained model"):
+        logic.renderCamera(None)
+    with pytest.raises(ValueError, match="does not exist"):
+        logic.loadRun("/nonexistent/run", [], None)
+    assert node_ids(scene) == before
+
+
+def test_empty_segmentations_are_refused(module, scene, self_test):
+    volume, array, _affine = self_test._syntheticVolume("t1")
+    segmentation = self_test._newSegmentation(volume)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    with pytest.raises(ValueError, match="has no segments"):
+        logic.studyFromNodes([volume], segmentation)
+    assert node_ids(scene) == before
+    self_test._addSegment(segmentation, "Nothing", np.zeros(array.shape, bool), volume)
+    before = node_ids(scene)
+    with pytest.raises(ValueError, match="empty"):
+        logic.studyFromNodes([volume], segmentation)
+    assert node_ids(scene) == before
+
+
+def test_volumes_on_other_grids_are_refused_by_name(module, scene, self_test):
+    volume, _array, affine = self_test._syntheticVolume("t1")
+    shifted = affine.copy()
+    shifted[:3, 3] += 5.0
+    other, _array, _affine = self_test._syntheticVolume("flair elsewhere", ijkToRas=shifted)
+    small, _array, _affine = self_test._syntheticVolume("t2 small", shapeKji=(10, 12, 13))
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    with pytest.raises(ValueError, match="flair elsewhere"):
+        logic.studyFromNodes([volume, other])
+    with pytest.raises(ValueError, match="t2 small"):
+        logic.studyFromNodes([volume, small])
+    assert logic.volumesOffGrid([volume, other, small]) == ["flair elsewhere", "t2 small"]
+    assert node_ids(scene) == before
+
+
+def test_volumes_on_other_grids_are_resampled_when_asked(module, scene, self_test):
+    volume, array, affine = self_test._syntheticVolume("t1")
+    moved = affine.copy()
+    moved[0, 3] -= 3.0  # two voxels along i (spacing -1.5 mm)
+    other, otherArray, _affine = self_test._syntheticVolume("flair", ijkToRas=moved)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    study = logic.studyFromNodes([volume, other], resampleToReference=True)
+    resampled = study.channels["flair"]  # IJK
+    np.testing.assert_allclose(resampled[2:], otherArray.transpose(2, 1, 0)[:-2], atol=1e-3)
+    np.testing.assert_array_equal(resampled[:2], 0.0)
+    np.testing.assert_array_equal(study.channels["t1"], array.transpose(2, 1, 0))
+    assert node_ids(scene) == before
+
+
+def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
+    import NeuralRaycastLib.gpu as gpu
+
+    def no_device(choice=None):
+        raise gpu.GpuUnavailableError("no usable GPU or Vulkan driver: install mesa-vulkan-drivers")
+
+    monkeypatch.setattr(gpu, "open_device", no_device)
+    volume, array, _affine = self_test._syntheticVolume("t1")
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    with pytest.raises(gpu.GpuUnavailableError, match="mesa-vulkan-drivers"):
+        logic.train([volume], None)
+    assert node_ids(scene) == before and logic.run is None
+
+
+@pytest.mark.gpu
+def test_cancel_keeps_a_saved_state_and_the_scene_unchanged(module, scene, self_test, tmp_path):
+    from NeuralRaycastLib.train import preset
+
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    polls = []
+
+    def cancel_after_a_few_steps() -> bool:
+        polls.append(1)
+        return len(polls) > 5
+
+    quick = preset("quick")
+    schedule = replace(quick, geometry=replace(quick.geometry, steps=40, monitor_every=10))
+    run = logic.train(volumes, segmentation, preset="quick", views=4, size=32, config=schedule,
+                      runFolder=tmp_path / "run", shouldStop=cancel_after_a_few_steps)
+    assert run.log.cancelled
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert np.all(np.isfinite(run.field.parameters()))
+    assert node_ids(scene) == before
+
+
+class TetrahedraRun:
+    """Stands in for a trained run: three small tetrahedra as the learned surfaces."""
+
+    def meshes(self, smoothing_iterations: int = 0, decimation: float = 0.0):
+        from NeuralRaycastLib.mesh import Mesh
+
+        vertices = np.array([[0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]], np.float64)
+        faces = np.array([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]])
+        return [Mesh(vertices + 20 * index, faces, vertices / 10.0, name, (0.5, 0.5, 0.5))
+                for index, name in enumerate(("brain", "whole_tumor", "tumor_core"))]
+
+
+def test_models_are_added_together_or_not_at_all(module, scene, monkeypatch):
+    from NeuralRaycastLib.mesh import Mesh
+
+    logic = module.NeuralRaycastLogic()
+    logic.run = TetrahedraRun()
+    calls = []
+    original = Mesh.polydata
+
+    def fails_on_the_third(self):
+        calls.append(self.name)
+        if len(calls) == 3:
+            raise MemoryError("out of memory (simulated)")
+        return original(self)
+
+    monkeypatch.setattr(Mesh, "polydata", fails_on_the_third)
+    before = node_ids(scene)
+    with pytest.raises(MemoryError):
+        logic.createModels(smoothingIterations=0)
+    assert len(calls) == 3
+    assert node_ids(scene) == before
+
+    monkeypatch.setattr(Mesh, "polydata", original)
+    models = logic.createModels(smoothingIterations=0)
+    assert [model.GetName() for model in models] == ["brain (neural)", "whole tumor (neural)", "tumor core (neural)"]
+    assert all(model.GetPolyData().GetNumberOfCells() == 4 for model in models)
+
+
+def test_default_run_folder_is_outside_temporary_space(module):
+    folder = pathlib.Path(module.NeuralRaycastLogic.defaultRunFolder("Case 7: T1/FLAIR"))
+    assert folder.parent == pathlib.Path.home() / "NeuralRaycast" / "runs"
+    assert re.fullmatch(r"Case_7_T1_FLAIR-\d{8}-\d{6}", folder.name)
