@@ -323,11 +323,20 @@ class NeuralField:
         return 0.5 * self.layout.levels[self.active_levels - 1].cell_mm
 
     def distances(self, points: np.ndarray) -> np.ndarray:
-        """Signed distances (N, K) in mm at RAS points (N, 3)."""
-        points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
+        """Signed distances (N, K) in mm at RAS points (N, 3).
+
+        The field is trained only inside its box (the study's bounds, which hold every structure); outside
+        it the network's values mean nothing, so a point there gets the distance at the nearest point of
+        the box plus its distance to the box (every structure is outside, as it should be).
+        """
+        points = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+        low = np.asarray(self.layout.origin, np.float64)
+        clamped = np.clip(points, low, low + np.asarray(self.layout.extent, np.float64))
+        beyond = np.linalg.norm(points - clamped, axis=1).astype(np.float32)
+        inside = np.ascontiguousarray(clamped, dtype=np.float32)
         struct = self.shader_struct()
-        columns = [self.module.distanceAt(struct, k, points, _result="numpy") for k in range(self.structures)]
-        return np.stack(columns, axis=-1).reshape(-1, self.structures)
+        columns = [self.module.distanceAt(struct, k, inside, _result="numpy") for k in range(self.structures)]
+        return np.stack(columns, axis=-1).reshape(-1, self.structures) + beyond[:, None]
 
     def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
         """∇s_k (N, K, 3) by central differences (the same ones the Eikonal term uses)."""
