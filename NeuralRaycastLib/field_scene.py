@@ -41,6 +41,10 @@ class FieldScene:
     def backward(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
         self.field.module.fieldBackward(grid, self.struct(), buffers, look, settings, step_mm)
 
+    def backward_appearance(self, grid: Any, buffers: dict, look: dict, settings: dict) -> None:
+        """The backward pass with the geometry frozen: gradients of the appearance network only."""
+        self.field.module.fieldAppearanceBackward(grid, self.struct(), buffers, look, settings)
+
 
 def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:
     """Where the boundary maps put a surface (the occupancy before anything is learnt)."""

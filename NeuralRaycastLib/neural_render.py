@@ -32,7 +32,8 @@ VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
 
 class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
-    of shaders/diff_scene.slang instantiated for the scene)."""
+    of shaders/diff_scene.slang instantiated for the scene). A scene whose appearance can train alone
+    also has ``backward_appearance(grid, buffers, look, settings)``."""
 
     structures: int
 
@@ -198,9 +199,10 @@ class DiffRenderer:
     def sums(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.sums.to_numpy()).reshape(-1, OUTPUTS)[: self.ray_count]
 
-    def backward(self, batch: RayBatch, d_sums: np.ndarray) -> None:
+    def backward(self, batch: RayBatch, d_sums: np.ndarray, geometry: bool = True) -> None:
         """Add ∂L/∂parameters to the scene's gradient buffer, given ∂L/∂sums (rays, OUTPUTS) of the last
-        :meth:`forward`."""
+        :meth:`forward`. With ``geometry=False`` (a scene with ``backward_appearance``) only the appearance
+        gets gradients, much faster while the geometry is frozen."""
         import slangpy as spy
 
         n = self.ray_count
@@ -210,8 +212,11 @@ class DiffRenderer:
         self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
                                                 batch.sums.storage.device_address,
                                                 batch.d_sums.storage.device_address)
-        self.scene.backward(spy.grid((n, self.max_samples)), batch.struct, self.look, self.settings,
-                            self.normal_step_mm)
+        grid = spy.grid((n, self.max_samples))
+        if geometry:
+            self.scene.backward(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
+        else:
+            self.scene.backward_appearance(grid, batch.struct, self.look, self.settings)
 
     def sample_counts(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]

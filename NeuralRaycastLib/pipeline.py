@@ -167,7 +167,8 @@ def train_prepared(
                {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
     (folder / "train_log.json").write_text(json.dumps({
         "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
-        "rays_per_second": log.rays / log.render_seconds if log.render_seconds else 0.0,
+        "rays_per_second": log.rays_per_second(),
+        "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
         "cancelled": log.cancelled, "skipped_steps": log.skipped_steps, "rows": log.rows,
     }, indent=1) + "\n")
     (folder / "run.json").write_text(json.dumps({

@@ -79,7 +79,7 @@ class TrainConfig:
 def preset(name: str, seed: int = 0) -> TrainConfig:
     """``quick`` (a CPU device: small batches), ``standard`` (a GPU), ``high`` (a GPU, longer)."""
     if name == "quick":
-        return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=60, joint_steps=120,
+        return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=60, joint_steps=60,
                            patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, seed=seed)
     if name == "standard":
         return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), seed=seed)
@@ -98,11 +98,19 @@ class TrainLog:
     seconds: float = 0.0
     rays: int = 0  # rendered and back-propagated rays in stages 2 and 3
     render_seconds: float = 0.0
+    stage_rays: dict[int, int] = dataclasses.field(default_factory=dict)  # rays and seconds of stages 2, 3
+    stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: bool = False
     skipped_steps: int = 0
 
     def last(self, key: str) -> float | None:
         return next((row[key] for row in reversed(self.rows) if key in row), None)
+
+    def rays_per_second(self, stage: int | None = None) -> float:
+        """Training throughput (forward + backward + Adam) of stage 2 or 3, or of both."""
+        rays = self.rays if stage is None else self.stage_rays.get(stage, 0)
+        seconds = self.render_seconds if stage is None else self.stage_seconds.get(stage, 0.0)
+        return rays / seconds if seconds else 0.0
 
 
 def field_renderer(
@@ -160,8 +168,9 @@ class Trainer:
         self.log = TrainLog()
 
     # one step of stages 2 and 3 --------------------------------------------------------------------------
-    def image_step(self) -> dict[str, float]:
-        """Render a batch of patches, add the image loss's gradient; returns the loss terms."""
+    def image_step(self, geometry: bool = True) -> dict[str, float]:
+        """Render a batch of patches, add the image loss's gradient (to the appearance only, unless
+        ``geometry``); returns the loss terms."""
         c = self.config
         rows = self.sampler.sample(c.patches)
         batch = self.renderer.patch_rays(self._cameras, rows, c.patch_size)
@@ -172,7 +181,7 @@ class Trainer:
             return {"loss": float("nan")}
         gradient = np.zeros_like(sums)
         gradient[..., :4] = c.image_weight * d_rgba
-        self.renderer.backward(batch, gradient.reshape(-1, OUTPUTS))
+        self.renderer.backward(batch, gradient.reshape(-1, OUTPUTS), geometry)
         self.log.rays += c.patches * c.patch_size * c.patch_size
         return {"loss": c.image_weight * loss, **terms}
 
@@ -215,7 +224,7 @@ class Trainer:
             joint = step >= c.appearance_steps
             stage = 3 if joint else 2
             t0 = time.perf_counter()
-            terms = self.image_step()
+            terms = self.image_step(geometry=joint)
             if joint:
                 sdf.accumulate(step, c.sdf_weight)
             if not np.isfinite(terms["loss"]):
@@ -231,7 +240,10 @@ class Trainer:
             scales = (1.0, 1.0, 1.0) if joint else (0.0, 0.0, 1.0)
             adam.step(learning_rate_factor(step, adam.config) * rate, scales)
             self.gpu.device.wait()
-            self.log.render_seconds += time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            self.log.render_seconds += spent
+            self.log.stage_seconds[stage] = self.log.stage_seconds.get(stage, 0.0) + spent
+            self.log.stage_rays[stage] = self.log.stage_rays.get(stage, 0) + c.patches * c.patch_size ** 2
             done = c.geometry.steps + step + 1
             if step % 20 == 0 or step == steps - 1:
                 self.log.rows.append({"step": done, "stage": stage, "seconds": time.perf_counter() - start,

@@ -11,10 +11,12 @@ from conftest import analytic_prepared
 from field_reference import tiny_config
 
 from NeuralRaycastLib.evaluate import geometry_metrics
-from NeuralRaycastLib.field import FieldLayout, NeuralField
+from NeuralRaycastLib.field import GROUP_APPEARANCE, FieldLayout, NeuralField
+from NeuralRaycastLib.fit import FitConfig, SdfFitter
+from NeuralRaycastLib.neural_render import OUTPUTS
 from NeuralRaycastLib.reference_views import render_reference_views
 from NeuralRaycastLib.sample.phantom import Phantom
-from NeuralRaycastLib.train import Trainer, preset
+from NeuralRaycastLib.train import Trainer, field_renderer, preset
 
 pytestmark = pytest.mark.gpu
 
@@ -70,3 +72,43 @@ def test_cancel_keeps_a_finite_state(gpu, phantom_views):
     log = Trainer(gpu, prepared, field, views, config).run(should_stop=stop)
     assert log.cancelled
     assert np.all(np.isfinite(field.parameters()))
+
+
+def test_appearance_only_backward_is_the_appearance_part_of_the_full_one(gpu, phantom_views):
+    """Stage 2's fast backward (geometry frozen) must give the appearance network exactly the gradient the
+    full backward gives it, and that gradient must match finite differences of the rendered sums."""
+    prepared, views = phantom_views
+    field = new_field(gpu, prepared)
+    SdfFitter(gpu, prepared, field, FitConfig(steps=60, batch=1 << 12, seed=1)).run()  # surfaces to shade
+    renderer = field_renderer(gpu, prepared, field, 128)
+    camera = replace(views.cameras[0], width=16, height=12)
+    rng = np.random.default_rng(3)
+    d_sums = np.zeros((camera.width * camera.height, OUTPUTS), np.float32)
+    d_sums[:, :4] = rng.normal(size=(len(d_sums), 4))
+
+    def weighted_sum(parameters) -> float:
+        field.set_parameters(parameters)
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch)
+        return float(np.sum(renderer.sums(batch).astype(np.float64) * d_sums))
+
+    base = field.parameters()
+    gradients = {}
+    for geometry in (True, False):
+        weighted_sum(base)
+        field.zero_gradients()
+        renderer.backward(renderer.batch(len(d_sums)), d_sums, geometry=geometry)
+        gradients[geometry] = field.gradients()
+    appearance = field.layout.groups() == GROUP_APPEARANCE
+    assert np.abs(gradients[False][appearance]).max() > 0
+    np.testing.assert_array_equal(gradients[False][~appearance], 0.0)
+    np.testing.assert_allclose(gradients[False][appearance], gradients[True][appearance], rtol=1e-4,
+                               atol=1e-6 * np.abs(gradients[True][appearance]).max())
+
+    largest = np.flatnonzero(appearance)[np.argsort(-np.abs(gradients[False][appearance]))[:4]]
+    for index in largest:
+        step = np.zeros_like(base)
+        step[index] = 1e-2
+        numeric = (weighted_sum(base + step) - weighted_sum(base - step)) / 2e-2
+        assert numeric == pytest.approx(gradients[False][index], rel=5e-2), index
+    field.set_parameters(base)
