@@ -1082,7 +1082,7 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
             logic.studyFromNodes([t1], segmentationNode)
         self.delayDisplay("Test passed")
 
-    def phantomInScene(self, folder: str, spacing: float = 3.0):
+    def phantomInScene(self, folder: str, spacing: float = 2.0):
         """The analytic phantom sample as four volumes and a three-segment segmentation (the way the
         Sample Data button adds a sample), with the segments' masks (IJK)."""
         from NeuralRaycastLib.study import load_study

@@ -69,7 +69,8 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
         neural = renderer.render(run.views.cameras[index]).rgb()
         held_out.append(save_comparison(out, index, reference, neural, psnr(neural, reference)))
     frames = []
-    cameras = turntable_cameras(run.prepared.bounds, 24, settings.size)
+    frames_count = 12 if gpu.report.software else 24  # a CPU device renders slowly
+    cameras = turntable_cameras(run.prepared.bounds, frames_count, settings.size)
     for index, camera in enumerate(cameras):
         progress(f"turntable {index + 1}/{len(cameras)}", index / len(cameras))
         image = renderer.render(camera)
