@@ -99,6 +99,30 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_render(args: argparse.Namespace) -> int:
+    """Orbit views of a trained field: RGBA pictures, depth and normal G-buffer pictures, a contact sheet."""
+    from .camera import orbit_cameras
+    from .metrics import contact_sheet, depth_picture, normal_picture, save_png
+    from .pipeline import open_run
+
+    run = open_run(open_device(args.device), args.run_folder, ConsoleProgress("prepare"))
+    out = Path(args.out)
+    progress = ConsoleProgress("render")
+    pictures = []
+    cameras = orbit_cameras(run.prepared.bounds, args.views, args.size[0], args.size[1])
+    for index, camera in enumerate(cameras):
+        progress(f"view {index + 1}/{len(cameras)}", index / len(cameras))
+        image = run.render(camera)
+        pictures.append(image.rgb())
+        save_png(pictures[-1], out / "views" / f"{index:03d}.png")
+        save_png(depth_picture(image.depth), out / "depth" / f"{index:03d}.png")
+        save_png(normal_picture(image.normal), out / "normal" / f"{index:03d}.png")
+    save_png(contact_sheet(pictures), out / "contact_sheet.png")
+    progress("done", 1.0)
+    print(f"{len(cameras)} views in {out}; see {out / 'contact_sheet.png'}")
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from .pipeline import evaluate_run
 
@@ -119,8 +143,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_mesh(args: argparse.Namespace) -> int:
     from .mesh import mesh_prepared, write_meshes
 
-    prepared = _prepare(args.study, use_cache=True)
-    meshes = mesh_prepared(prepared, args.smooth, args.decimate)
+    if (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
+        from .pipeline import open_run
+
+        run = open_run(open_device(args.device), args.study, ConsoleProgress("prepare"))
+        meshes = run.meshes(args.smooth, args.decimate)
+    else:  # a study: its boundary maps (the classic route)
+        meshes = mesh_prepared(_prepare(args.study, use_cache=True), args.smooth, args.decimate)
     paths = write_meshes(meshes, args.out, args.formats)
     for mesh in meshes:
         print(f"{mesh.name:16s} {len(mesh.faces):8d} triangles")
@@ -224,8 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_evaluate)
 
-    p = sub.add_parser("mesh", help="triangle meshes of a study's structures (marching cubes, RAS mm)")
-    p.add_argument("study", help="study folder or manifest.json")
+    p = sub.add_parser("render", help="render orbit views of a trained field (RGBA, depth, normals)")
+    device_option(p)
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--views", type=int, default=8, help="number of orbit views (default 8)")
+    p.add_argument("--size", type=int, nargs=2, default=[512, 512], metavar=("W", "H"), help="pixels (512 512)")
+    p.set_defaults(run=cmd_render)
+
+    p = sub.add_parser("mesh", help="triangle meshes (marching cubes, RAS mm): a run's learned surfaces or a "
+                                    "study's segmentation")
+    device_option(p)
+    p.add_argument("study", help="run folder written by 'fit' (learned surfaces), or study folder / manifest.json")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--formats", nargs="+", default=["vtp"], choices=["vtp", "stl", "obj", "ply"],
                    help="file formats (default vtp)")

@@ -231,18 +231,19 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     return metrics
 
 
+def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> TrainedRun:
+    """A run folder's field on its study, prepared again from the study file recorded in ``run.json``."""
+    folder = Path(folder)
+    run = read_run(folder)
+    if not run.get("study"):
+        raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
+                         "use it where it was trained")
+    return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress))
+
+
 def evaluate_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:
     """Held-out PSNR / SSIM against freshly rendered reference views, and per-structure Dice and surface
     distances; also written to ``metrics.json`` in the run folder."""
-    from .model_io import load_field
-
-    folder = Path(folder)
-    run = read_run(folder)
-    settings: RunSettings = run["settings"]
-    if not run.get("study"):
-        raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
-                         "evaluate it where it was trained")
-    prepared = prepare_for_run(run["study"], settings, progress)
-    field = load_field(gpu, folder / "model.safetensors", prepared)
-    views = reference_views_for_run(gpu, prepared, settings, progress)
-    return run_metrics(gpu, folder, prepared, field, views, settings)
+    run = open_run(gpu, folder, progress)
+    views = reference_views_for_run(gpu, run.prepared, run.settings, progress)
+    return run_metrics(gpu, run.folder, run.prepared, run.field, views, run.settings, run.renderer)

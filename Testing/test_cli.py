@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
 
 from NeuralRaycastLib.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "fit", "mesh", "bench", "demo"])
+@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "fit", "render", "mesh",
+                                     "bench", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -87,6 +89,14 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     assert set(metrics["dice"]) == {"brain", "whole_tumor", "tumor_core", "enhancing_tumor"}
     assert metrics["dice"]["brain"] > 0.5  # a few geometry steps already find the brain
     assert metrics["model_bytes"] == (run / "model.safetensors").stat().st_size
+
+    # The trained field renders from new cameras and meshes its learned surfaces.
+    assert main(["render", str(run), "--views", "2", "--size", "24", "20", "--out", str(tmp_path / "r")]) == 0
+    picture = iio.imread(tmp_path / "r" / "views" / "001.png")
+    assert picture.shape[:2] == (20, 24) and picture[..., :3].max() > 20
+    assert (tmp_path / "r" / "depth" / "001.png").exists() and (tmp_path / "r" / "contact_sheet.png").exists()
+    assert main(["mesh", str(run), "--out", str(tmp_path / "m"), "--formats", "stl"]) == 0
+    assert (tmp_path / "m" / "brain.stl").stat().st_size > 1000
     geometry = StudyGeometry.from_prepared(prepare(load_study(manifest)))
     model = load_model(run / "model.safetensors", geometry)
     assert model.parameters.size == model.layout.count
