@@ -180,6 +180,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warmup(args: argparse.Namespace) -> int:
+    """Compile the kernels the demo and 'fit' use on this machine, so later runs start at once."""
+    from .pipeline import RunSettings, warm_up
+    from .sample import cached_sample
+
+    gpu = open_device(args.device)
+    settings = RunSettings.for_device(gpu, args.preset)
+    study = args.study or cached_sample("icbm", progress=ConsoleProgress("sample icbm"))
+    seconds = warm_up(gpu, study, settings, ConsoleProgress(f"warm-up ({settings.preset})"))
+    for phase, value in seconds.items():
+        print(f"{phase:45s} {value:7.1f} s")
+    print(f"shader cache: {gpu.report.shader_cache}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the built-in sample case: train, render, mesh, evaluate, report."""
     from .demo import run_demo
@@ -283,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("warmup", help="compile the kernels of the demo and 'fit' ahead (kept in the shader cache)")
+    device_option(p)
+    p.add_argument("study", nargs="?", default=None, help="study to warm up for (default: the icbm sample)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="preset to warm up for (default: quick on a software device, else standard)")
+    p.set_defaults(run=cmd_warmup)
 
     p = sub.add_parser("demo", help="the main job on the built-in sample case: train, render, mesh, report.html")
     device_option(p)

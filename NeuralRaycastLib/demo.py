@@ -63,10 +63,10 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
 
     clock = time.perf_counter()
     progress = ConsoleProgress("pictures")
-    held_out = []
+    held_out, rendered = [], {}
     for index in run.views.held_out:
         reference = run.views.images[index].rgb()
-        neural = renderer.render(run.views.cameras[index]).rgb()
+        neural = rendered[index] = renderer.render(run.views.cameras[index]).rgb()
         held_out.append(save_comparison(out, index, reference, neural, psnr(neural, reference)))
     frames = []
     frames_count = 12 if gpu.report.software else 24  # a CPU device renders slowly
@@ -96,7 +96,7 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     timings["meshes of the learned surfaces"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    metrics = run_metrics(gpu, run.folder, run.prepared, run.field, run.views, settings, renderer)
+    metrics = run_metrics(gpu, run.folder, run.prepared, run.field, run.views, settings, renderer, rendered)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     timings["evaluation"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started

@@ -134,7 +134,7 @@ class SdfFitter:
         if prepared.boundary.shape[0] != field.structures:
             raise ValueError(f"the field has {field.structures} structures, the study {prepared.boundary.shape[0]}")
         self.gpu, self.prepared, self.field, self.config = gpu, prepared, field, config
-        self.adam = Adam(gpu, field, config)
+        self._adam: Adam | None = None  # made on the first step: accumulate() alone never needs it
         self._boundary, self.boundary = volume_stack(gpu, prepared.boundary, np.linalg.inv(prepared.affine))
         voxels, offsets, counts = band_voxels(prepared, config.band_mm)
         self._voxels = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(voxels.reshape(-1)))
@@ -166,7 +166,9 @@ class SdfFitter:
         c, step = self.config, self.step_index
         self.field.active_levels = active_levels(step, c, len(self.field.layout.levels))
         self.accumulate(step)
-        self.adam.step(learning_rate_factor(step, c))
+        if self._adam is None:
+            self._adam = Adam(self.gpu, self.field, c)
+        self._adam.step(learning_rate_factor(step, c))
         self.step_index += 1
 
     def accumulate(self, step: int, weight: float = 1.0) -> None:

@@ -206,13 +206,13 @@ def read_run(folder: str | Path) -> dict[str, Any]:
 
 
 def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: NeuralField, views: ReferenceViews,
-                settings: RunSettings, renderer=None) -> dict[str, Any]:
+                settings: RunSettings, renderer=None, rendered: dict | None = None) -> dict[str, Any]:
     """The metrics of a trained field (see :func:`evaluate_run`), written to ``metrics.json``."""
     from .evaluate import geometry_metrics
     from .train import score_views
 
     renderer = renderer or field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
-    metrics: dict[str, Any] = score_views(renderer, views, views.held_out)
+    metrics: dict[str, Any] = score_views(renderer, views, views.held_out, rendered)
     geometry = geometry_metrics(field, prepared)
     metrics["dice"] = {name: g["dice"] for name, g in geometry.items()}
     metrics["mean_surface_distance_mm"] = {name: g["mean_surface_distance_mm"] for name, g in geometry.items()}
@@ -229,6 +229,33 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     metrics["study_shape"] = list(prepared.study.shape)
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings,
+            progress: Progress | None = None) -> dict[str, float]:
+    """Compile every kernel a run of ``settings`` on this study uses (reference renderer, SDF fit, both
+    backward passes of the renderer, Adam) by running one step of each stage on tiny views; the kernels
+    stay in the persistent shader cache. Kernels are specialised by the number of structures and
+    channels, so a study with other counts compiles its own. Returns seconds per phase."""
+    report = progress or (lambda message, fraction: None)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+    prepared = prepare_for_run(study_path, settings)
+    seconds["prepare the study"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    report("reference renderer", 0.1)
+    views = render_reference_views(gpu, prepared, 2, 16, 16, held_out_every=2)
+    seconds["reference renderer"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    report("field kernels: fit, render forward and backward, Adam", 0.3)
+    layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
+                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    field = NeuralField(gpu, layout, seed=settings.seed)
+    config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1)
+    Trainer(gpu, prepared, field, views, config).run()
+    seconds["field kernels (one step of each stage)"] = time.perf_counter() - clock
+    report("done", 1.0)
+    return seconds
 
 
 def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> TrainedRun:

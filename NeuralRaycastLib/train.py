@@ -138,14 +138,16 @@ def field_renderer(
     return renderer
 
 
-def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int]) -> dict[str, float]:
-    """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``."""
+def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int],
+                rendered: dict[int, np.ndarray] | None = None) -> dict[str, float]:
+    """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``
+    (``rendered``: RGB pictures already made, by view index, so they are not rendered twice)."""
     psnrs, ssims = [], []
     for index in indices:
-        image = renderer.render(views.cameras[index])
-        reference = views.images[index]
-        psnrs.append(psnr(image.rgb(), reference.rgb()))
-        ssims.append(ssim(image.rgb(), reference.rgb()))
+        image = rendered[index] if rendered and index in rendered else renderer.render(views.cameras[index]).rgb()
+        reference = views.images[index].rgb()
+        psnrs.append(psnr(image, reference))
+        ssims.append(ssim(image, reference))
     return {"heldout_psnr": float(np.mean(psnrs)), "heldout_ssim": float(np.mean(ssims))}
 
 

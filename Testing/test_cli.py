@@ -12,7 +12,7 @@ from NeuralRaycastLib.cli import build_parser, main
 
 
 @pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "fit", "render", "mesh",
-                                     "bench", "demo"])
+                                     "bench", "warmup", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -97,6 +97,9 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     assert (tmp_path / "r" / "depth" / "001.png").exists() and (tmp_path / "r" / "contact_sheet.png").exists()
     assert main(["mesh", str(run), "--out", str(tmp_path / "m"), "--formats", "stl"]) == 0
     assert (tmp_path / "m" / "brain.stl").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["warmup", manifest, "--preset", "quick"]) == 0  # the same kernels: all from the cache now
+    assert "field kernels (one step of each stage)" in capsys.readouterr().out
     geometry = StudyGeometry.from_prepared(prepare(load_study(manifest)))
     model = load_model(run / "model.safetensors", geometry)
     assert model.parameters.size == model.layout.count
