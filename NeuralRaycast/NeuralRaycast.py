@@ -993,6 +993,13 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         return volume, array, np.asarray(ijkToRas, dtype=float)
 
     @staticmethod
+    def _box(shapeKji, kRange, jRange, iRange) -> np.ndarray:
+        """A boolean KJI mask that is true on the half-open index ranges given."""
+        mask = np.zeros(shapeKji, dtype=bool)
+        mask[slice(*kRange), slice(*jRange), slice(*iRange)] = True
+        return mask
+
+    @staticmethod
     def _addSegment(segmentationNode, name, maskKji, referenceVolume):
         segmentId = segmentationNode.GetSegmentation().AddEmptySegment("", name)
         slicer.util.updateSegmentBinaryLabelmapFromArray(
@@ -1012,11 +1019,8 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         t1, t1Array, affine = self._syntheticVolume("Case7_T1c")
         flair, flairArray, _unused = self._syntheticVolume("Case 7 FLAIR scan")
         segmentationNode = self._newSegmentation(t1)
-        core = np.zeros(t1Array.shape, dtype=bool)
-        core[3:6, 4:8, 5:9] = True
-        oedema = np.zeros(t1Array.shape, dtype=bool)
-        oedema[2:8, 2:10, 3:11] = True
-        oedema &= ~core
+        core = self._box(t1Array.shape, (3, 6), (4, 8), (5, 9))
+        oedema = self._box(t1Array.shape, (2, 8), (2, 10), (3, 11)) & ~core
         self._addSegment(segmentationNode, "Tumor core", core, t1)
         self._addSegment(segmentationNode, "Oedema", oedema, t1)
         nodesBefore = slicer.mrmlScene.GetNumberOfNodes()
@@ -1044,10 +1048,8 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         self.delayDisplay("Starting the overlap and transform test")
         t1, t1Array, affine = self._syntheticVolume("t1")
         segmentationNode = self._newSegmentation(t1)
-        whole = np.zeros(t1Array.shape, dtype=bool)
-        whole[2:8, 2:10, 3:11] = True
-        enhancing = np.zeros(t1Array.shape, dtype=bool)
-        enhancing[4:6, 4:6, 5:7] = True
+        whole = self._box(t1Array.shape, (2, 8), (2, 10), (3, 11))
+        enhancing = self._box(t1Array.shape, (4, 6), (4, 6), (5, 7))
         self._addSegment(segmentationNode, "Whole tumor", whole, t1)
         self._addSegment(segmentationNode, "Enhancing", enhancing, t1)
 
