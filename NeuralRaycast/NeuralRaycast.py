@@ -711,6 +711,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             structures=structures,
             name=reference.GetName(),
             axis_order="kji",
+            colors={name: color for name, (_segment, color) in self.structureSegments.items()} if labels is not None
+            else None,
         )
         logging.info(f"Study '{study.name}' read from the scene in {time.time() - startTime:.2f} s")
         return study
@@ -1034,6 +1036,10 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         np.testing.assert_array_equal(study.channels["t1ce"], t1Array.transpose(2, 1, 0))
         np.testing.assert_array_equal(study.channels["case_7_flair_scan"], flairArray.transpose(2, 1, 0))
         self.assertEqual(study.structures, {"tumor_core": (1,), "oedema": (2,)})
+        for name, segmentName in (("tumor_core", "Tumor core"), ("oedema", "Oedema")):  # renders use segment colours
+            segmentation = segmentationNode.GetSegmentation()
+            segment = segmentation.GetSegment(segmentation.GetSegmentIdBySegmentName(segmentName))
+            np.testing.assert_allclose(study.colors[name], segment.GetColor())
         np.testing.assert_array_equal(study.labels == 1, core.transpose(2, 1, 0))
         np.testing.assert_array_equal(study.labels == 2, oedema.transpose(2, 1, 0))
         self.assertEqual(slicer.mrmlScene.GetNumberOfNodes(), nodesBefore, "temporary export nodes were left behind")

@@ -181,7 +181,7 @@ def prepare(
 ) -> PreparedStudy:
     """Derive everything the field needs from a study (see the module docstring)."""
     report = progress or (lambda message, fraction: None)
-    structures = make_structures(study.structures, include_brain=True)
+    structures = make_structures(study.structures, include_brain=True, colors=study.colors)
     path = (cache_root or cache_dir() / "prepared") / f"{_cache_key(study, structures)}.npz"
     cached = _load_cached(path, study.shape, len(structures)) if use_cache else None
 

@@ -46,9 +46,12 @@ def color_for(name: str, index: int) -> tuple[float, float, float]:
     return DEFAULT_COLORS.get(name, _EXTRA_COLORS[index % len(_EXTRA_COLORS)])
 
 
-def make_structures(label_sets: dict[str, tuple[int, ...]], include_brain: bool = True) -> list[Structure]:
-    """Structures in rendering order: the brain (context surface) first, then the label structures."""
-    result = [Structure(BRAIN, (), DEFAULT_COLORS[BRAIN])] if include_brain else []
+def make_structures(label_sets: dict[str, tuple[int, ...]], include_brain: bool = True,
+                    colors: dict[str, tuple[float, float, float]] | None = None) -> list[Structure]:
+    """Structures in rendering order: the brain (context surface) first, then the label structures;
+    ``colors`` (e.g. the segments' colours in Slicer) override the defaults by name."""
+    colors = colors or {}
+    result = [Structure(BRAIN, (), colors.get(BRAIN, DEFAULT_COLORS[BRAIN]))] if include_brain else []
     for index, (name, labels) in enumerate(label_sets.items()):
-        result.append(Structure(name, tuple(int(v) for v in labels), color_for(name, index)))
+        result.append(Structure(name, tuple(int(v) for v in labels), colors.get(name, color_for(name, index))))
     return result

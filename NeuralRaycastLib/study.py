@@ -54,6 +54,7 @@ class Study:
     probability: np.ndarray | None = None
     structures: dict[str, tuple[int, ...]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    colors: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # RGB in [0, 1]; else defaults
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -82,8 +83,10 @@ class Study:
         structures: dict[str, list[int]] | None = None,
         name: str = "study",
         axis_order: str = "ijk",
+        colors: dict[str, tuple[float, float, float]] | None = None,
     ) -> Study:
-        """Build a checked study from arrays (the Slicer path). ``axis_order='kji'`` for Slicer arrays."""
+        """Build a checked study from arrays (the Slicer path). ``axis_order='kji'`` for Slicer arrays;
+        ``colors``: RGB in [0, 1] per structure name (e.g. the segments' colours), defaults otherwise."""
         if axis_order not in ("ijk", "kji"):
             raise StudyError(f"axis_order must be 'ijk' or 'kji', not '{axis_order}'")
 
@@ -103,6 +106,7 @@ class Study:
             probability=reorder(probability),
             structures=_parse_structures(structures, "structures argument"),
             sources=sources,
+            colors={n: tuple(float(v) for v in c) for n, c in (colors or {}).items()},
         )
         return validate(study)
 
@@ -429,4 +433,5 @@ def downsample_study(study: Study, max_voxels: int) -> Study:
         probability=None if study.probability is None else blocks(study.probability),
         structures=dict(study.structures),
         sources={**study.sources, "grid": f"downsampled by {factor}"},
+        colors=dict(study.colors),
     )
