@@ -104,6 +104,7 @@ class RayBatch:
         self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
         self.values = spy.Tensor.zeros(device, shape=(slots * VALUES_PER_STRUCTURE * structures,), dtype="float")
         self.grads = spy.Tensor.zeros_like(self.values)
+        self.visibility = spy.Tensor.zeros(device, shape=(slots,), dtype="float")
         self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
         self.d_sums = spy.Tensor.zeros_like(self.sums)
         self.struct = {
@@ -112,6 +113,8 @@ class RayBatch:
             "counts": self.counts.storage.device_address,
             "values": self.values.storage.device_address,
             "grads": self.grads.storage.device_address,
+            "visibility": self.visibility.storage.device_address,
+            "shadows": 0,
             "maxSamples": max_samples,
             "structures": structures,
         }
@@ -139,6 +142,7 @@ class DiffRenderer:
         self.rays_module = gpu.load_module("ray_samples")
         self.composite_module = gpu.load_module("composite")
         self._batch: RayBatch | None = None
+        self.mesh_shadows = None
         self.set_occupancy(occupancy)
         self.ray_count = 0
 
@@ -154,6 +158,13 @@ class DiffRenderer:
     def set_occupancy(self, occupancy: Occupancy) -> None:
         self.occupancy = occupancy
         self._occupancy_tensor, self._occupancy = occupancy.upload(self.gpu)
+
+    def set_mesh_shadows(self, shadows) -> None:
+        """Shadow the key light with meshes (a :class:`~NeuralRaycastLib.mesh_shadows.MeshShadows`, e.g. of
+        the learned surfaces), or not (None). The visibility is a fixed mask: no gradient flows through it."""
+        self.mesh_shadows = shadows
+        if shadows is not None and not hasattr(self, "_shadow_module"):
+            self._shadow_module = self.gpu.load_module("segment_shadows")
 
     def batch(self, rays: int) -> RayBatch:
         if self._batch is None or self._batch.capacity < rays:
@@ -193,6 +204,10 @@ class DiffRenderer:
         grid = spy.grid((n, self.max_samples))
         self.scene.distances(grid, batch.struct)
         self.scene.surface(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
+        batch.struct["shadows"] = int(self.mesh_shadows is not None)
+        if self.mesh_shadows is not None:
+            self._shadow_module.segmentVisibility(grid, batch.struct, self.shading, self.mesh_shadows.struct,
+                                                  self.mesh_shadows.settings)
         self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
                                            batch.sums.storage.device_address)
 

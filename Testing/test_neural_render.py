@@ -10,7 +10,7 @@ from NeuralRaycastLib.camera import Camera, orbit_cameras
 from NeuralRaycastLib.image_loss import patch_loss_and_gradient
 from NeuralRaycastLib.neural_render import DiffRenderer, Occupancy
 from NeuralRaycastLib.patches import PatchSampler, pack_cameras
-from NeuralRaycastLib.render import ReferenceRenderer
+from NeuralRaycastLib.render import ReferenceRenderer, hybrid_shadows
 from NeuralRaycastLib.sample.phantom import sphere_sdf
 from NeuralRaycastLib.structures import Structure
 from NeuralRaycastLib.style import Lighting, RenderStyle, StructureStyle
@@ -99,7 +99,8 @@ def test_forward_pass_matches_the_reference_renderer(gpu):
          for k, (name, opacity) in enumerate((("a", 0.6), ("b", 0.8)))},
         STYLE.lighting, epsilon_voxels=2.0, step_voxels=1.0,
     )
-    reference = ReferenceRenderer(gpu, prepared, reference_style).render(camera)
+    reference_renderer = ReferenceRenderer(gpu, prepared, reference_style)
+    reference = reference_renderer.render(camera)
 
     def both(points: np.ndarray) -> np.ndarray:
         return np.stack([f(points) for f in sdfs.values()], axis=1)
@@ -113,6 +114,18 @@ def test_forward_pass_matches_the_reference_renderer(gpu):
         np.testing.assert_allclose(neural.rgba, reference.rgba, atol=0.005)
         hit = reference.rgba[..., 3] > 0.5
         np.testing.assert_allclose(neural.depth[hit], reference.depth[hit], atol=0.1)
+
+    # Hybrid shadows: the same meshes shadow both renderers' key light in the same way.
+    shadows = hybrid_shadows(gpu, prepared, reference_style)
+    shadowed_reference = reference_renderer.render(camera, mesh_shadows=shadows)
+    renderer, _scene = sphere_renderer(gpu, SPHERES, occupancy)
+    renderer.set_mesh_shadows(shadows)
+    shadowed = renderer.render(camera)
+    darker = np.abs(shadowed_reference.rgba - reference.rgba).max(axis=-1) > 0.02
+    assert darker.mean() > 0.02, "the key light casts no shadow in this scene"
+    np.testing.assert_allclose(shadowed.rgba, shadowed_reference.rgba, atol=0.01)
+    renderer.set_mesh_shadows(None)
+    np.testing.assert_allclose(renderer.render(camera).rgba, reference.rgba, atol=0.005)
 
 
 def test_inverse_rendering_recovers_a_sphere_from_image_patches(gpu):
