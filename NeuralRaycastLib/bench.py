@@ -146,13 +146,17 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
 def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
     """The whole training (``standard`` preset; ``quick`` on a study downsampled to 96³ with 128² views):
     training rays/s (stages 2 and 3: forward + backward + Adam), held-out PSNR over time, geometry scores,
-    and the neural render's frame time at 512² and 1024²."""
+    and the neural render's frame time at 512² and 1024² without and with mesh shadows (meshes of the
+    learned surfaces), next to the reference renderer with volumetric shadows."""
     from .camera import orbit_cameras
-    from .evaluate import geometry_metrics
+    from .evaluate import geometry_metrics, learned_distances
     from .field import FieldLayout, NeuralField, field_config_for
+    from .metrics import psnr
     from .preprocess import prepare
     from .reference_views import render_reference_views
+    from .render import ReferenceRenderer, hybrid_shadows
     from .study import downsample_study
+    from .style import RenderStyle
     from .train import Trainer, preset
 
     name = "quick" if quick else "standard"
@@ -191,12 +195,30 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                              f"mean surface distance {values['mean_surface_distance_mm']:.2f} mm, "
                              f"HD95 {values['hd95_mm']:.2f} mm"))
     renderer = trainer.renderer
+    clock = time.perf_counter()
+    learned = learned_distances(field, prepared)
+    shadows = hybrid_shadows(gpu, prepared, RenderStyle.default(prepared.structures, prepared.channel_names),
+                             learned)
+    rows.append(BenchRow("train", "learned meshes + BVH for shadows", time.perf_counter() - clock, "s",
+                         f"{len(shadows.bvh.triangle_ids)} triangles: marching cubes of the learned SDF on the "
+                         "study grid, LBVH"))
+    reference = ReferenceRenderer(gpu, prepared)
     for width in (512, 1024):
         camera = orbit_cameras(prepared.bounds, 3, width, width)[1]
-        renderer.render(camera)
-        seconds, repeats = timed(lambda c=camera: renderer.render(c), 0.5 if quick else 3.0, 3 if quick else 20)
-        rows.append(BenchRow("train", f"neural render {width}² (no shadows)", seconds * 1e3, "ms",
-                             f"{repeats} runs incl. read-back; {renderer.max_samples} samples/ray max"))
+        budget, repeats_max = (0.5, 3) if quick else (3.0, 20)
+        frame = {}
+        for label, shadow in (("no shadows", None), ("mesh shadows", shadows)):
+            renderer.set_mesh_shadows(shadow)
+            frame[label] = renderer.render(camera)
+            seconds, repeats = timed(lambda c=camera: renderer.render(c), budget, repeats_max)
+            rows.append(BenchRow("train", f"neural render {width}² ({label})", seconds * 1e3, "ms",
+                                 f"{repeats} runs incl. read-back; {renderer.max_samples} samples/ray max"))
+        renderer.set_mesh_shadows(None)
+        volumetric = reference.render(camera, shadows=True)
+        seconds, repeats = timed(lambda c=camera: reference.render(c, shadows=True), budget, repeats_max)
+        rows.append(BenchRow("train", f"reference render {width}² (volumetric shadows)", seconds * 1e3, "ms",
+                             f"{repeats} runs; PSNR of the neural render with mesh shadows against it: "
+                             f"{psnr(frame['mesh shadows'].rgb(), volumetric.rgb()):.2f} dB"))
     return rows
 
 
