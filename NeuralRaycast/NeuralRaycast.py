@@ -528,14 +528,21 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         return np.array(slicer.util.arrayFromVolume(volumeNode))
 
     @staticmethod
-    def _checkSameGrid(volumeNode, array: np.ndarray, affine: np.ndarray, refNode, refShape, refAffine) -> None:
-        """Raise GridMismatchError unless ``volumeNode`` lies on the reference grid (same shape, corners
-        within a tenth of a voxel)."""
+    def _shapeKji(volumeNode) -> tuple[int, int, int]:
+        """The voxel array's shape (K, J, I), without copying the voxels."""
+        if volumeNode.GetImageData() is None:
+            raise ValueError(f"Volume '{volumeNode.GetName()}' holds no image data")
+        return tuple(reversed(volumeNode.GetImageData().GetDimensions()))
+
+    @staticmethod
+    def _checkSameGrid(volumeNode, shape, affine: np.ndarray, refNode, refShape, refAffine) -> None:
+        """Raise GridMismatchError unless ``volumeNode`` (voxel array shape ``shape``, KJI) lies on the
+        reference grid (same shape, corners within a tenth of a voxel)."""
         from NeuralRaycastLib.study import GRID_TOLERANCE_VOXELS, grid_corners
 
-        if array.shape[:3] != refShape[:3]:
+        if tuple(shape[:3]) != tuple(refShape[:3]):
             raise GridMismatchError(
-                f"Volume '{volumeNode.GetName()}' has {array.shape[2]} x {array.shape[1]} x {array.shape[0]} voxels "
+                f"Volume '{volumeNode.GetName()}' has {shape[2]} x {shape[1]} x {shape[0]} voxels "
                 f"(IJK) but the reference '{refNode.GetName()}' has {refShape[2]} x {refShape[1]} x {refShape[0]}; "
                 "resample it onto the reference volume first"
             )
@@ -567,11 +574,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         if not nodes:
             return []
         reference, refAffine = nodes[0], self.ijkToWorldMatrix(nodes[0])
-        refShape = self._volumeArray(reference).shape
+        refShape = self._shapeKji(reference)
         names = []
         for node in nodes[1:] + ([probabilityNode] if probabilityNode is not None else []):
             try:
-                self._checkSameGrid(node, self._volumeArray(node), self.ijkToWorldMatrix(node), reference, refShape,
+                self._checkSameGrid(node, self._shapeKji(node), self.ijkToWorldMatrix(node), reference, refShape,
                                     refAffine)
             except GridMismatchError:
                 names.append(node.GetName())
@@ -580,7 +587,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def _onReferenceGrid(self, node, reference, refShape, refAffine, resample: bool) -> np.ndarray:
         array, affine = self._volumeArray(node), self.ijkToWorldMatrix(node)
         try:
-            self._checkSameGrid(node, array, affine, reference, refShape, refAffine)
+            self._checkSameGrid(node, array.shape, affine, reference, refShape, refAffine)
         except GridMismatchError:
             if not resample:
                 raise

@@ -93,13 +93,10 @@ def bench_reference(gpu: GpuContext, prepared, quick: bool, progress) -> list[Be
 def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
     """Stage-1 SDF fitting: points/s (forward + backward + Adam) and the time until the mean |s − B| within
     5 mm of each surface is at most 0.5 mm (issue target on an H100: ≥ 200 M points/s, ≤ 10 s)."""
-    import numpy as np
-
-    from .field import FieldLayout, NeuralField, field_config_for
+    from .field import FieldLayout, NeuralField
     from .fit import FitConfig, SdfFitter, band_errors
 
-    config = field_config_for(float(prepared.spacing.min()))
-    layout = FieldLayout.build(config, prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    layout = FieldLayout.for_study(prepared)
     start = time.perf_counter()
     field = NeuralField(gpu, layout, seed=0)
     load = time.perf_counter() - start
@@ -150,7 +147,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     learned surfaces), next to the reference renderer with volumetric shadows."""
     from .camera import orbit_cameras
     from .evaluate import geometry_metrics, learned_distances
-    from .field import FieldLayout, NeuralField, field_config_for
+    from .field import FieldLayout, NeuralField
     from .metrics import psnr
     from .preprocess import prepare
     from .reference_views import render_reference_views
@@ -165,8 +162,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     shape = "x".join(map(str, prepared.study.shape))
     size, count = (128, 16) if quick else (512, 24)
     views = render_reference_views(gpu, prepared, count, size, size)
-    layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
-                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=0)
     trainer = Trainer(gpu, prepared, field, views, preset(name))
     log = trainer.run(lambda message, fraction: progress(f"train: {message}", fraction))
@@ -233,7 +229,7 @@ def bench_mesh_accuracy(gpu: GpuContext, prepared, quick: bool, progress) -> lis
     without the windowed-sinc smoothing of Slicer's closed-surface conversion), on the analytic phantom
     whose exact distances are known. The learned surfaces come from a stage-1 fit to the boundary maps,
     meshed on a grid twice as fine as the study's."""
-    from .field import FieldLayout, NeuralField, field_config_for
+    from .field import FieldLayout, NeuralField
     from .fit import FitConfig, SdfFitter
     from .mesh import extract_surface, mesh_structure, refined_grid, resample_sdf, smooth
     from .preprocess import prepare, structure_mask
@@ -244,8 +240,7 @@ def bench_mesh_accuracy(gpu: GpuContext, prepared, quick: bool, progress) -> lis
     spacing = 2.0
     phantom = Phantom()
     study = prepare(load_study(cached_sample("phantom", spacing)))
-    layout = FieldLayout.build(field_config_for(spacing, small=gpu.report.software), study.bounds,
-                               len(study.structures), len(study.channel_names))
+    layout = FieldLayout.for_study(study, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=0)
     config = FitConfig(steps=300, batch=1 << 13) if quick else FitConfig(steps=1000, batch=1 << 16)
     start = time.perf_counter()

@@ -94,32 +94,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
     log = run.log
     state = "cancelled; the state so far is saved" if log.cancelled else "done"
     psnr = log.last("heldout_psnr")
-    print(f"{state}: {log.seconds:.1f} s, {log.rays / max(log.render_seconds, 1e-9):,.0f} training rays/s"
+    print(f"{state}: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     return 0
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    """Orbit views of a trained field: RGBA pictures, depth and normal G-buffer pictures, a contact sheet."""
+    """Orbit views of a trained field, written like the reference views (RGBA, depth and normal pictures,
+    contact sheet, cameras.json, reference.npz with the float G-buffer)."""
     from .camera import orbit_cameras
-    from .metrics import contact_sheet, depth_picture, normal_picture, save_png
     from .pipeline import open_run
+    from .reference_views import ReferenceViews, save_reference_views
 
     run = open_run(open_device(args.device), args.run_folder, ConsoleProgress("prepare"))
-    out = Path(args.out)
     progress = ConsoleProgress("render")
-    pictures = []
     cameras = orbit_cameras(run.prepared.bounds, args.views, args.size[0], args.size[1])
+    images = []
     for index, camera in enumerate(cameras):
         progress(f"view {index + 1}/{len(cameras)}", index / len(cameras))
-        image = run.render(camera)
-        pictures.append(image.rgb())
-        save_png(pictures[-1], out / "views" / f"{index:03d}.png")
-        save_png(depth_picture(image.depth), out / "depth" / f"{index:03d}.png")
-        save_png(normal_picture(image.normal), out / "normal" / f"{index:03d}.png")
-    save_png(contact_sheet(pictures), out / "contact_sheet.png")
+        images.append(run.render(camera))
     progress("done", 1.0)
-    print(f"{len(cameras)} views in {out}; see {out / 'contact_sheet.png'}")
+    folder = save_reference_views(ReferenceViews(cameras, images, list(range(len(cameras))), []), args.out)
+    print(f"{len(cameras)} views in {folder}; see {folder / 'contact_sheet.png'}")
     return 0
 
 

@@ -176,6 +176,13 @@ class FieldLayout:
             tuple(levels), geometry_offset, appearance_offset, count,
         )
 
+    @classmethod
+    def for_study(cls, prepared, small: bool = False) -> FieldLayout:
+        """The layout of the field for a prepared study (``field_config_for`` its finest voxel; ``small`` on
+        software devices), over its bounds, structures and channels."""
+        return cls.build(field_config_for(float(prepared.spacing.min()), small), prepared.bounds,
+                         len(prepared.structures), len(prepared.channel_names))
+
     @property
     def finest_cell_mm(self) -> float:
         return self.levels[-1].cell_mm

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .camera import Camera
-from .field import FieldLayout, NeuralField, field_config_for
+from .field import FieldLayout, NeuralField
 from .gpu import GpuContext
 from .mesh import Mesh, mesh_sdf_grid
 from .neural_render import DiffRenderer
@@ -158,8 +158,7 @@ def train_prepared(
         config = preset(settings.preset, settings.seed)
         if settings.iterations is not None:
             config = config.with_total_steps(settings.iterations)
-    layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
-                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=settings.seed)
     trainer = Trainer(gpu, prepared, field, views, config)
     log = trainer.run(progress, should_stop)
@@ -248,8 +247,7 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings,
     seconds["reference renderer"] = time.perf_counter() - clock
     clock = time.perf_counter()
     report("field kernels: fit, render forward and backward, Adam", 0.3)
-    layout = FieldLayout.build(field_config_for(float(prepared.spacing.min()), small=gpu.report.software),
-                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=settings.seed)
     config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1)
     Trainer(gpu, prepared, field, views, config).run()

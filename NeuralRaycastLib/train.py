@@ -98,8 +98,6 @@ PRESETS = ("quick", "standard", "high")
 class TrainLog:
     rows: list[dict] = dataclasses.field(default_factory=list)  # one per logged step
     seconds: float = 0.0
-    rays: int = 0  # rendered and back-propagated rays in stages 2 and 3
-    render_seconds: float = 0.0
     stage_rays: dict[int, int] = dataclasses.field(default_factory=dict)  # rays and seconds of stages 2, 3
     stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: bool = False
@@ -107,6 +105,15 @@ class TrainLog:
 
     def last(self, key: str) -> float | None:
         return next((row[key] for row in reversed(self.rows) if key in row), None)
+
+    @property
+    def rays(self) -> int:
+        """Rendered and back-propagated rays in stages 2 and 3."""
+        return sum(self.stage_rays.values())
+
+    @property
+    def render_seconds(self) -> float:
+        return sum(self.stage_seconds.values())
 
     def rays_per_second(self, stage: int | None = None) -> float:
         """Training throughput (forward + backward + Adam) of stage 2 or 3, or of both."""
@@ -186,7 +193,6 @@ class Trainer:
         gradient = np.zeros_like(sums)
         gradient[..., :4] = c.image_weight * d_rgba
         self.renderer.backward(batch, gradient.reshape(-1, OUTPUTS), geometry)
-        self.log.rays += c.patches * c.patch_size * c.patch_size
         return {"loss": c.image_weight * loss, **terms}
 
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
@@ -245,7 +251,6 @@ class Trainer:
             adam.step(learning_rate_factor(step, adam.config) * rate, scales)
             self.gpu.device.wait()
             spent = time.perf_counter() - t0
-            self.log.render_seconds += spent
             self.log.stage_seconds[stage] = self.log.stage_seconds.get(stage, 0.0) + spent
             self.log.stage_rays[stage] = self.log.stage_rays.get(stage, 0) + c.patches * c.patch_size ** 2
             done = c.geometry.steps + step + 1
