@@ -133,7 +133,8 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     return [
         BenchRow("sdf_fit", "field module load (compile)", load, "s", "first process on this machine compiles"),
         BenchRow("sdf_fit", "points/s (forward + backward + Adam)", rate, "1/s",
-                 f"batch {batch}, Eikonal on every {fit_config.eikonal_every}th point"),
+                 f"batch {batch}, Eikonal on every {fit_config.eikonal_every}th wave of 32 points; geometry network "
+                 + ("on tensor cores" if field.cooperative else "per thread")),
         BenchRow("sdf_fit", "time to mean |s - B| <= 0.5 mm (5 mm band)" if reached
                  else f"mean |s - B| after {budget:.0f} s budget", elapsed if reached else error,
                  "s" if reached else "mm", f"{steps} steps incl. first step {first:.1f} s"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -23,6 +24,7 @@ FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module,
 GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
+COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core geometry network
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
 
 
@@ -199,6 +201,8 @@ class FieldLayout:
             "FIELD_APPEARANCE_INPUTS": self.appearance_inputs,
             "FIELD_APPEARANCE_HIDDEN": net.appearance_hidden,
             "FIELD_MATERIALS": net.materials,
+            "FIELD_ENCODED": enc.levels * enc.features,
+            "FIELD_GEOMETRY_OUTPUTS": self.structures + net.geometry_features,
         }
 
     def groups(self) -> np.ndarray:
@@ -245,19 +249,22 @@ class FieldLayout:
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS) -> str:
-    """The Slang source of a field module: the sizes as #defines, then the kernel files."""
+def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, cooperative: bool = False) -> str:
+    """The Slang source of a field module: the sizes as #defines, then the kernel files. ``cooperative``
+    puts the geometry network on tensor cores (for kernels where whole waves evaluate it together)."""
     lines = [f"#define {name} {value}" for name, value in layout.defines().items()]
+    lines.append(f"#define FIELD_COOPERATIVE {int(cooperative)}")
     for part in parts:
         lines.append((shader_dir() / f"{part}.slang").read_text())
     return "\n".join(lines)
 
 
-def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS):
+def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS,
+                      cooperative: bool = False):
     """Compile (once per process, config and device) the field kernels for this layout's sizes."""
     import slangpy as spy
 
-    source = field_source(layout, parts)
+    source = field_source(layout, parts, cooperative)
     name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:
@@ -286,6 +293,37 @@ class NeuralField:
         self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
         self.grads = spy.Tensor.zeros_like(self.values)
         self.active_levels = len(layout.levels)
+        self._tiled: dict[str, Any] | None = None
+
+    @property
+    def cooperative(self) -> bool:
+        """Whether the SDF fit runs the geometry network on tensor cores: on CUDA (through WMMA, which every
+        GPU since Volta has), unless ``NEURALRAYCAST_COOPERATIVE=0``."""
+        return self.gpu.backend == "cuda" and os.environ.get(COOPERATIVE_ENV, "1") != "0"
+
+    @property
+    def fit_module(self):
+        """The module with the fit kernels: tensor-core geometry network where ``cooperative``."""
+        if not self.cooperative:
+            return self.module
+        return load_field_module(self.gpu, self.layout, ("sdf_fit",), cooperative=True)
+
+    def tiled_geometry(self) -> dict[str, Any]:
+        """Device buffers of the geometry network in the tensor cores' layout (values, gradients) and a
+        row-major scratch buffer; made on first use."""
+        if self._tiled is None:
+            import slangpy as spy
+
+            count = int(self.fit_module.geometryTiledCount())
+            rows = self.layout.appearance_offset - self.layout.geometry_offset
+            self._tiled = {
+                "values": spy.Tensor.zeros(self.gpu.device, shape=(count,), dtype=float),
+                "grads": spy.Tensor.zeros(self.gpu.device, shape=(count,), dtype=float),
+                "scratch": spy.Tensor.zeros(self.gpu.device, shape=(rows,), dtype=float),
+                "count": count,
+                "rows": rows,
+            }
+        return self._tiled
 
     @property
     def structures(self) -> int:
@@ -303,8 +341,9 @@ class NeuralField:
     def zero_gradients(self) -> None:
         self.grads.copy_from_numpy(np.zeros(self.layout.count, np.float32))
 
-    def shader_struct(self) -> dict[str, Any]:
-        """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang)."""
+    def shader_struct(self, cooperative: bool = False) -> dict[str, Any]:
+        """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
+        kernels of ``fit_module`` where the geometry network runs on tensor cores."""
         import slangpy as spy
 
         levels = [
@@ -317,10 +356,17 @@ class NeuralField:
             }
             for level in self.layout.levels
         ]
+        params = {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address}
+        tiled = {"values": 0, "grads": 0}
+        if cooperative:
+            buffers = self.tiled_geometry()
+            tiled = {"values": buffers["values"].storage.device_address,
+                     "grads": buffers["grads"].storage.device_address}
         return {
-            "params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
+            "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
             "geometryOffset": self.layout.geometry_offset,
+            "tiledGeometry": tiled,
             "appearanceOffset": self.layout.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,
         }

@@ -22,6 +22,8 @@ from .preprocess import PreparedStudy
 from .render import volume_stack
 
 Progress = Callable[[str, float], None]
+WAVE = 32  # points per wave
+CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,17 @@ class SdfFitter:
         self._voxels = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(voxels.reshape(-1)))
         self.band = {"voxels": self._voxels.storage.device_address, "offset": offsets, "count": counts}
         self.step_index = 0
+        # Whole waves of 32 points: the tensor-core network needs every lane, and the Eikonal term is
+        # carried by whole waves.
+        self.batch = -(-config.batch // WAVE) * WAVE
         field.zero_gradients()
 
     def settings(self, step: int) -> dict:
         import slangpy as spy
 
         c, layout = self.config, self.field.layout
-        eikonal_points = math.ceil(c.batch / c.eikonal_every)
+        waves = self.batch // WAVE
+        eikonal_points = WAVE * math.ceil(waves / c.eikonal_every)
         finest = layout.levels[self.field.active_levels - 1].cell_mm
         low, high = self.prepared.bounds
         return {
@@ -157,7 +163,7 @@ class SdfFitter:
             "truncation": c.truncation_mm,
             "eikonalStep": c.eikonal_step_cells * finest,
             "eikonalEvery": c.eikonal_every,
-            "dataScale": 1.0 / (c.batch * layout.structures),
+            "dataScale": 1.0 / (self.batch * layout.structures),
             "eikonalScale": c.eikonal_weight / (eikonal_points * layout.structures),
             "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
         }
@@ -178,17 +184,36 @@ class SdfFitter:
         settings = self.settings(step)
         settings["dataScale"] *= weight
         settings["eikonalScale"] *= weight
-        self.field.module.fitStep(
-            spy.grid((self.config.batch,)), self.field.shader_struct(), self.boundary, self.band, settings
-        )
+        field = self.field
+        field.fit_module.fitStep(spy.grid((self.batch,)), self._field_struct(), self.boundary, self.band, settings)
+        if field.cooperative:  # the tiled copy's gradients, added to the field's
+            tiled, threads = field.tiled_geometry(), CONVERT_THREADS
+            field.fit_module.geometryGradientsFromTiled(
+                spy.grid((threads,)), threads, tiled["grads"].storage.device_address,
+                tiled["scratch"].storage.device_address,
+                field.grads.storage.device_address + 4 * field.layout.geometry_offset, tiled["rows"])
+
+    def _field_struct(self) -> dict:
+        """The field for the fit kernels. With tensor cores, the geometry network's current weights are first
+        copied into their tiled layout (and that copy's gradients zeroed)."""
+        import slangpy as spy
+
+        field = self.field
+        if not field.cooperative:
+            return field.shader_struct()
+        tiled, threads = field.tiled_geometry(), CONVERT_THREADS
+        field.fit_module.geometryToTiled(
+            spy.grid((threads,)), threads, field.values.storage.device_address + 4 * field.layout.geometry_offset,
+            {"values": tiled["values"].storage.device_address, "grads": tiled["grads"].storage.device_address})
+        return field.shader_struct(cooperative=True)
 
     def loss(self) -> float:
         """The loss of the next step's batch, with the current parameters."""
         import slangpy as spy
 
-        values = self.field.module.fitLoss(
-            spy.grid((self.config.batch,)),
-            self.field.shader_struct(),
+        values = self.field.fit_module.fitLoss(
+            spy.grid((self.batch,)),
+            self._field_struct(),
             self.boundary,
             self.band,
             self.settings(self.step_index),
@@ -217,7 +242,7 @@ class SdfFitter:
             result.steps += 1
         result.losses.append((self.step_index, self.loss()))
         result.seconds = timed
-        result.points_per_second = result.steps * c.batch / timed if timed > 0 else 0.0
+        result.points_per_second = result.steps * self.batch / timed if timed > 0 else 0.0
         report(f"done: loss {result.losses[-1][1]:.4g}", 1.0)
         return result
 
