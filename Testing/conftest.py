@@ -89,3 +89,14 @@ def sphere_trace(sdf, origin, directions, t_max=2000.0, iterations=400):
         if done.all():
             break
     return np.where(done & (t < t_max), t, np.inf)
+
+
+def phantom_prepared(spacing: float):
+    """The analytic phantom, exact boundary maps on a grid of ``spacing`` mm around its brain: (phantom, prepared)."""
+    from NeuralRaycastLib.sample.phantom import Phantom
+
+    phantom = Phantom()
+    low = np.asarray(phantom.brain_centre) - np.asarray(phantom.brain_half_extent) - 6.0
+    high = np.asarray(phantom.brain_centre) + np.asarray(phantom.brain_half_extent) + 6.0
+    sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in phantom.structure_names}
+    return phantom, analytic_prepared(sdfs, spacing, low, high)

@@ -12,13 +12,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import analytic_prepared
+from conftest import phantom_prepared
 from field_reference import tiny_config
 
 from NeuralRaycastLib import field as field_module
 from NeuralRaycastLib.field import FieldConfig, FieldLayout, NetworkConfig, NeuralField
 from NeuralRaycastLib.fit import FitConfig, SdfFitter, band_errors
-from NeuralRaycastLib.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.sample.phantom import voxel_centres
 
 pytestmark = pytest.mark.gpu
 
@@ -34,11 +34,7 @@ def cuda(gpu):
 
 @pytest.fixture(scope="module")
 def phantom():
-    phantom = Phantom()
-    low = np.asarray(phantom.brain_centre) - np.asarray(phantom.brain_half_extent) - 6.0
-    high = np.asarray(phantom.brain_centre) + np.asarray(phantom.brain_half_extent) + 6.0
-    sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in phantom.structure_names}
-    return phantom, analytic_prepared(sdfs, SPACING, low, high)
+    return phantom_prepared(SPACING)
 
 
 def paired_fields(gpu, prepared, config: FieldConfig, seed: int = 3):

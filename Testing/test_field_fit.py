@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import analytic_prepared
+from conftest import phantom_prepared
 from field_reference import tiny_config
 
 from NeuralRaycastLib.field import FieldLayout, NeuralField
@@ -18,11 +18,7 @@ SPACING = 2.5  # mm: the phantom's box is 59 x 72 x 53 voxels
 
 @pytest.fixture(scope="module")
 def phantom_setup():
-    phantom = Phantom()
-    low = np.asarray(phantom.brain_centre) - np.asarray(phantom.brain_half_extent) - 6.0
-    high = np.asarray(phantom.brain_centre) + np.asarray(phantom.brain_half_extent) + 6.0
-    sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in phantom.structure_names}
-    prepared = analytic_prepared(sdfs, SPACING, low, high)
+    phantom, prepared = phantom_prepared(SPACING)
     points = voxel_centres(prepared.affine, prepared.study.shape).reshape(-1, 3)
     exact = np.stack([phantom.sdf(name, points) for name in phantom.structure_names], axis=-1)
     near = np.abs(exact).min(axis=1) < 3 * SPACING
