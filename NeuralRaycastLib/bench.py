@@ -6,7 +6,6 @@ Targets are checked here, never in timed tests. Each suite returns rows of (metr
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import time
 from collections.abc import Callable
@@ -139,7 +138,7 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     comparison = []
     if field.cooperative:  # the same steps with the per-thread network, for the ratio
         comparison = [BenchRow("sdf_fit", "points/s with the per-thread network", per_thread_fit_rate(fitter), "1/s",
-                               "same batch and loss; NEURALRAYCAST_COOPERATIVE=0")]
+                               "same batch and loss (what NEURALRAYCAST_COOPERATIVE=0 runs)")]
     return comparison + [
         BenchRow("sdf_fit", "field module load", load, "s", "first process on this machine compiles"),
         BenchRow("sdf_fit", "first step (compiles the fit kernels)", first, "s", "cached on disk after the first run"),
@@ -154,10 +153,8 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
 
 def per_thread_fit_rate(fitter, steps: int = 10) -> float:
     """Points/s of ``fitter``'s steps with the geometry network per thread instead of on tensor cores."""
-    from .field import COOPERATIVE_ENV
-
-    previous = os.environ.get(COOPERATIVE_ENV)
-    os.environ[COOPERATIVE_ENV] = "0"
+    field = fitter.field
+    previous, field.cooperative = field.cooperative, False
     try:
         fitter.step()  # compiles
         fitter.gpu.device.wait()
@@ -167,10 +164,7 @@ def per_thread_fit_rate(fitter, steps: int = 10) -> float:
         fitter.gpu.device.wait()
         return steps * fitter.batch / (time.perf_counter() - start)
     finally:
-        if previous is None:
-            del os.environ[COOPERATIVE_ENV]
-        else:
-            os.environ[COOPERATIVE_ENV] = previous
+        field.cooperative = previous
 
 
 def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:

@@ -25,6 +25,7 @@ GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
 COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core geometry network
+CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
 
 
@@ -282,10 +283,16 @@ class NeuralField:
         parameters: np.ndarray | None = None,
         seed: int = 0,
         parts: tuple[str, ...] = FIELD_PARTS,
+        cooperative: bool | None = None,
     ) -> None:
         import slangpy as spy
 
         self.gpu, self.layout = gpu, layout
+        # Whether the SDF fit runs the geometry network on tensor cores: by default on CUDA (through WMMA,
+        # which every GPU since Volta has), unless NEURALRAYCAST_COOPERATIVE=0.
+        if cooperative is None:
+            cooperative = gpu.backend == "cuda" and os.environ.get(COOPERATIVE_ENV, "1") != "0"
+        self.cooperative = cooperative
         self.module = load_field_module(gpu, layout, parts)
         values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)
         if values.shape != (layout.count,):
@@ -294,19 +301,16 @@ class NeuralField:
         self.grads = spy.Tensor.zeros_like(self.values)
         self.active_levels = len(layout.levels)
         self._tiled: dict[str, Any] | None = None
-
-    @property
-    def cooperative(self) -> bool:
-        """Whether the SDF fit runs the geometry network on tensor cores: on CUDA (through WMMA, which every
-        GPU since Volta has), unless ``NEURALRAYCAST_COOPERATIVE=0``."""
-        return self.gpu.backend == "cuda" and os.environ.get(COOPERATIVE_ENV, "1") != "0"
+        self._cooperative_module = None
 
     @property
     def fit_module(self):
         """The module with the fit kernels: tensor-core geometry network where ``cooperative``."""
         if not self.cooperative:
             return self.module
-        return load_field_module(self.gpu, self.layout, ("sdf_fit",), cooperative=True)
+        if self._cooperative_module is None:
+            self._cooperative_module = load_field_module(self.gpu, self.layout, ("sdf_fit",), cooperative=True)
+        return self._cooperative_module
 
     def tiled_geometry(self) -> dict[str, Any]:
         """Device buffers of the geometry network in the tensor cores' layout (values, gradients) and a
@@ -320,10 +324,32 @@ class NeuralField:
                 "values": spy.Tensor.zeros(self.gpu.device, shape=(count,), dtype=float),
                 "grads": spy.Tensor.zeros(self.gpu.device, shape=(count,), dtype=float),
                 "scratch": spy.Tensor.zeros(self.gpu.device, shape=(rows,), dtype=float),
-                "count": count,
                 "rows": rows,
             }
         return self._tiled
+
+    def _geometry_address(self, tensor) -> int:
+        """Device address of the geometry network's first parameter in a buffer of the field's layout."""
+        return tensor.storage.device_address + 4 * self.layout.geometry_offset
+
+    def upload_tiled_geometry(self) -> None:
+        """Copy the geometry network's current weights into the tiled layout and zero that copy's gradients
+        (before each batch of the fit kernels on tensor cores)."""
+        import slangpy as spy
+
+        tiled = self.tiled_geometry()
+        self.fit_module.geometryToTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self._geometry_address(self.values),
+            {"values": tiled["values"].storage.device_address, "grads": tiled["grads"].storage.device_address})
+
+    def add_tiled_gradients(self) -> None:
+        """Add the tiled copy's gradients to the field's (after a batch of the fit kernels on tensor cores)."""
+        import slangpy as spy
+
+        tiled = self.tiled_geometry()
+        self.fit_module.geometryGradientsFromTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, tiled["grads"].storage.device_address,
+            tiled["scratch"].storage.device_address, self._geometry_address(self.grads), tiled["rows"])
 
     @property
     def structures(self) -> int:

@@ -23,7 +23,6 @@ from .render import volume_stack
 
 Progress = Callable[[str, float], None]
 WAVE = 32  # points per wave
-CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 
 
 @dataclass(frozen=True)
@@ -186,26 +185,15 @@ class SdfFitter:
         settings["eikonalScale"] *= weight
         field = self.field
         field.fit_module.fitStep(spy.grid((self.batch,)), self._field_struct(), self.boundary, self.band, settings)
-        if field.cooperative:  # the tiled copy's gradients, added to the field's
-            tiled, threads = field.tiled_geometry(), CONVERT_THREADS
-            field.fit_module.geometryGradientsFromTiled(
-                spy.grid((threads,)), threads, tiled["grads"].storage.device_address,
-                tiled["scratch"].storage.device_address,
-                field.grads.storage.device_address + 4 * field.layout.geometry_offset, tiled["rows"])
+        if field.cooperative:
+            field.add_tiled_gradients()
 
     def _field_struct(self) -> dict:
-        """The field for the fit kernels. With tensor cores, the geometry network's current weights are first
-        copied into their tiled layout (and that copy's gradients zeroed)."""
-        import slangpy as spy
-
-        field = self.field
-        if not field.cooperative:
-            return field.shader_struct()
-        tiled, threads = field.tiled_geometry(), CONVERT_THREADS
-        field.fit_module.geometryToTiled(
-            spy.grid((threads,)), threads, field.values.storage.device_address + 4 * field.layout.geometry_offset,
-            {"values": tiled["values"].storage.device_address, "grads": tiled["grads"].storage.device_address})
-        return field.shader_struct(cooperative=True)
+        """The field for the fit kernels (with tensor cores, after copying the current weights to them)."""
+        if not self.field.cooperative:
+            return self.field.shader_struct()
+        self.field.upload_tiled_geometry()
+        return self.field.shader_struct(cooperative=True)
 
     def loss(self) -> float:
         """The loss of the next step's batch, with the current parameters."""

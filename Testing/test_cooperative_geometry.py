@@ -40,10 +40,9 @@ def phantom():
 def paired_fields(gpu, prepared, config: FieldConfig, seed: int = 3):
     """Two fields with the same parameters: one per-thread, one on tensor cores."""
     layout = FieldLayout.build(config, prepared.bounds, len(prepared.structures), len(prepared.channel_names))
-    scalar = NeuralField(gpu, layout, seed=seed)
+    scalar = NeuralField(gpu, layout, seed=seed, cooperative=False)
     cooperative = NeuralField(gpu, layout, seed=seed)
-    scalar.__class__ = type("ScalarField", (NeuralField,), {"cooperative": property(lambda self: False)})
-    assert cooperative.cooperative and not scalar.cooperative
+    assert cooperative.cooperative
     return scalar, cooperative
 
 
