@@ -222,9 +222,15 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     learned = learned_distances(field, prepared)
     shadows = hybrid_shadows(gpu, prepared, RenderStyle.default(prepared.structures, prepared.channel_names),
                              learned)
-    rows.append(BenchRow("train", "learned meshes + BVH for shadows", time.perf_counter() - clock, "s",
+    mesh_seconds = time.perf_counter() - clock
+    rows.append(BenchRow("train", "learned meshes + BVH for shadows", mesh_seconds, "s",
                          f"{len(shadows.bvh.triangle_ids)} triangles: marching cubes of the learned SDF on the "
                          "study grid, LBVH"))
+    config = trainer.config
+    joint_step = log.stage_seconds.get(3, 0.0) / max(config.joint_steps, 1)
+    rows.append(BenchRow("train", f"re-extraction every {config.mesh_every} joint steps (training with shadows)",
+                         100.0 * mesh_seconds / (config.mesh_every * joint_step) if joint_step else float("nan"),
+                         "%", f"of stage-3 time; one joint step {joint_step * 1e3:.1f} ms"))
     reference = ReferenceRenderer(gpu, prepared)
     for width in (512, 1024):
         camera = orbit_cameras(prepared.bounds, 3, width, width)[1]

@@ -85,7 +85,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
-                                      views=args.views, size=args.size)
+                                      views=args.views, size=args.size, shadows=args.shadows or None)
     if args.preset is None and gpu.report.software:
         print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
               file=sys.stderr)
@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--views", type=int, default=None, help="reference views (default: 16 quick, 24 otherwise)")
     p.add_argument("--size", type=int, default=None, help="view size in pixels (default: 128 quick, 512 otherwise)")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
+    p.add_argument("--shadows", action="store_true",
+                   help="reference views with key-light shadows; the field is shaded through meshes of its own "
+                        "surfaces, re-extracted as it trains, so shadows are not learned as colour")
     p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")

@@ -40,6 +40,7 @@ class RunSettings:
     held_out_every: int = 8
     max_voxels: int | None = None  # downsample the study so no axis is longer (the quick preset)
     iterations: int | None = None  # steps of all stages together, split as the preset splits them
+    shadows: bool = False  # key-light shadows in the references; the field is shaded through its own meshes
 
     @classmethod
     def for_device(cls, gpu: GpuContext, name: str | None = None, **overrides: Any) -> RunSettings:
@@ -65,7 +66,8 @@ def prepare_study_for_run(study: Study, settings: RunSettings, progress: Progres
 def reference_views_for_run(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
                             progress: Progress | None = None) -> ReferenceViews:
     return render_reference_views(gpu, prepared, settings.views, settings.size, settings.size,
-                                  held_out_every=settings.held_out_every, progress=progress)
+                                  shadows=settings.shadows, held_out_every=settings.held_out_every,
+                                  progress=progress)
 
 
 class CancelOnInterrupt:
@@ -158,6 +160,7 @@ def train_prepared(
         config = preset(settings.preset, settings.seed)
         if settings.iterations is not None:
             config = config.with_total_steps(settings.iterations)
+    config = replace(config, shadows=settings.shadows)
     layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=settings.seed)
     trainer = Trainer(gpu, prepared, field, views, config)
@@ -168,7 +171,8 @@ def train_prepared(
         "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
         "rays_per_second": log.rays_per_second(),
         "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
-        "cancelled": log.cancelled, "skipped_steps": log.skipped_steps, "rows": log.rows,
+        "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
+        "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "rows": log.rows,
     }, indent=1) + "\n")
     (folder / "run.json").write_text(json.dumps({
         "version": RUN_VERSION, "study": source, "settings": asdict(settings),
@@ -185,8 +189,21 @@ def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> Tr
     folder = Path(folder)
     settings: RunSettings = read_run(folder)["settings"]
     field = load_field(gpu, folder / "model.safetensors", prepared)
+    return TrainedRun(folder, prepared, field, run_renderer(gpu, prepared, field, settings), settings)
+
+
+def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, settings: RunSettings) -> DiffRenderer:
+    """The renderer of a trained field as it was trained: with shadows from its own learned meshes if the
+    run's references had shadows."""
     renderer = field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
-    return TrainedRun(folder, prepared, field, renderer, settings)
+    if settings.shadows:
+        from .evaluate import learned_distances
+        from .render import hybrid_shadows
+        from .style import RenderStyle
+
+        style = RenderStyle.default(prepared.structures, prepared.channel_names)
+        renderer.set_mesh_shadows(hybrid_shadows(gpu, prepared, style, learned_distances(field, prepared)))
+    return renderer
 
 
 def read_run(folder: str | Path) -> dict[str, Any]:
@@ -210,7 +227,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     from .evaluate import geometry_metrics
     from .train import score_views
 
-    renderer = renderer or field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
+    renderer = renderer or run_renderer(gpu, prepared, field, settings)
     metrics: dict[str, Any] = score_views(renderer, views, views.held_out, rendered)
     geometry = geometry_metrics(field, prepared)
     metrics["dice"] = {name: g["dice"] for name, g in geometry.items()}

@@ -7,9 +7,14 @@
    the geometry a true signed distance that agrees with the segmentation.
 
 Every ``eval_every`` steps the held-out views are rendered and their PSNR logged; the occupancy grid
-used to place samples is refreshed from the learned distances. A step whose loss is not finite is
-skipped and the learning rate halved; the parameters are restored from the last good state if they
-ever become non-finite. ``should_stop`` cancels between steps, keeping the last good state.
+used to place samples is refreshed from the learned distances. With ``shadows`` (reference views lit
+with shadows of the key light), the learned surfaces are meshed every ``mesh_every`` steps into a BVH,
+and the key light's visibility from those meshes is a fixed mask in the rendered pictures: no gradient
+flows through it, so the shadows are explained by geometry and not baked into the albedo.
+
+A step whose loss is not finite is skipped and the learning rate halved; the parameters are restored
+from the last good state if they ever become non-finite. ``should_stop`` cancels between steps, keeping
+the last good state.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class TrainConfig:
     eval_every: int = 200
     seed: int = 0
     max_bad_steps: int = 5  # consecutive non-finite losses before giving up
+    shadows: bool = False  # the references have key-light shadows: shade through meshes of the learned SDF
+    mesh_every: int = 50  # steps of stages 2 and 3 between re-extractions of those meshes
 
     def with_total_steps(self, total: int) -> TrainConfig:
         """The same schedule scaled to ``total`` steps over the three stages (each at least one)."""
@@ -102,6 +109,8 @@ class TrainLog:
     stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: bool = False
     skipped_steps: int = 0
+    mesh_seconds: float = 0.0  # re-extracting the learned meshes and their BVH (training with shadows)
+    mesh_extractions: int = 0
 
     def last(self, key: str) -> float | None:
         return next((row[key] for row in reversed(self.rows) if key in row), None)
@@ -171,7 +180,9 @@ class Trainer:
         import slangpy as spy
 
         self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, config
-        self.renderer = field_renderer(gpu, prepared, field, config.max_samples, style, config.occupancy_cell_mm,
+        self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
+        self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
+                                       config.occupancy_cell_mm,
                                        from_boundary=True)
         reference = np.stack([image.rgba for image in views.images])
         self.sampler = PatchSampler(reference, views.training, config.patch_size, seed=config.seed)
@@ -198,6 +209,17 @@ class Trainer:
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
         return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
 
+    def refresh_meshes(self) -> None:
+        """Mesh the learned surfaces on the study's grid and shadow the key light with them from now on."""
+        from .evaluate import learned_distances
+        from .render import hybrid_shadows
+
+        start = time.perf_counter()
+        shadows = hybrid_shadows(self.gpu, self.prepared, self.style, learned_distances(self.field, self.prepared))
+        self.renderer.set_mesh_shadows(shadows)
+        self.log.mesh_seconds += time.perf_counter() - start
+        self.log.mesh_extractions += 1
+
     def refresh_occupancy(self) -> None:
         self.renderer.set_occupancy(field_occupancy(self.field, self.renderer.box, self.config.occupancy_cell_mm,
                                                     self.renderer.epsilon))
@@ -220,6 +242,8 @@ class Trainer:
             return self._finish(start, cancelled=True)
         self.refresh_occupancy()
         self.renderer.normal_step_mm = self.field.default_step_mm()
+        if c.shadows:
+            self.refresh_meshes()
 
         # stages 2 and 3: through the renderer
         steps = c.appearance_steps + c.joint_steps
@@ -274,9 +298,13 @@ class Trainer:
                        done / total)
             elif step % 10 == 0:
                 report(f"stage {stage}: loss {terms['loss']:.4f}", done / total)
+            if c.shadows and joint and (step + 1) % c.mesh_every == 0 and step < steps - 1:
+                self.refresh_meshes()  # the geometry moved: so did its shadows
         return self._finish(start, cancelled=False)
 
     def _finish(self, start: float, cancelled: bool) -> TrainLog:
+        if self.config.shadows:  # the renderer handed on shadows with the final geometry
+            self.refresh_meshes()
         self.log.seconds = time.perf_counter() - start
         self.log.cancelled = cancelled
         return self.log

@@ -112,3 +112,36 @@ def test_appearance_only_backward_is_the_appearance_part_of_the_full_one(gpu, ph
         numeric = (weighted_sum(base + step) - weighted_sum(base - step)) / 2e-2
         assert numeric == pytest.approx(gradients[False][index], rel=5e-2), index
     field.set_parameters(base)
+
+
+def test_training_with_shadows_keeps_them_out_of_the_albedo(gpu, phantom_views):
+    """References lit with key-light shadows: the field is shaded through meshes of its own surfaces
+    (re-extracted as it trains), so it reproduces the shadowed pictures, and without the shadows its
+    pictures match the unshadowed references: the shadows were not learned as colour."""
+    prepared, plain = phantom_views
+    shadowed = render_reference_views(gpu, prepared, 8, 40, 40, shadows=True, held_out_every=4)
+    darker = np.concatenate([(p.rgb() - s.rgb()).max(axis=-1).ravel()
+                             for p, s in zip(plain.images, shadowed.images, strict=True)])
+    assert np.mean(darker > 0.05) > 0.02  # the shadows matter in these pictures
+
+    field = new_field(gpu, prepared)
+    config = replace(preset("quick"), appearance_steps=25, joint_steps=10, eval_every=35, shadows=True,
+                     mesh_every=4)
+    config = replace(config, geometry=replace(config.geometry, steps=120))
+    trainer = Trainer(gpu, prepared, field, shadowed, config)
+    log = trainer.run()
+    assert log.mesh_extractions == 1 + 2 + 1  # after stage 1, every 4 joint steps but the last, at the end
+    assert log.mesh_seconds > 0
+    assert log.last("heldout_psnr") > 30.0
+
+    # Where the field reproduces a shadowed pixel, it must do so through the mask: without its shadows
+    # that pixel looks like the lit reference. (A field with shadows baked into its albedo stays dark.)
+    with_shadows = [trainer.renderer.render(camera).rgb() for camera in plain.cameras]
+    trainer.renderer.set_mesh_shadows(None)
+    without = [trainer.renderer.render(camera).rgb() for camera in plain.cameras]
+    lit = np.stack([image.rgb() for image in plain.images])
+    dark = np.stack([image.rgb() for image in shadowed.images])
+    with_shadows, without = np.stack(with_shadows), np.stack(without)
+    fitted_shadow = ((lit - dark).max(axis=-1) > 0.05) & (np.abs(with_shadows - dark).max(axis=-1) < 0.05)
+    assert fitted_shadow.sum() >= 10
+    assert np.abs(without - lit)[fitted_shadow].mean() < 0.5 * np.abs(without - dark)[fitted_shadow].mean()
