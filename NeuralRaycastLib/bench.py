@@ -242,6 +242,11 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
             seconds, repeats = timed(lambda c=camera: renderer.render(c), budget, repeats_max)
             rows.append(BenchRow("train", f"neural render {width}² ({label})", seconds * 1e3, "ms",
                                  f"{repeats} runs incl. read-back; {renderer.max_samples} samples/ray max"))
+        passes: dict[str, float] = {}
+        renderer.render(camera, timings=passes)  # with mesh shadows: where a frame's time goes
+        rows.append(BenchRow("train", f"neural render {width}² passes", sum(passes.values()) * 1e3, "ms",
+                             "; ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in passes.items())
+                             + f"; mean {mean_samples(renderer, camera):.1f} samples/ray (waits after each pass)"))
         renderer.set_mesh_shadows(None)
         volumetric = reference.render(camera, shadows=True)
         seconds, repeats = timed(lambda c=camera: reference.render(c, shadows=True), budget, repeats_max)
@@ -249,6 +254,14 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                              f"{repeats} runs; PSNR of the neural render with mesh shadows against it: "
                              f"{psnr(frame['mesh shadows'].rgb(), volumetric.rgb()):.2f} dB"))
     return rows
+
+
+def mean_samples(renderer, camera) -> float:
+    """Mean number of samples the renderer places on a camera's rays (on its first band of rows)."""
+    rows = min(camera.height, max(1, (1 << 16) // camera.width))
+    batch = renderer.camera_rays(camera, 0, rows)
+    renderer.forward(batch)
+    return float(renderer.sample_counts(batch).mean())
 
 
 def surface_errors(vertices, faces, exact) -> np.ndarray:

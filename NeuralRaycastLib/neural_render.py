@@ -16,6 +16,7 @@ device) and lets all samples of a batch run in parallel.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -195,21 +196,28 @@ class DiffRenderer:
         return batch
 
     # passes -------------------------------------------------------------------------------------------
-    def forward(self, batch: RayBatch) -> None:
-        """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`)."""
+    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None) -> None:
+        """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
+        ``timings``: add each pass's seconds there (waiting for the device after each; for profiling)."""
         import slangpy as spy
 
+        clock = PassClock(self.gpu, timings)
         n = self.ray_count
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
+        clock.lap("place samples")
         grid = spy.grid((n, self.max_samples))
         self.scene.distances(grid, batch.struct)
+        clock.lap("distances")
         self.scene.surface(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
+        clock.lap("normals and appearance")
         batch.struct["shadows"] = int(self.mesh_shadows is not None)
         if self.mesh_shadows is not None:
             self._shadow_module.segmentVisibility(grid, batch.struct, self.shading, self.mesh_shadows.struct,
                                                   self.mesh_shadows.settings)
+            clock.lap("mesh shadows")
         self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
                                            batch.sums.storage.device_address)
+        clock.lap("composite")
 
     def sums(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.sums.to_numpy()).reshape(-1, OUTPUTS)[: self.ray_count]
@@ -237,16 +245,33 @@ class DiffRenderer:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]
 
     # whole images -------------------------------------------------------------------------------------
-    def render(self, camera: Camera, rays_per_pass: int = 1 << 16) -> RenderedImage:
-        """One view, in bands of rows so memory stays bounded."""
+    def render(self, camera: Camera, rays_per_pass: int = 1 << 16,
+               timings: dict[str, float] | None = None) -> RenderedImage:
+        """One view, in bands of rows so memory stays bounded (``timings``: see :meth:`forward`)."""
         rows_per_pass = max(1, rays_per_pass // camera.width)
         sums = np.zeros((camera.height, camera.width, OUTPUTS), np.float32)
         for first in range(0, camera.height, rows_per_pass):
             rows = min(rows_per_pass, camera.height - first)
             batch = self.camera_rays(camera, first, rows)
-            self.forward(batch)
+            self.forward(batch, timings)
             sums[first:first + rows] = self.sums(batch).reshape(rows, camera.width, OUTPUTS)
         return finish_pixels(sums)
+
+
+class PassClock:
+    """Seconds per named pass of GPU work, waiting for the device at each lap; does nothing without a dict."""
+
+    def __init__(self, gpu: GpuContext, timings: dict[str, float] | None) -> None:
+        self.gpu, self.timings = gpu, timings
+        self.last = time.perf_counter() if timings is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.timings is None:
+            return
+        self.gpu.device.wait()
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 def finish_pixels(sums: np.ndarray) -> RenderedImage:

@@ -169,3 +169,14 @@ def test_inverse_rendering_recovers_a_sphere_from_image_patches(gpu):
         values -= rate * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
     error = np.linalg.norm(values[:4] - target[:4])
     assert error < start_error / 4, f"{start_error:.2f} mm -> {error:.2f} mm"
+
+
+def test_profiled_render_gives_the_same_picture_and_each_pass_time(gpu):
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 12, 10)
+    plain = renderer.render(camera)
+    timings: dict[str, float] = {}
+    profiled = renderer.render(camera, timings=timings)
+    np.testing.assert_array_equal(profiled.rgba, plain.rgba)
+    assert list(timings) == ["place samples", "distances", "normals and appearance", "composite"]
+    assert all(seconds > 0 for seconds in timings.values())
