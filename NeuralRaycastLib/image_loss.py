@@ -66,3 +66,62 @@ def patch_loss_and_gradient(
     loss = (1.0 - dssim_weight) * l1 + dssim_weight * dssim
     gradient = (1.0 - dssim_weight) * d_l1 - dssim_weight * 0.5 * d_ssim
     return loss, {"l1": l1, "dssim": dssim}, gradient
+
+
+def geometry_loss_and_gradient(
+    sums: np.ndarray, targets: np.ndarray, normal_weight: float, depth_weight: float, depth_scale_mm: float = 1.0,
+    min_alpha: float = 0.5,
+) -> tuple[float, dict[str, float], np.ndarray]:
+    """The G-buffer terms of the image loss, (loss, terms, ∂loss/∂sums), for rendered per-ray sums
+    (…, 8: r, g, b, a, normal·weight xyz, depth·weight) against the reference's G-buffer (…, 8: RGBA,
+    unit normal, depth in mm), on pixels that both show as mostly opaque (alpha > ``min_alpha``):
+
+    - normal (L_norm): mean |n − n_ref|₁ / 3 of the unit volume-integrated normal n = N / |N| against the
+      reference normal, the analytic gradient of the boundary maps;
+    - depth (L_depth): mean |D / α − depth_ref| / ``depth_scale_mm``, the expected depth along the ray.
+    """
+    sums, targets = np.asarray(sums, np.float64), np.asarray(targets, np.float64)
+    gradient = np.zeros_like(sums)
+    alpha = sums[..., 3]
+    both = (alpha > min_alpha) & (targets[..., 3] > min_alpha)
+    count = max(int(both.sum()), 1)
+    terms = {"normal": 0.0, "depth": 0.0}
+
+    if normal_weight:
+        vector = sums[..., 4:7]
+        length = np.linalg.norm(vector, axis=-1, keepdims=True)
+        use = both & (length[..., 0] > 1e-6)
+        unit = vector / np.maximum(length, 1e-6)
+        sign = np.sign(unit - targets[..., 4:7]) * use[..., None]
+        terms["normal"] = float((np.abs(unit - targets[..., 4:7]) * use[..., None]).sum() / (3 * count))
+        # d(N/|N|)/dN = (I − u uᵀ) / |N|
+        d_unit = sign / (3 * count)
+        d_vector = (d_unit - unit * (d_unit * unit).sum(axis=-1, keepdims=True)) / np.maximum(length, 1e-6)
+        gradient[..., 4:7] += normal_weight * d_vector
+
+    if depth_weight:
+        safe = np.where(both, alpha, 1.0)
+        depth = sums[..., 7] / safe
+        difference = np.where(both, depth - targets[..., 7], 0.0)
+        terms["depth"] = float(np.abs(difference).sum() / (count * depth_scale_mm))
+        d_depth = np.sign(difference) / (count * depth_scale_mm)
+        gradient[..., 7] += depth_weight * d_depth / safe
+        gradient[..., 3] -= depth_weight * d_depth * depth / safe
+
+    loss = normal_weight * terms["normal"] + depth_weight * terms["depth"]
+    return loss, terms, gradient
+
+
+def albedo_consistency_and_gradient(albedo: np.ndarray, weight: np.ndarray) -> tuple[float, np.ndarray]:
+    """L_shade, the spread of albedo within each structure: Σ_k Σ_i w_ik ‖a_ik − ā_k‖² / Σ_k Σ_i w_ik, with
+    ā_k the w-weighted mean over the batch (w: each sample's optical depth of structure k, so only what is
+    seen counts). ``albedo`` (N, K, 3), ``weight`` (N, K). Returns the loss and ∂/∂albedo."""
+    albedo, weight = np.asarray(albedo, np.float64), np.asarray(weight, np.float64)
+    total = weight.sum()
+    if total <= 0:
+        return 0.0, np.zeros_like(albedo)
+    mean = (weight[..., None] * albedo).sum(axis=0) / np.maximum(weight.sum(axis=0), 1e-30)[:, None]
+    deviation = albedo - mean
+    loss = float((weight[..., None] * deviation**2).sum() / total)
+    # ∂ā/∂a contributes nothing: Σ_i w_ik (a_ik − ā_k) = 0
+    return loss, 2.0 * weight[..., None] * deviation / total

@@ -29,6 +29,7 @@ from .render import RenderedImage
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
 VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
+MIN_SEGMENT_TAU = 1e-6  # shaders/sample_buffers.slang: lighter segments are neither shaded nor composited
 
 
 class TrainableScene(Protocol):
@@ -226,6 +227,11 @@ class DiffRenderer:
         """Add ∂L/∂parameters to the scene's gradient buffer, given ∂L/∂sums (rays, OUTPUTS) of the last
         :meth:`forward`. With ``geometry=False`` (a scene with ``backward_appearance``) only the appearance
         gets gradients, much faster while the geometry is frozen."""
+        self.composite_backward(batch, d_sums)
+        self.scene_backward(batch, geometry)
+
+    def composite_backward(self, batch: RayBatch, d_sums: np.ndarray) -> None:
+        """First half of :meth:`backward`: ∂L/∂(every stored sample value), in ``batch.grads``."""
         import slangpy as spy
 
         n = self.ray_count
@@ -235,11 +241,42 @@ class DiffRenderer:
         self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
                                                 batch.sums.storage.device_address,
                                                 batch.d_sums.storage.device_address)
-        grid = spy.grid((n, self.max_samples))
+
+    def scene_backward(self, batch: RayBatch, geometry: bool = True) -> None:
+        """Second half of :meth:`backward`: the sample values' gradients into the scene's parameters."""
+        import slangpy as spy
+
+        grid = spy.grid((self.ray_count, self.max_samples))
         if geometry:
             self.scene.backward(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
         else:
             self.scene.backward_appearance(grid, batch.struct, self.look, self.settings)
+
+    def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
+        """The albedo of every composited segment of the last :meth:`forward` with its optical depth per
+        structure (how much of it is seen), for losses on the albedo itself."""
+        k = self.scene.structures
+        n, m = self.ray_count, self.max_samples
+        values = np.asarray(batch.values.to_numpy()).reshape(batch.capacity, m, VALUES_PER_STRUCTURE * k)[:n]
+        samples = np.asarray(batch.samples.to_numpy()).reshape(batch.capacity, m, 2)[:n]
+        counts = self.sample_counts(batch)
+        distance = values[..., :k].astype(np.float64)
+        inside = 1.0 / (1.0 + np.exp(np.clip(distance / self.epsilon, -60.0, 60.0)))
+        depth = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[:, 1:] - inside[:, :-1])
+        linked = (samples[:, :-1, 1] != 0) & (np.arange(1, m)[None, :] < counts[:, None])
+        weight = np.where(linked[..., None], depth, 0.0)  # (rays, m - 1, K): segment j from slot j
+        weight = np.where(weight.sum(axis=-1, keepdims=True) > MIN_SEGMENT_TAU, weight, 0.0)
+        rays, slots = np.nonzero(weight.sum(axis=-1) > 0)
+        albedo = values[rays, slots, 4 * k:7 * k].reshape(-1, k, 3)
+        return SegmentAlbedo(rays * m + slots, albedo, weight[rays, slots])
+
+    def add_albedo_gradient(self, batch: RayBatch, segments: SegmentAlbedo, d_albedo: np.ndarray) -> None:
+        """Add ∂L/∂albedo of those segments to ``batch.grads`` (between the two halves of the backward)."""
+        k = self.scene.structures
+        width = VALUES_PER_STRUCTURE * k
+        grads = np.asarray(batch.grads.to_numpy()).reshape(-1, width).copy()
+        grads[segments.slots, 4 * k:7 * k] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k)
+        batch.grads.copy_from_numpy(grads.reshape(-1))
 
     def sample_counts(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]
@@ -256,6 +293,13 @@ class DiffRenderer:
             self.forward(batch, timings)
             sums[first:first + rows] = self.sums(batch).reshape(rows, camera.width, OUTPUTS)
         return finish_pixels(sums)
+
+
+@dataclass
+class SegmentAlbedo:
+    slots: np.ndarray  # (N,) slot (ray · max_samples + sample) where each segment starts
+    albedo: np.ndarray  # (N, K, 3)
+    weight: np.ndarray  # (N, K) optical depth of each structure over the segment
 
 
 class PassClock:

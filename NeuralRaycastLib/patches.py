@@ -29,29 +29,30 @@ def pack_cameras(cameras: list[Camera]) -> np.ndarray:
 
 @dataclass
 class PatchSampler:
-    """Draws (view, x0, y0) patch corners from the training views of reference images (V, H, W, 4)."""
+    """Draws (view, x0, y0) patch corners from the training views of reference pictures (V, H, W, C):
+    RGBA first (its alpha tells where something is shown), then any other per-pixel targets."""
 
-    reference_rgba: np.ndarray
+    reference: np.ndarray
     views: list[int]
     size: int = 16
     foreground_fraction: float = 0.8
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _, height, width, _ = self.reference_rgba.shape
+        _, height, width, _ = self.reference.shape
         if self.size > min(height, width):
             raise ValueError(f"patch size {self.size} is larger than the images ({width} x {height})")
         self.rng = np.random.default_rng(self.seed)
         last_y, last_x = height - self.size, width - self.size
         self.foreground = []
         for view in self.views:
-            alpha = self.reference_rgba[view, : last_y + 1, : last_x + 1, 3]
+            alpha = self.reference[view, : last_y + 1, : last_x + 1, 3]
             ys, xs = np.nonzero(alpha > 0.05)
             self.foreground.append(np.stack([xs, ys], axis=1))
 
     def sample(self, count: int) -> np.ndarray:
         """(count, 3) int32 rows of view, x0, y0."""
-        _, height, width, _ = self.reference_rgba.shape
+        _, height, width, _ = self.reference.shape
         picks = self.rng.integers(0, len(self.views), count)
         rows = np.empty((count, 3), np.int32)
         for row, pick in enumerate(picks):
@@ -67,6 +68,6 @@ class PatchSampler:
         return rows
 
     def reference_patches(self, rows: np.ndarray) -> np.ndarray:
-        """The reference RGBA under each patch, (count, size, size, 4)."""
+        """The reference under each patch, (count, size, size, C)."""
         s = self.size
-        return np.stack([self.reference_rgba[v, y : y + s, x : x + s] for v, x, y in rows])
+        return np.stack([self.reference[v, y : y + s, x : x + s] for v, x, y in rows])

@@ -6,6 +6,12 @@
 3. joint: everything trains on the images (L1 + DSSIM on patches) while the SDF and Eikonal terms keep
    the geometry a true signed distance that agrees with the segmentation.
 
+Optional terms, each with its weight (0: off): ``normal_weight`` (L_norm: the volume-integrated normal
+against the reference G-buffer's normal, the analytic gradient of the boundary maps) and ``depth_weight``
+(L_depth: expected depth against the reference's) in stage 3, where the geometry trains;
+``albedo_consistency_weight`` (L_shade: the spread of each structure's albedo over the batch, which keeps
+lighting out of the albedo) in stages 2 and 3.
+
 Every ``eval_every`` steps the held-out views are rendered and their PSNR logged; the occupancy grid
 used to place samples is refreshed from the learned distances. With ``shadows`` (reference views lit
 with shadows of the key light), the learned surfaces are meshed every ``mesh_every`` steps into a BVH,
@@ -30,7 +36,7 @@ from .field import NeuralField
 from .field_scene import FieldScene, boundary_occupancy, field_occupancy
 from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from .gpu import GpuContext
-from .image_loss import patch_loss_and_gradient
+from .image_loss import albedo_consistency_and_gradient, geometry_loss_and_gradient, patch_loss_and_gradient
 from .metrics import psnr, ssim
 from .neural_render import OUTPUTS, DiffRenderer
 from .patches import PatchSampler, pack_cameras
@@ -64,6 +70,10 @@ class TrainConfig:
     eval_every: int = 200
     seed: int = 0
     max_bad_steps: int = 5  # consecutive non-finite losses before giving up
+    normal_weight: float = 0.0  # L_norm, stage 3
+    depth_weight: float = 0.0  # L_depth (per depth_scale_mm of error), stage 3
+    depth_scale_mm: float = 1.0
+    albedo_consistency_weight: float = 0.0  # L_shade, stages 2 and 3
     shadows: bool = False  # the references have key-light shadows: shade through meshes of the learned SDF
     mesh_every: int = 50  # steps of stages 2 and 3 between re-extractions of those meshes
 
@@ -184,27 +194,42 @@ class Trainer:
         self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
                                        config.occupancy_cell_mm,
                                        from_boundary=True)
-        reference = np.stack([image.rgba for image in views.images])
-        self.sampler = PatchSampler(reference, views.training, config.patch_size, seed=config.seed)
+        targets = np.stack([np.concatenate([image.rgba, image.normal, image.depth[..., None]], axis=-1)
+                            for image in views.images])  # the G-buffer, channel for channel as OUTPUTS
+        self.sampler = PatchSampler(targets, views.training, config.patch_size, seed=config.seed)
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
         self.log = TrainLog()
 
     # one step of stages 2 and 3 --------------------------------------------------------------------------
-    def image_step(self, geometry: bool = True) -> dict[str, float]:
-        """Render a batch of patches, add the image loss's gradient (to the appearance only, unless
-        ``geometry``); returns the loss terms."""
+    def image_step(self, geometry: bool = True, rows: np.ndarray | None = None) -> dict[str, float]:
+        """Render a batch of patches (``rows`` of view, x0, y0, default drawn at random), add the loss's
+        gradient (to the appearance only, unless ``geometry``); returns the loss terms."""
         c = self.config
-        rows = self.sampler.sample(c.patches)
+        rows = self.sampler.sample(c.patches) if rows is None else rows
         batch = self.renderer.patch_rays(self._cameras, rows, c.patch_size)
         self.renderer.forward(batch)
-        sums = self.renderer.sums(batch).reshape(c.patches, c.patch_size, c.patch_size, OUTPUTS)
-        loss, terms, d_rgba = patch_loss_and_gradient(sums[..., :4], self.sampler.reference_patches(rows))
+        sums = self.renderer.sums(batch).reshape(len(rows), c.patch_size, c.patch_size, OUTPUTS)
+        targets = self.sampler.reference_patches(rows)
+        loss, terms, d_rgba = patch_loss_and_gradient(sums[..., :4], targets[..., :4])
         if not np.isfinite(loss):
             return {"loss": float("nan")}
-        gradient = np.zeros_like(sums)
+        gradient = np.zeros_like(sums, dtype=np.float64)
         gradient[..., :4] = c.image_weight * d_rgba
-        self.renderer.backward(batch, gradient.reshape(-1, OUTPUTS), geometry)
-        return {"loss": c.image_weight * loss, **terms}
+        loss *= c.image_weight
+        if geometry and (c.normal_weight or c.depth_weight):
+            extra, extra_terms, d_sums = geometry_loss_and_gradient(sums, targets, c.normal_weight, c.depth_weight,
+                                                                    c.depth_scale_mm)
+            loss, gradient = loss + extra, gradient + d_sums
+            terms.update(extra_terms)
+        self.renderer.composite_backward(batch, gradient.reshape(-1, OUTPUTS))
+        if c.albedo_consistency_weight:
+            segments = self.renderer.segment_albedo(batch)
+            spread, d_albedo = albedo_consistency_and_gradient(segments.albedo, segments.weight)
+            self.renderer.add_albedo_gradient(batch, segments, c.albedo_consistency_weight * d_albedo)
+            loss += c.albedo_consistency_weight * spread
+            terms["albedo_spread"] = spread
+        self.renderer.scene_backward(batch, geometry)
+        return {"loss": loss, **terms}
 
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
         return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)

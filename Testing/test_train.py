@@ -12,7 +12,8 @@ from field_reference import tiny_config
 
 from NeuralRaycastLib.evaluate import geometry_metrics
 from NeuralRaycastLib.field import GROUP_APPEARANCE, FieldLayout, NeuralField
-from NeuralRaycastLib.fit import FitConfig, SdfFitter
+from NeuralRaycastLib.fit import Adam, FitConfig, SdfFitter, learning_rate_factor
+from NeuralRaycastLib.image_loss import albedo_consistency_and_gradient
 from NeuralRaycastLib.neural_render import OUTPUTS
 from NeuralRaycastLib.reference_views import render_reference_views
 from NeuralRaycastLib.sample.phantom import Phantom
@@ -145,3 +146,49 @@ def test_training_with_shadows_keeps_them_out_of_the_albedo(gpu, phantom_views):
     fitted_shadow = ((lit - dark).max(axis=-1) > 0.05) & (np.abs(with_shadows - dark).max(axis=-1) < 0.05)
     assert fitted_shadow.sum() >= 10
     assert np.abs(without - lit)[fitted_shadow].mean() < 0.5 * np.abs(without - dark)[fitted_shadow].mean()
+
+
+def fitted_trainer(gpu, phantom_views, **weights) -> Trainer:
+    """A trainer whose field has surfaces (a short stage-1 fit) and the given loss weights."""
+    prepared, views = phantom_views
+    field = new_field(gpu, prepared)
+    SdfFitter(gpu, prepared, field, FitConfig(steps=60, batch=1 << 12, seed=1)).run()
+    trainer = Trainer(gpu, prepared, field, views, replace(preset("quick"), **weights))
+    trainer.refresh_occupancy()
+    return trainer
+
+
+def test_albedo_consistency_makes_each_structure_uniform(gpu, phantom_views):
+    """L_shade: with a large weight, stage-2 steps pull every structure's albedo towards one colour."""
+    spreads = {}
+    for weight in (0.0, 20.0):
+        trainer = fitted_trainer(gpu, phantom_views, albedo_consistency_weight=weight, rate_appearance=2e-2)
+        rows = trainer.sampler.sample(4)
+        adam = Adam(gpu, trainer.field, trainer.config.render_fit_config(20))
+        for step in range(20):
+            trainer.image_step(geometry=False)
+            adam.step(learning_rate_factor(step, adam.config), (0.0, 0.0, 1.0))
+        batch = trainer.renderer.patch_rays(trainer._cameras, rows, trainer.config.patch_size)
+        trainer.renderer.forward(batch)
+        segments = trainer.renderer.segment_albedo(batch)
+        assert len(segments.slots) > 100
+        spreads[weight] = albedo_consistency_and_gradient(segments.albedo, segments.weight)[0]
+    assert spreads[20.0] < 0.5 * spreads[0.0], spreads
+
+
+def test_normal_and_depth_terms_descend(gpu, phantom_views):
+    """L_norm and L_depth reach the geometry: a small step against their gradient lowers them."""
+    trainer = fitted_trainer(gpu, phantom_views, image_weight=0.0, normal_weight=1.0, depth_weight=1.0,
+                             depth_scale_mm=SPACING)
+    rows = trainer.sampler.sample(4)
+    field = trainer.field
+    start = field.parameters()
+    field.zero_gradients()
+    terms = trainer.image_step(geometry=True, rows=rows)
+    assert terms["normal"] > 0 and terms["depth"] > 0
+    gradient = field.gradients()
+    assert np.abs(gradient[field.layout.groups() != GROUP_APPEARANCE]).max() > 0
+    field.set_parameters(start - 1e-3 * gradient / np.abs(gradient).max())
+    field.zero_gradients()
+    after = trainer.image_step(geometry=True, rows=rows)
+    assert after["loss"] < terms["loss"], (terms, after)
