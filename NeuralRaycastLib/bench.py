@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from .gpu import GpuContext
+from .torch_peer import bench_torch_peer
 
 
 @dataclass
@@ -256,12 +257,15 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     return rows
 
 
-def mean_samples(renderer, camera) -> float:
-    """Mean number of samples the renderer places on a camera's rays (on its first band of rows)."""
-    rows = min(camera.height, max(1, (1 << 16) // camera.width))
-    batch = renderer.camera_rays(camera, 0, rows)
-    renderer.forward(batch)
-    return float(renderer.sample_counts(batch).mean())
+def mean_samples(renderer, camera, rays_per_pass: int = 1 << 16) -> float:
+    """Mean number of samples the renderer places on a camera's rays (over the whole picture)."""
+    rows_per_pass = max(1, rays_per_pass // camera.width)
+    total = 0
+    for first in range(0, camera.height, rows_per_pass):
+        batch = renderer.camera_rays(camera, first, min(rows_per_pass, camera.height - first))
+        renderer.forward(batch)
+        total += int(renderer.sample_counts(batch).sum())
+    return total / (camera.width * camera.height)
 
 
 def surface_errors(vertices, faces, exact) -> np.ndarray:
@@ -329,7 +333,7 @@ def bench_mesh_accuracy(gpu: GpuContext, prepared, quick: bool, progress) -> lis
 
 
 SUITES: dict[str, Callable] = {"reference": bench_reference, "sdf_fit": bench_sdf_fit, "train": bench_train,
-                               "mesh_accuracy": bench_mesh_accuracy}
+                               "mesh_accuracy": bench_mesh_accuracy, "torch_peer": bench_torch_peer}
 
 
 def run_bench(gpu: GpuContext, prepared, study_name: str, suites: list[str], quick: bool, command: str,

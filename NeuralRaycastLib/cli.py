@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
     device_option(p)
     p.add_argument("--suite", nargs="+", default=["reference"],
-                   help="suites to run: reference, sdf_fit, train, mesh_accuracy (default: reference)")
+                   help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
+                        "PyTorch, eager and compiled; needs PyTorch) (default: reference)")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (for slow devices)")
