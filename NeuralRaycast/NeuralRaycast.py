@@ -143,6 +143,7 @@ class NeuralRaycastParameterNode:
     device - slangpy device: auto, cuda or vulkan.
     seed - random seed for reproducible training.
     iterations - training iterations; 0 uses the preset's number.
+    shadows - train on views lit with key-light shadows (the field is shaded through its own meshes).
     runFolder - where the trained model is saved (empty: a new folder under ~/NeuralRaycast/runs);
         the scene keeps it, so the model can be reloaded after the scene is.
     meshSmoothing - smoothing iterations of the learned surfaces' models.
@@ -159,6 +160,7 @@ class NeuralRaycastParameterNode:
     device: Annotated[str, Choice(list(DEVICES))] = "auto"
     seed: Annotated[int, WithinRange(0, 2**31 - 1)] = 0
     iterations: Annotated[int, WithinRange(0, 1_000_000)] = 0
+    shadows: bool = False
     runFolder: pathlib.Path
     meshSmoothing: Annotated[int, WithinRange(0, 100)] = 10
     outputRender: vtkMRMLVectorVolumeNode
@@ -333,6 +335,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                     device=parameters.device,
                     seed=parameters.seed,
                     iterations=parameters.iterations,
+                    shadows=parameters.shadows,
                     runFolder=parameters.runFolder,
                     progress=self._onProgress,
                     shouldStop=self._shouldStop,
@@ -805,13 +808,15 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         return open_device(None if device in (None, "", "auto") else device)
 
     @staticmethod
-    def runSettings(gpu, preset: str = "auto", seed: int = 0, iterations: int = 0, views: int = 0, size: int = 0):
+    def runSettings(gpu, preset: str = "auto", seed: int = 0, iterations: int = 0, views: int = 0, size: int = 0,
+                    shadows: bool = False):
         """``auto`` is the quick preset on a software device (lavapipe) and the standard one on a GPU; zeros
         keep the preset's number of iterations, reference views and view size."""
         from NeuralRaycastLib.pipeline import RunSettings
 
         return RunSettings.for_device(gpu, None if preset in (None, "", "auto") else preset, seed=seed,
-                                      iterations=iterations or None, views=views or None, size=size or None)
+                                      iterations=iterations or None, views=views or None, size=size or None,
+                                      shadows=shadows)
 
     @staticmethod
     def defaultRunFolder(studyName: str) -> str:
@@ -822,7 +827,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     def train(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto", device: str = "auto",
               seed: int = 0, iterations: int = 0, runFolder: str | None = None, progress=None, shouldStop=None,
-              views: int = 0, size: int = 0, config=None, resampleToReference: bool = False):
+              views: int = 0, size: int = 0, config=None, resampleToReference: bool = False, shadows: bool = False):
         """Read the study from the scene, train a field (blocking) and save it in ``runFolder``.
 
         :param progress: optional ``callback(message, fraction)``; the widget uses it to keep Slicer responsive.
@@ -831,6 +836,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param views, size: number and pixel size of the reference views (0: the preset's).
         :param config: a ``NeuralRaycastLib.train.TrainConfig`` replacing the preset's schedule (scripting).
         :param resampleToReference: resample volumes on other grids onto the reference (else an error).
+        :param shadows: train on views lit with key-light shadows, shading the field through its own meshes.
         :return: ``NeuralRaycastLib.pipeline.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite.
@@ -839,7 +845,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         gpu = self.gpuContext(device)
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference)
-        settings = self.runSettings(gpu, preset, seed, iterations, views, size)
+        settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
         startTime = time.time()
         prepared = prepare_study_for_run(study, settings, progress)
         folder = str(runFolder) if runFolder and str(runFolder) not in ("", ".") else self.defaultRunFolder(study.name)

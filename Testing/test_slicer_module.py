@@ -78,11 +78,13 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     segmentation = self_test._newSegmentation(volume)
     parameters = module.NeuralRaycastLogic().getParameterNode()
     assert (parameters.preset, parameters.device, parameters.meshSmoothing) == ("auto", "auto", 10)
+    assert parameters.shadows is False
     parameters.inputVolume = volume
     parameters.inputSegmentation = segmentation
     parameters.preset = "quick"
     parameters.seed = 7
     parameters.iterations = 123
+    parameters.shadows = True
     parameters.meshSmoothing = 3
     parameters.runFolder = tmp_path / "run"
     with pytest.raises(ValueError):
@@ -101,6 +103,7 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     assert reloaded.inputVolume.GetName() == "T1 scan"
     assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
     assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
+    assert reloaded.shadows is True
     assert reloaded.runFolder == tmp_path / "run"
     assert reloaded.volumeNodes() == [reloaded.inputVolume]
 
