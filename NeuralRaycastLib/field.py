@@ -418,7 +418,7 @@ class NeuralField:
         return np.stack(columns, axis=-1).reshape(-1, self.structures) + beyond[:, None]
 
     def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
-        """∇s_k (N, K, 3) by central differences (the same ones the Eikonal term uses)."""
+        """∇s_k (N, K, 3) by tetrahedral differences (the same ones the Eikonal term uses)."""
         points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
         step = float(step_mm or self.default_step_mm())
         struct = self.shader_struct()

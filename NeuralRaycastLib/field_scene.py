@@ -1,5 +1,5 @@
 """The neural field as a scene of the differentiable renderer (shaders/field_render.slang): its
-distances, normals (central differences), albedo and specular weight at sample points, fed the study's
+distances, normals (tetrahedral differences), albedo and specular weight at sample points, fed the study's
 normalised MRI channels and P(x) as the appearance network's local inputs."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ sampling.slang, volume.slang, adam.slang; fit.py):
   levels;
 - the geometry network: row-major [out][in] weights then biases, ReLU hidden layers, linear output,
   distances = ``distance_scale_mm`` × the first K outputs;
-- the loss: truncated L1 with τ, the Eikonal term (‖∇s_k‖ − 1)² by central differences of the same step on
+- the loss: truncated L1 with τ, the Eikonal term (‖∇s_k‖ − 1)² by tetrahedral differences of the same step on
   the same whole waves of 32 points, the same scales 1 / (N·K) and λ / (N_e·K); even the derivative of
   ‖∇s‖, which Slang's standard library floors (see ``gradient_length``);
 - the points: the same counter-based random numbers (the PCG hash of seed and thread) and the same seed per
@@ -77,6 +77,10 @@ WARM_UP_STEPS = 3  # steps that compile (torch.compile) or warm up (eager) befor
 TARGET_ERROR_MM = 0.5
 BAND_MM = 5.0
 SUITE = "torch_peer"
+
+
+#: the corners v_j of the tetrahedral differences in shaders/neural_field.slang
+TETRAHEDRON = ((1.0, -1.0, -1.0), (-1.0, -1.0, 1.0), (-1.0, 1.0, -1.0), (1.0, 1.0, 1.0))
 
 
 class PeerMismatchError(RuntimeError):
@@ -303,17 +307,18 @@ def sdf_fit_loss(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, 
     """The batch loss of shaders/sdf_fit.slang: the sum of ``pointLoss`` over the batch.
 
     x (N, 3), target (N, K); ``eikonal_index`` are the points that also carry the Eikonal term. Their gradients
-    come from the same six offsets x ± h·axis as ``distanceGradients``, evaluated with the batch in one go.
+    come from the same four tetrahedral offsets e·v_j (e = h / √3) as ``distanceGradients``, evaluated with the
+    batch in one go.
     """
     torch = import_torch()
-    n, h = x.shape[0], settings.eikonal_step
-    offsets = torch.tensor([[h, 0.0, 0.0], [-h, 0.0, 0.0], [0.0, h, 0.0], [0.0, -h, 0.0], [0.0, 0.0, h],
-                            [0.0, 0.0, -h]], dtype=x.dtype, device=x.device)
-    points = torch.cat([x, (x[eikonal_index][None] + offsets[:, None]).reshape(-1, 3)])
+    n = x.shape[0]
+    e = _fp32(settings.eikonal_step * _fp32(0.57735026919))
+    corners = torch.tensor(TETRAHEDRON, dtype=x.dtype, device=x.device)
+    points = torch.cat([x, (x[eikonal_index][None] + e * corners[:, None]).reshape(-1, 3)])
     distances = model(points, settings.active)
-    distance, shifted = distances[:n], distances[n:].reshape(6, -1, distances.shape[1])
-    inverse = _fp32(1.0 / (2.0 * h))  # the shader adds (±1 / 2h)·s(x ± h·axis) per offset
-    gradient = torch.stack([inverse * shifted[2 * a] - inverse * shifted[2 * a + 1] for a in range(3)], dim=-1)
+    distance, shifted = distances[:n], distances[n:].reshape(4, -1, distances.shape[1])
+    weight = _fp32(0.25 / e)  # the shader adds (weight · s(x + e·v_j)) · v_j per corner
+    gradient = sum((weight * shifted[j])[..., None] * corners[j] for j in range(4))
     data = truncated_error(distance, target, settings.truncation).sum()
     eikonal = ((gradient_length(gradient) - 1.0) ** 2).sum()
     return settings.data_scale * data + settings.eikonal_scale * eikonal

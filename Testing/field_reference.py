@@ -75,6 +75,16 @@ def appearance(layout: FieldLayout, params: np.ndarray, feature: np.ndarray, inp
     return 1.0 / (1.0 + np.exp(-raw))
 
 
+#: the corners of shaders/neural_field.slang's tetrahedral differences
+TETRAHEDRON = np.array([[1, -1, -1], [-1, -1, 1], [-1, 1, -1], [1, 1, 1]], np.float64)
+
+
+def distance_gradients(layout, params, x, h: float) -> np.ndarray:
+    """∇s_k (N, K, 3) by the shader's tetrahedral differences at distance h."""
+    e = h / np.sqrt(3.0)
+    return sum(geometry(layout, params, x + e * corner)[0][..., None] * corner / (4 * e) for corner in TETRAHEDRON)
+
+
 def point_loss(layout, params, x, target, eikonal: bool, settings: dict) -> np.ndarray:
     """Per-point loss of shaders/sdf_fit.slang (N,)."""
     tau = settings["truncation"]
@@ -83,14 +93,7 @@ def point_loss(layout, params, x, target, eikonal: bool, settings: dict) -> np.n
                      np.where(target <= -tau, np.maximum(distance + tau, 0.0), np.abs(distance - target)))
     loss = settings["dataScale"] * error.sum(axis=1)
     if eikonal:
-        h = settings["eikonalStep"]
-        gradient = np.stack(
-            [
-                (geometry(layout, params, x + h * axis)[0] - geometry(layout, params, x - h * axis)[0]) / (2 * h)
-                for axis in np.eye(3)
-            ],
-            axis=-1,
-        )
+        gradient = distance_gradients(layout, params, x, settings["eikonalStep"])
         loss = loss + settings["eikonalScale"] * ((np.linalg.norm(gradient, axis=-1) - 1.0) ** 2).sum(axis=1)
     return loss
 
