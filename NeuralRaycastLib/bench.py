@@ -174,15 +174,14 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     and the neural render's frame time at 512² and 1024² without and with mesh shadows (meshes of the
     learned surfaces), next to the reference renderer with volumetric shadows."""
     from .camera import orbit_cameras
-    from .evaluate import geometry_metrics, learned_distances
+    from .evaluate import geometry_metrics
     from .field import FieldLayout, NeuralField
     from .metrics import psnr
     from .preprocess import prepare
     from .reference_views import render_reference_views
-    from .render import ReferenceRenderer, hybrid_shadows
+    from .render import ReferenceRenderer
     from .study import downsample_study
-    from .style import RenderStyle
-    from .train import Trainer, preset
+    from .train import Trainer, learned_mesh_shadows, preset
 
     name = "quick" if quick else "standard"
     if quick:
@@ -220,9 +219,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                              f"HD95 {values['hd95_mm']:.2f} mm"))
     renderer = trainer.renderer
     clock = time.perf_counter()
-    learned = learned_distances(field, prepared)
-    shadows = hybrid_shadows(gpu, prepared, RenderStyle.default(prepared.structures, prepared.channel_names),
-                             learned)
+    shadows = learned_mesh_shadows(gpu, prepared, field, trainer.style)
     mesh_seconds = time.perf_counter() - clock
     rows.append(BenchRow("train", "learned meshes + BVH for shadows", mesh_seconds, "s",
                          f"{len(shadows.bvh.triangle_ids)} triangles: marching cubes of the learned SDF on the "
@@ -257,14 +254,9 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     return rows
 
 
-def mean_samples(renderer, camera, rays_per_pass: int = 1 << 16) -> float:
+def mean_samples(renderer, camera) -> float:
     """Mean number of samples the renderer places on a camera's rays (over the whole picture)."""
-    rows_per_pass = max(1, rays_per_pass // camera.width)
-    total = 0
-    for first in range(0, camera.height, rows_per_pass):
-        batch = renderer.camera_rays(camera, first, min(rows_per_pass, camera.height - first))
-        renderer.forward(batch)
-        total += int(renderer.sample_counts(batch).sum())
+    total = sum(int(renderer.sample_counts(batch).sum()) for _first, _rows, batch in renderer.camera_bands(camera))
     return total / (camera.width * camera.height)
 
 

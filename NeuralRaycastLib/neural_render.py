@@ -17,7 +17,7 @@ device) and lets all samples of a batch run in parallel.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -282,15 +282,22 @@ class DiffRenderer:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]
 
     # whole images -------------------------------------------------------------------------------------
-    def render(self, camera: Camera, rays_per_pass: int = 1 << 16,
-               timings: dict[str, float] | None = None) -> RenderedImage:
-        """One view, in bands of rows so memory stays bounded (``timings``: see :meth:`forward`)."""
+    def camera_bands(self, camera: Camera, rays_per_pass: int = 1 << 16,
+                     timings: dict[str, float] | None = None) -> Iterator[tuple[int, int, RayBatch]]:
+        """A view's rays in bands of rows, so memory stays bounded: (first row, rows, batch) after its
+        :meth:`forward` (``timings``: see there)."""
         rows_per_pass = max(1, rays_per_pass // camera.width)
-        sums = np.zeros((camera.height, camera.width, OUTPUTS), np.float32)
         for first in range(0, camera.height, rows_per_pass):
             rows = min(rows_per_pass, camera.height - first)
             batch = self.camera_rays(camera, first, rows)
             self.forward(batch, timings)
+            yield first, rows, batch
+
+    def render(self, camera: Camera, rays_per_pass: int = 1 << 16,
+               timings: dict[str, float] | None = None) -> RenderedImage:
+        """One view (``timings``: see :meth:`forward`)."""
+        sums = np.zeros((camera.height, camera.width, OUTPUTS), np.float32)
+        for first, rows, batch in self.camera_bands(camera, rays_per_pass, timings):
             sums[first:first + rows] = self.sums(batch).reshape(rows, camera.width, OUTPUTS)
         return finish_pixels(sums)
 

@@ -25,7 +25,7 @@ from .preprocess import PreparedStudy, prepare
 from .reference_views import ReferenceViews, render_reference_views, save_reference_views
 from .render import RenderedImage
 from .study import Study, downsample_study, load_study
-from .train import PRESETS, TrainConfig, Trainer, TrainLog, field_renderer, preset
+from .train import PRESETS, TrainConfig, Trainer, TrainLog, field_renderer, learned_mesh_shadows, preset
 
 Progress = Callable[[str, float], None]
 RUN_VERSION = 1
@@ -197,12 +197,10 @@ def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, s
     run's references had shadows."""
     renderer = field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
     if settings.shadows:
-        from .evaluate import learned_distances
-        from .render import hybrid_shadows
         from .style import RenderStyle
 
         style = RenderStyle.default(prepared.structures, prepared.channel_names)
-        renderer.set_mesh_shadows(hybrid_shadows(gpu, prepared, style, learned_distances(field, prepared)))
+        renderer.set_mesh_shadows(learned_mesh_shadows(gpu, prepared, field, style))
     return renderer
 
 

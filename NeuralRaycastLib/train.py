@@ -164,6 +164,15 @@ def field_renderer(
     return renderer
 
 
+def learned_mesh_shadows(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, style: RenderStyle):
+    """Key-light shadows from meshes of the field's learned surfaces (marching cubes on the study grid, BVH),
+    for a renderer's ``set_mesh_shadows``."""
+    from .evaluate import learned_distances
+    from .render import hybrid_shadows
+
+    return hybrid_shadows(gpu, prepared, style, learned_distances(field, prepared))
+
+
 def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int],
                 rendered: dict[int, np.ndarray] | None = None) -> dict[str, float]:
     """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``
@@ -192,8 +201,7 @@ class Trainer:
         self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, config
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
         self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
-                                       config.occupancy_cell_mm,
-                                       from_boundary=True)
+                                       config.occupancy_cell_mm, from_boundary=True)
         targets = np.stack([np.concatenate([image.rgba, image.normal, image.depth[..., None]], axis=-1)
                             for image in views.images])  # the G-buffer, channel for channel as OUTPUTS
         self.sampler = PatchSampler(targets, views.training, config.patch_size, seed=config.seed)
@@ -236,12 +244,8 @@ class Trainer:
 
     def refresh_meshes(self) -> None:
         """Mesh the learned surfaces on the study's grid and shadow the key light with them from now on."""
-        from .evaluate import learned_distances
-        from .render import hybrid_shadows
-
         start = time.perf_counter()
-        shadows = hybrid_shadows(self.gpu, self.prepared, self.style, learned_distances(self.field, self.prepared))
-        self.renderer.set_mesh_shadows(shadows)
+        self.renderer.set_mesh_shadows(learned_mesh_shadows(self.gpu, self.prepared, self.field, self.style))
         self.log.mesh_seconds += time.perf_counter() - start
         self.log.mesh_extractions += 1
 
