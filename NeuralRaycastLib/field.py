@@ -288,8 +288,8 @@ class NeuralField:
         import slangpy as spy
 
         self.gpu, self.layout = gpu, layout
-        # Whether the SDF fit runs the geometry network on tensor cores: by default on CUDA (through WMMA,
-        # which every GPU since Volta has), unless NEURALRAYCAST_COOPERATIVE=0.
+        # Whether the SDF fit and the renderer run the geometry network on tensor cores: by default on CUDA
+        # (through WMMA, which every GPU since Volta has), unless NEURALRAYCAST_COOPERATIVE=0.
         if cooperative is None:
             cooperative = gpu.backend == "cuda" and os.environ.get(COOPERATIVE_ENV, "1") != "0"
         self.cooperative = cooperative
@@ -305,11 +305,11 @@ class NeuralField:
 
     @property
     def fit_module(self):
-        """The module with the fit kernels: tensor-core geometry network where ``cooperative``."""
+        """The module with the fit and render kernels: tensor-core geometry network where ``cooperative``."""
         if not self.cooperative:
             return self.module
         if self._cooperative_module is None:
-            self._cooperative_module = load_field_module(self.gpu, self.layout, ("sdf_fit",), cooperative=True)
+            self._cooperative_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, cooperative=True)
         return self._cooperative_module
 
     def tiled_geometry(self) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """The neural field as a scene of the differentiable renderer (shaders/field_render.slang): its
 distances, normals (tetrahedral differences), albedo and specular weight at sample points, fed the study's
-normalised MRI channels and P(x) as the appearance network's local inputs."""
+normalised MRI channels and P(x) as the appearance network's local inputs.
+
+Where the field is ``cooperative`` (CUDA) the kernels run the geometry network on tensor cores, from the
+tiled copy of its weights: uploaded before each forward and backward pass, its gradients added back to
+the field's after the backward."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import numpy as np
 
 from .field import NeuralField
 from .gpu import GpuContext
-from .neural_render import Occupancy
+from .neural_render import WAVE, Occupancy, WorkLists
 from .preprocess import PreparedStudy
 from .render import volume_stack
 from .style import BAND_WIDTHS
@@ -23,6 +27,8 @@ class FieldScene:
             raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
                              f"the study gives {inputs.shape[0]}")
         self.field = field
+        self.cooperative = field.cooperative
+        self.module = field.fit_module  # the tensor-core kernels where the field is cooperative
         self._inputs, self.inputs = volume_stack(gpu, inputs, np.linalg.inv(prepared.affine))
 
     @property
@@ -30,20 +36,32 @@ class FieldScene:
         return self.field.structures
 
     def struct(self) -> dict[str, Any]:
-        return {"field": self.field.shader_struct(), "inputs": self.inputs}
+        return {"field": self.field.shader_struct(self.cooperative), "inputs": self.inputs}
+
+    def _upload(self) -> None:
+        if self.cooperative:
+            self.field.upload_tiled_geometry()
 
     def distances(self, grid: Any, buffers: dict) -> None:
-        self.field.module.fieldDistances(grid, self.struct(), buffers)
+        if self.cooperative and buffers["maxSamples"] % WAVE:
+            raise ValueError(f"tensor-core kernels need max_samples in multiples of {WAVE}")
+        self._upload()
+        self.module.fieldDistances(grid, self.struct(), buffers)
 
-    def surface(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
-        self.field.module.fieldSurface(grid, self.struct(), buffers, look, settings, step_mm)
+    def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+        self.module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(), buffers, step_mm)
 
-    def backward(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
-        self.field.module.fieldBackward(grid, self.struct(), buffers, look, settings, step_mm)
+    def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+        self._upload()
+        struct = self.struct()
+        self.module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
+        self.module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
+        if self.cooperative:
+            self.field.add_tiled_gradients()
 
-    def backward_appearance(self, grid: Any, buffers: dict, look: dict, settings: dict) -> None:
+    def backward_appearance(self, lists: WorkLists, buffers: dict) -> None:
         """The backward pass with the geometry frozen: gradients of the appearance network only."""
-        self.field.module.fieldAppearanceBackward(grid, self.struct(), buffers, look, settings)
+        self.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
 
 
 def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:

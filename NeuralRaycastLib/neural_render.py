@@ -1,17 +1,19 @@
 """The differentiable renderer: any trainable scene (the neural field, or analytic spheres in the tests)
 rendered with the image formation model of the reference renderer, forward and backward.
 
-A batch of rays goes through five small kernels rather than one large one:
+A batch of rays goes through a few small kernels rather than one large one:
 
 1. rays from a camera or from training patches (shaders/ray_samples.slang),
 2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid),
-3. the scene at every sample: distances, then normals and appearance where a segment is not empty
-   (one thread per sample; shaders/diff_scene.slang),
-4. compositing front to back into per-ray sums (shaders/composite.slang),
-5. backward: compositing's gradient per stored value, then the scene's backward pass per sample.
+3. the scene's distances at every sample (one thread per sample; shaders/diff_scene.slang),
+4. work lists of the segments that are not empty and of the samples at their ends
+   (shaders/segment_lists.slang), then normals and appearance on the first list (one thread per entry),
+5. compositing front to back into per-ray sums (shaders/composite.slang),
+6. backward: compositing's gradient per stored value, then the scene's backward pass over both lists.
 
 Keeping the networks out of the ray loop keeps every kernel small (quick to compile, also on a CPU
-device) and lets all samples of a batch run in parallel.
+device) and lets all samples of a batch run in parallel; the lists keep every thread of a wave busy
+(most samples lie in empty space, and tensor-core networks need whole waves).
 """
 
 from __future__ import annotations
@@ -34,16 +36,35 @@ MIN_SEGMENT_TAU = 1e-6  # shaders/sample_buffers.slang: lighter segments are nei
 
 class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
-    of shaders/diff_scene.slang instantiated for the scene). A scene whose appearance can train alone
-    also has ``backward_appearance(grid, buffers, look, settings)``."""
+    of shaders/diff_scene.slang instantiated for the scene). ``distances`` runs on a (rays, max_samples)
+    grid; ``surface`` and ``backward`` on whole waves of the work lists (:class:`WorkLists`). A scene
+    whose appearance can train alone also has ``backward_appearance(lists, buffers)``."""
 
     structures: int
 
     def distances(self, grid: Any, buffers: dict) -> None: ...
 
-    def surface(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None: ...
+    def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None: ...
 
-    def backward(self, grid: Any, buffers: dict, look: dict, settings: dict, step_mm: float) -> None: ...
+    def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None: ...
+
+
+WAVE = 32  # launches over a work list cover whole waves of this many threads
+
+
+@dataclass(frozen=True)
+class WorkLists:
+    """Entries in a batch's work lists: shaded segments and the samples at their ends."""
+
+    shaded: int
+    touched: int
+
+    @staticmethod
+    def launch(entries: int) -> Any:
+        """A 1-D launch over ``entries`` list entries, rounded up to whole waves."""
+        import slangpy as spy
+
+        return spy.grid((-(-entries // WAVE) * WAVE,))
 
 
 @dataclass
@@ -109,6 +130,10 @@ class RayBatch:
         self.visibility = spy.Tensor.zeros(device, shape=(slots,), dtype="float")
         self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
         self.d_sums = spy.Tensor.zeros_like(self.sums)
+        self.shaded_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.touched_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.list_counts = spy.Tensor.zeros(device, shape=(2,), dtype="int")
+        self.lists = WorkLists(0, 0)
         self.struct = {
             "rays": self.rays.storage.device_address,
             "samples": self.samples.storage.device_address,
@@ -119,6 +144,9 @@ class RayBatch:
             "shadows": 0,
             "maxSamples": max_samples,
             "structures": structures,
+            "shadedSlots": self.shaded_slots.storage.device_address,
+            "touchedSlots": self.touched_slots.storage.device_address,
+            "listCounts": self.list_counts.storage.device_address,
         }
 
 
@@ -143,6 +171,7 @@ class DiffRenderer:
         self.max_samples = max_samples
         self.rays_module = gpu.load_module("ray_samples")
         self.composite_module = gpu.load_module("composite")
+        self.lists_module = gpu.load_module("segment_lists")
         self._batch: RayBatch | None = None
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
@@ -206,15 +235,19 @@ class DiffRenderer:
         n = self.ray_count
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
         clock.lap("place samples")
-        grid = spy.grid((n, self.max_samples))
-        self.scene.distances(grid, batch.struct)
+        self.scene.distances(spy.grid((n, self.max_samples)), batch.struct)
         clock.lap("distances")
-        self.scene.surface(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
+        batch.list_counts.copy_from_numpy(np.zeros(2, np.int32))
+        self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings)
+        batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
+        clock.lap("work lists")
+        if batch.lists.shaded:
+            self.scene.surface(batch.lists, batch.struct, self.normal_step_mm)
         clock.lap("normals and appearance")
         batch.struct["shadows"] = int(self.mesh_shadows is not None)
-        if self.mesh_shadows is not None:
-            self._shadow_module.segmentVisibility(grid, batch.struct, self.shading, self.mesh_shadows.struct,
-                                                  self.mesh_shadows.settings)
+        if self.mesh_shadows is not None and batch.lists.shaded:
+            self._shadow_module.segmentVisibility(WorkLists.launch(batch.lists.shaded), batch.struct, self.shading,
+                                                  self.mesh_shadows.struct, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
         self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
                                            batch.sums.storage.device_address)
@@ -244,13 +277,12 @@ class DiffRenderer:
 
     def scene_backward(self, batch: RayBatch, geometry: bool = True) -> None:
         """Second half of :meth:`backward`: the sample values' gradients into the scene's parameters."""
-        import slangpy as spy
-
-        grid = spy.grid((self.ray_count, self.max_samples))
+        if not batch.lists.shaded:
+            return
         if geometry:
-            self.scene.backward(grid, batch.struct, self.look, self.settings, self.normal_step_mm)
+            self.scene.backward(batch.lists, batch.struct, self.normal_step_mm)
         else:
-            self.scene.backward_appearance(grid, batch.struct, self.look, self.settings)
+            self.scene.backward_appearance(batch.lists, batch.struct)
 
     def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
         """The albedo of every composited segment of the last :meth:`forward` with its optical depth per

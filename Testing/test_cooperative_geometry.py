@@ -98,3 +98,36 @@ def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
     monkeypatch.setenv(field_module.COOPERATIVE_ENV, "0")
     layout = FieldLayout.build(tiny_config(), phantom[1].bounds, 4, 1)
     assert not NeuralField(cuda, layout).cooperative
+
+
+def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
+    """The renderer's kernels over whole waves with the geometry network on tensor cores: the same picture
+    and the same parameter gradients as the per-thread kernels, to half precision."""
+    from NeuralRaycastLib.camera import orbit_cameras
+    from NeuralRaycastLib.neural_render import OUTPUTS
+    from NeuralRaycastLib.train import field_renderer
+
+    prepared = phantom[1]
+    scalar, cooperative = paired_fields(cuda, prepared, config_for(full_network=True))
+    SdfFitter(cuda, prepared, scalar, FitConfig(steps=200, batch=1 << 15, seed=1)).run()
+    cooperative.set_parameters(scalar.parameters())
+    camera = orbit_cameras(prepared.bounds, 1, 48, 40)[0]
+    d_sums = np.random.default_rng(4).normal(size=(camera.width * camera.height, OUTPUTS)).astype(np.float32)
+    pictures, gradients = [], []
+    for field in (scalar, cooperative):
+        renderer = field_renderer(cuda, prepared, field, 192)
+        assert renderer.scene.cooperative == field.cooperative
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch)
+        pictures.append(renderer.sums(batch))
+        field.zero_gradients()
+        renderer.backward(batch, d_sums)
+        gradients.append(field.gradients().astype(np.float64))
+    alpha = pictures[0][:, 3]
+    assert alpha.max() > 0.5
+    np.testing.assert_allclose(pictures[1][:, :4], pictures[0][:, :4], atol=2e-2)
+    for name, (start, stop) in scalar.layout.segments().items():
+        ga, gb = gradients[0][start:stop], gradients[1][start:stop]
+        cosine = ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))
+        print(f"render backward, {name}: cosine {cosine:.5f}")
+        assert cosine > 0.99, name

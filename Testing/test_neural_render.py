@@ -8,7 +8,7 @@ from conftest import analytic_prepared
 
 from NeuralRaycastLib.camera import Camera, orbit_cameras
 from NeuralRaycastLib.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.neural_render import DiffRenderer, Occupancy
+from NeuralRaycastLib.neural_render import DiffRenderer, Occupancy, WorkLists
 from NeuralRaycastLib.patches import PatchSampler, pack_cameras
 from NeuralRaycastLib.render import ReferenceRenderer, hybrid_shadows
 from NeuralRaycastLib.sample.phantom import sphere_sdf
@@ -38,21 +38,23 @@ class Spheres:
     def distances(self, grid, buffers: dict) -> None:
         self.module.sphereDistances(grid, self.struct, buffers)
 
-    def surface(self, grid, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
-        self.module.sphereSurface(grid, self.struct, buffers, look, settings, step_mm)
+    def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+        self.module.sphereSurface(WorkLists.launch(lists.shaded), self.struct, buffers, step_mm)
 
-    def backward(self, grid, buffers: dict, look: dict, settings: dict, step_mm: float) -> None:
-        self.module.sphereBackward(grid, self.struct, buffers, look, settings, step_mm)
+    def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+        self.module.sphereBackwardDistances(WorkLists.launch(lists.touched), self.struct, buffers)
+        self.module.sphereBackwardSurface(WorkLists.launch(lists.shaded), self.struct, buffers, step_mm)
 
 
-def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES):
+def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES,
+                    style: RenderStyle = STYLE):
     import slangpy as spy
 
     settings = {"epsilon": 1.0, "step": 0.5, "shadowStep": 1.0,
                 "boxMin": spy.float3(*BOX[0]), "boxMax": spy.float3(*BOX[1])}
     everywhere = Occupancy(np.ones((1, 1, 1), bool), BOX[0], 40.0)
     scene = Spheres(gpu, values)
-    renderer = DiffRenderer(gpu, scene, STYLE.shader_look(structures, ["t1"]), STYLE.shader_lighting(), settings,
+    renderer = DiffRenderer(gpu, scene, style.shader_look(structures, ["t1"]), style.shader_lighting(), settings,
                             occupancy or everywhere, normal_step_mm=0.25, max_samples=128)
     return renderer, scene
 
@@ -83,6 +85,36 @@ def test_ray_integral_gradient_matches_finite_differences(gpu):
         numeric[i] = (loss(plus) - loss(minus)) / (2 * h)
     assert np.abs(numeric).max() > 1.0  # the loss depends on the parameters
     np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=2e-2 * np.abs(numeric).max())
+
+
+def test_work_lists_hold_the_segments_compositing_reads(gpu):
+    """Normals, appearance and the backward pass run only on the work lists: they must hold every segment
+    compositing reads (not empty, transmittance not yet run out: here an opaque sphere ends most rays),
+    no empty segment, and exactly the samples at the ends of the listed segments."""
+    opaque = RenderStyle({"a": StructureStyle(0.99999), "b": StructureStyle(0.8)}, Lighting())
+    renderer, _scene = sphere_renderer(gpu, SPHERES, style=opaque)
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 24, 20)
+    batch = renderer.camera_rays(camera)
+    renderer.forward(batch)
+    n, m, k = renderer.ray_count, renderer.max_samples, 2
+    counts = renderer.sample_counts(batch)
+    samples = batch.samples.to_numpy().reshape(-1, m, 2)[:n]
+    distance = batch.values.to_numpy().reshape(-1, m, 8 * k)[:n, :, :k].astype(np.float64)
+    inside = 1.0 / (1.0 + np.exp(np.clip(distance / renderer.epsilon, -60, 60)))
+    depth = (np.asarray(renderer.look["opticalDepth"][:k]) * np.abs(np.diff(inside, axis=1))).sum(axis=-1)
+    linked = (samples[:, :-1, 1] != 0) & (np.arange(1, m)[None, :] < counts[:, None])
+    shaded = linked & (depth > 1e-6)
+    before = np.exp(-np.cumsum(np.where(shaded, depth, 0.0), axis=1) + np.where(shaded, depth, 0.0))
+    slot = np.arange(n)[:, None] * m + np.arange(m - 1)[None, :]
+    composited = set(slot[shaded & (before > 1e-4)])
+    plausible = set(slot[shaded & (before > 0.4e-4)])
+
+    listed = batch.shaded_slots.to_numpy()[: batch.lists.shaded]
+    touched = batch.touched_slots.to_numpy()[: batch.lists.touched]
+    assert len(set(listed)) == len(listed) and len(set(touched)) == len(touched)
+    assert composited <= set(listed) <= plausible
+    assert len(set(slot[shaded]) - set(listed)) > 100  # the opaque sphere cut many rays short
+    assert set(touched) == set(listed) | {s + 1 for s in listed}
 
 
 def test_forward_pass_matches_the_reference_renderer(gpu):
@@ -178,5 +210,5 @@ def test_profiled_render_gives_the_same_picture_and_each_pass_time(gpu):
     timings: dict[str, float] = {}
     profiled = renderer.render(camera, timings=timings)
     np.testing.assert_array_equal(profiled.rgba, plain.rgba)
-    assert list(timings) == ["place samples", "distances", "normals and appearance", "composite"]
+    assert list(timings) == ["place samples", "distances", "work lists", "normals and appearance", "composite"]
     assert all(seconds > 0 for seconds in timings.values())
