@@ -224,6 +224,16 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     rows.append(BenchRow("train", "learned meshes + BVH for shadows", mesh_seconds, "s",
                          f"{len(shadows.bvh.triangle_ids)} triangles: marching cubes of the learned SDF on the "
                          "study grid, LBVH"))
+    for joint, stage in ((False, 2), (True, 3)):
+        phases = trainer.profile_steps(joint=joint)
+        rows.append(BenchRow("train", f"stage-{stage} step phases", sum(phases.values()) * 1e3, "ms",
+                             "; ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in phases.items())
+                             + " (means of 10 steps, waits after each phase)"))
+    for patches in (16, 64):  # the GPU fills up only with more rays per step than the presets take
+        rays = patches * trainer.config.patch_size ** 2
+        seconds = sum(trainer.profile_steps(joint=True, patches=patches).values())
+        rows.append(BenchRow("train", f"stage-3 training rays/s, {rays} rays per step", rays / seconds, "1/s",
+                             f"{patches} patches; one step {seconds * 1e3:.1f} ms (sum of the phases)"))
     config = trainer.config
     joint_step = log.stage_seconds.get(3, 0.0) / max(config.joint_steps, 1)
     rows.append(BenchRow("train", f"re-extraction every {config.mesh_every} joint steps (training with shadows)",

@@ -38,7 +38,7 @@ from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from .gpu import GpuContext
 from .image_loss import albedo_consistency_and_gradient, geometry_loss_and_gradient, patch_loss_and_gradient
 from .metrics import psnr, ssim
-from .neural_render import OUTPUTS, DiffRenderer
+from .neural_render import OUTPUTS, DiffRenderer, PassClock
 from .patches import PatchSampler, pack_cameras
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews
@@ -209,13 +209,18 @@ class Trainer:
         self.log = TrainLog()
 
     # one step of stages 2 and 3 --------------------------------------------------------------------------
-    def image_step(self, geometry: bool = True, rows: np.ndarray | None = None) -> dict[str, float]:
+    def image_step(self, geometry: bool = True, rows: np.ndarray | None = None,
+                   timings: dict[str, float] | None = None) -> dict[str, float]:
         """Render a batch of patches (``rows`` of view, x0, y0, default drawn at random), add the loss's
-        gradient (to the appearance only, unless ``geometry``); returns the loss terms."""
+        gradient (to the appearance only, unless ``geometry``); returns the loss terms. ``timings``: add
+        each phase's seconds there (waiting for the device after each; for profiling)."""
         c = self.config
+        clock = PassClock(self.gpu, timings)
         rows = self.sampler.sample(c.patches) if rows is None else rows
         batch = self.renderer.patch_rays(self._cameras, rows, c.patch_size)
-        self.renderer.forward(batch)
+        clock.lap("rays")
+        self.renderer.forward(batch, timings)
+        clock.lap("forward")
         sums = self.renderer.sums(batch).reshape(len(rows), c.patch_size, c.patch_size, OUTPUTS)
         targets = self.sampler.reference_patches(rows)
         loss, terms, d_rgba = patch_loss_and_gradient(sums[..., :4], targets[..., :4])
@@ -229,15 +234,46 @@ class Trainer:
                                                                     c.depth_scale_mm)
             loss, gradient = loss + extra, gradient + d_sums
             terms.update(extra_terms)
+        clock.lap("image loss (host)")
         self.renderer.composite_backward(batch, gradient.reshape(-1, OUTPUTS))
+        clock.lap("composite backward")
         if c.albedo_consistency_weight:
             segments = self.renderer.segment_albedo(batch)
             spread, d_albedo = albedo_consistency_and_gradient(segments.albedo, segments.weight)
             self.renderer.add_albedo_gradient(batch, segments, c.albedo_consistency_weight * d_albedo)
             loss += c.albedo_consistency_weight * spread
             terms["albedo_spread"] = spread
+            clock.lap("albedo consistency (host)")
         self.renderer.scene_backward(batch, geometry)
+        clock.lap("scene backward")
         return {"loss": loss, **terms}
+
+    def render_optimisers(self, steps: int) -> tuple[Adam, SdfFitter]:
+        """Adam over stages 2 and 3 (``steps`` in all) and the SDF and Eikonal terms of the joint steps."""
+        c = self.config
+        adam = Adam(self.gpu, self.field, c.render_fit_config(steps))
+        sdf = SdfFitter(self.gpu, self.prepared, self.field, replace(c.render_fit_config(steps), batch=c.sdf_batch,
+                                                                     eikonal_weight=c.geometry.eikonal_weight))
+        return adam, sdf
+
+    def profile_steps(self, joint: bool = True, steps: int = 10, patches: int | None = None) -> dict[str, float]:
+        """Mean seconds per phase of a stage-3 (``joint``) or stage-2 step of ``patches`` patches (default:
+        the configuration's), waiting for the device after each phase; the field is left as it was."""
+        saved = self.field.parameters()
+        adam, sdf = self.render_optimisers(steps)
+        timings: dict[str, float] = {}
+        for step in range(steps):
+            rows = self.sampler.sample(patches or self.config.patches)
+            self.image_step(geometry=joint, rows=rows, timings=timings)
+            clock = PassClock(self.gpu, timings)
+            if joint:
+                sdf.accumulate(step, self.config.sdf_weight)
+                clock.lap("SDF and Eikonal terms")
+            adam.step(learning_rate_factor(step, adam.config), (1.0, 1.0, 1.0) if joint else (0.0, 0.0, 1.0))
+            clock.lap("Adam")
+        self.field.set_parameters(saved)
+        self.field.zero_gradients()
+        return {name: seconds / steps for name, seconds in timings.items()}
 
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
         return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
@@ -276,9 +312,7 @@ class Trainer:
 
         # stages 2 and 3: through the renderer
         steps = c.appearance_steps + c.joint_steps
-        adam = Adam(self.gpu, self.field, c.render_fit_config(steps))
-        sdf = SdfFitter(self.gpu, self.prepared, self.field, replace(c.render_fit_config(steps), batch=c.sdf_batch,
-                                                                     eikonal_weight=c.geometry.eikonal_weight))
+        adam, sdf = self.render_optimisers(steps)
         good = self.field.parameters()
         rate, bad = 1.0, 0
         for step in range(steps):

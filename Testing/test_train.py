@@ -192,3 +192,14 @@ def test_normal_and_depth_terms_descend(gpu, phantom_views):
     field.zero_gradients()
     after = trainer.image_step(geometry=True, rows=rows)
     assert after["loss"] < terms["loss"], (terms, after)
+
+
+def test_step_profile_names_every_phase_and_leaves_the_field_as_it_was(gpu, phantom_views):
+    """The bench's breakdown of a joint step: each phase timed, the field's parameters untouched."""
+    trainer = fitted_trainer(gpu, phantom_views)
+    before = trainer.field.parameters()
+    phases = trainer.profile_steps(joint=True, steps=2)
+    for name in ("rays", "distances", "work lists", "normals and appearance", "composite", "image loss (host)",
+                 "composite backward", "scene backward", "SDF and Eikonal terms", "Adam"):
+        assert phases[name] > 0, name
+    np.testing.assert_array_equal(trainer.field.parameters(), before)
