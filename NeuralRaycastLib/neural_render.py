@@ -31,7 +31,6 @@ from .render import RenderedImage
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
 VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
-MIN_SEGMENT_TAU = 1e-6  # shaders/sample_buffers.slang: lighter segments are neither shaded nor composited
 
 
 class TrainableScene(Protocol):
@@ -285,22 +284,15 @@ class DiffRenderer:
             self.scene.backward_appearance(batch.lists, batch.struct)
 
     def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
-        """The albedo of every composited segment of the last :meth:`forward` with its optical depth per
-        structure (how much of it is seen), for losses on the albedo itself."""
+        """The albedo of every composited segment of the last :meth:`forward` (the shaded work list) with
+        its optical depth per structure (how much of it is seen), for losses on the albedo itself."""
         k = self.scene.structures
-        n, m = self.ray_count, self.max_samples
-        values = np.asarray(batch.values.to_numpy()).reshape(batch.capacity, m, VALUES_PER_STRUCTURE * k)[:n]
-        samples = np.asarray(batch.samples.to_numpy()).reshape(batch.capacity, m, 2)[:n]
-        counts = self.sample_counts(batch)
-        distance = values[..., :k].astype(np.float64)
-        inside = 1.0 / (1.0 + np.exp(np.clip(distance / self.epsilon, -60.0, 60.0)))
-        depth = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[:, 1:] - inside[:, :-1])
-        linked = (samples[:, :-1, 1] != 0) & (np.arange(1, m)[None, :] < counts[:, None])
-        weight = np.where(linked[..., None], depth, 0.0)  # (rays, m - 1, K): segment j from slot j
-        weight = np.where(weight.sum(axis=-1, keepdims=True) > MIN_SEGMENT_TAU, weight, 0.0)
-        rays, slots = np.nonzero(weight.sum(axis=-1) > 0)
-        albedo = values[rays, slots, 4 * k:7 * k].reshape(-1, k, 3)
-        return SegmentAlbedo(rays * m + slots, albedo, weight[rays, slots])
+        slots = np.asarray(batch.shaded_slots.to_numpy())[: batch.lists.shaded].astype(np.int64)
+        values = np.asarray(batch.values.to_numpy()).reshape(-1, VALUES_PER_STRUCTURE * k)
+        ends = np.stack([values[slots, :k], values[slots + 1, :k]]).astype(np.float64)
+        inside = 1.0 / (1.0 + np.exp(np.clip(ends / self.epsilon, -60.0, 60.0)))
+        weight = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[1] - inside[0])
+        return SegmentAlbedo(slots, values[slots, 4 * k:7 * k].reshape(-1, k, 3), weight)
 
     def add_albedo_gradient(self, batch: RayBatch, segments: SegmentAlbedo, d_albedo: np.ndarray) -> None:
         """Add ∂L/∂albedo of those segments to ``batch.grads`` (between the two halves of the backward)."""

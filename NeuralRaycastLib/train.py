@@ -38,7 +38,7 @@ from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from .gpu import GpuContext
 from .image_loss import albedo_consistency_and_gradient, geometry_loss_and_gradient, patch_loss_and_gradient
 from .metrics import psnr, ssim
-from .neural_render import OUTPUTS, DiffRenderer, PassClock
+from .neural_render import OUTPUTS, WAVE, DiffRenderer, PassClock
 from .patches import PatchSampler, pack_cameras
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews
@@ -158,6 +158,8 @@ def field_renderer(
     epsilon = float(settings["epsilon"])
     occupancy = (boundary_occupancy(prepared, box, occupancy_cell_mm, epsilon) if from_boundary
                  else field_occupancy(field, box, occupancy_cell_mm, epsilon))
+    if field.cooperative:  # tensor-core kernels take whole waves of a ray's samples; the cap may only grow
+        max_samples = -(-max_samples // WAVE) * WAVE
     renderer = DiffRenderer(gpu, FieldScene(gpu, field, prepared),
                             style.shader_look(prepared.structures, prepared.channel_names), style.shader_lighting(),
                             settings, occupancy, normal_step_mm=field.default_step_mm(), max_samples=max_samples)
