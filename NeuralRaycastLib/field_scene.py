@@ -29,13 +29,15 @@ class FieldScene:
             raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
                              f"the study gives {inputs.shape[0]}")
         self.field = field
-        self.cooperative = field.cooperative
-        self.forward_module = field.fit_module  # tensor-core kernels where the field is cooperative
         self._inputs, self.inputs = volume_stack(gpu, inputs, np.linalg.inv(prepared.affine))
 
     @property
     def structures(self) -> int:
         return self.field.structures
+
+    @property
+    def cooperative(self) -> bool:
+        return self.field.cooperative
 
     def struct(self, cooperative: bool = False) -> dict[str, Any]:
         return {"field": self.field.shader_struct(cooperative), "inputs": self.inputs}
@@ -45,11 +47,11 @@ class FieldScene:
             if buffers["maxSamples"] % WAVE:
                 raise ValueError(f"tensor-core kernels need max_samples in multiples of {WAVE}")
             self.field.upload_tiled_geometry()
-        self.forward_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
+        self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
 
     def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
-        self.forward_module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers,
-                                         step_mm)
+        self.field.fit_module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers,
+                                           step_mm)
 
     def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
         struct = self.struct()
