@@ -1,7 +1,7 @@
 """From a checked study to what the field is trained on.
 
 - channels normalised robustly (percentiles inside the head/brain mask map to 0 and 1),
-- the brain (or head) mask, and from it the context structure ``brain``,
+- the brain (or head) mask, given or found by thresholding, and from it the context structure ``brain``,
 - boundary maps ``B_k(x)``: signed distance to structure k in millimetres, negative inside,
   anisotropic spacing respected,
 - the tumour probability ``P(x)`` (given, or a smooth step across the whole-tumour boundary),
@@ -29,7 +29,13 @@ from .study import Study, StudyError
 log = logging.getLogger(__name__)
 
 #: Bump when anything below changes what is cached.
-PREPROCESS_VERSION = 2
+PREPROCESS_VERSION = 4
+#: Windowed-sinc smoothing of a mask's surface before distances are taken, with the iterations and pass
+#: band of Slicer's closed-surface default (smoothing factor 0.5: 20 iterations, pass band 10⁻²).
+SURFACE_SMOOTHING_ITERATIONS = 20
+SURFACE_SMOOTHING_PASSBAND = 0.01
+#: Boundary-map values within this many voxels of the surface are exact distances to the smoothed mesh.
+EXACT_BAND_VOXELS = 3.0
 NORMALISE_PERCENTILES = (0.5, 99.5)
 OCCUPANCY_BLOCK = 8
 
@@ -95,14 +101,19 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     return mask
 
 
-def signed_distance(inside: np.ndarray, spacing: np.ndarray, smoothing_mm: float | None = None) -> np.ndarray:
+def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True) -> np.ndarray:
     """Signed distance in mm to the boundary of a voxel mask; negative inside.
 
-    The boundary is taken halfway between inside and outside voxel centres, so each distance to the
-    nearest voxel centre of the other side is shortened by half a voxel. A Gaussian of ``smoothing_mm``
-    (default: one voxel) then removes the terraces a voxel mask leaves, which otherwise show up as
-    ripples in normals; on the analytic phantom it cuts the mean normal error from about 13° to 3°
-    and lowers the distance error too.
+    A voxel mask only says which voxel centres are inside, so its surface is terraced. The boundary
+    taken here is the mask's marching-cubes surface after a windowed-sinc low-pass filter, the kind
+    Slicer's closed-surface conversion applies (the terraces go, smooth surfaces do not shrink). Within
+    ``EXACT_BAND_VOXELS`` of it the distance is the exact distance to that smoothed mesh; further out,
+    where nothing is fitted closely, the Euclidean distance transform of the mask (shortened by half a
+    voxel, since the boundary lies halfway between inside and outside voxel centres) stands in for it.
+
+    A Gaussian on the distance map, the obvious alternative, also removes the terraces but moves every
+    curved surface inwards by about σ²/R (on the phantom at 2 mm: 0.2 mm for the whole tumour, 0.25 mm
+    for the core). ``smooth_surface=False`` gives the unsmoothed transform.
     """
     spacing = np.asarray(spacing, dtype=np.float64)
     half = 0.5 * float(spacing.min())
@@ -111,9 +122,19 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smoothing_mm: float
     outside_distance = ndimage.distance_transform_edt(~inside, sampling=spacing)
     inside_distance = ndimage.distance_transform_edt(inside, sampling=spacing)
     sdf = np.where(inside, -(inside_distance - half), outside_distance - half)
-    smoothing = float(spacing.min()) if smoothing_mm is None else smoothing_mm
-    if smoothing > 0:
-        sdf = ndimage.gaussian_filter(sdf, sigma=smoothing / spacing, mode="nearest")
+    if smooth_surface:
+        from .mesh import extract_surface
+        from .surface_distance import signed_distance_to_mesh, smooth_surface
+
+        scaled = np.diag([*spacing, 1.0])  # distances do not depend on the grid's orientation or origin
+        vertices, faces = extract_surface(0.5 - inside.astype(np.float32), scaled)
+        vertices = smooth_surface(vertices, faces, SURFACE_SMOOTHING_ITERATIONS, SURFACE_SMOOTHING_PASSBAND)
+        band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
+        exact = signed_distance_to_mesh(vertices, faces, np.argwhere(band) * spacing)
+        # The smoothed surface stays within a voxel of the terraced one: a sign that disagrees with
+        # the mask further in than that would be a fault of the sign test, never of the surface.
+        trusted = (np.sign(exact) == np.sign(sdf[band])) | (np.abs(sdf[band]) < float(spacing.max()))
+        sdf[band] = np.where(trusted, exact, sdf[band])
     return sdf.astype(np.float32)
 
 
@@ -153,7 +174,7 @@ def _cache_key(study: Study, structures: list[Structure]) -> str:
     for name, image in study.channels.items():
         digest.update(name.encode())
         digest.update(np.ascontiguousarray(image).tobytes())
-    for optional in (study.labels, study.probability):
+    for optional in (study.labels, study.probability, study.brain_mask):
         digest.update(b"-" if optional is None else np.ascontiguousarray(optional).tobytes())
     digest.update(repr([(s.name, s.labels) for s in structures]).encode())
     return digest.hexdigest()[:32]
@@ -192,7 +213,10 @@ def prepare(
         probability = cached["probability"].astype(np.float32)
     else:
         report("brain mask", 0.0)
-        mask = head_mask(study.channels, study.labels)
+        if study.brain_mask is None:
+            mask = head_mask(study.channels, study.labels)
+        else:  # given (skull stripping); the labelled structures lie in the brain whatever it says
+            mask = study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
         boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
         for index, structure in enumerate(structures):
             report(f"signed distance: {structure.name}", (index + 1) / (len(structures) + 1))

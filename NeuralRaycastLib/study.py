@@ -1,4 +1,4 @@
-"""A study: co-registered MRI channels, an optional label map and tumour probability, one grid.
+"""A study: co-registered MRI channels, an optional label map, tumour probability and brain mask, one grid.
 
 Conventions (also in the README):
 - Arrays are indexed ``[i, j, k]`` (nibabel order). Slicer's ``arrayFromVolume`` gives ``[k, j, i]``:
@@ -6,6 +6,8 @@ Conventions (also in the README):
 - ``affine`` maps voxel indices ``(i, j, k, 1)`` to RAS millimetres (Slicer's IJKToRAS, NIfTI's affine
   converted to RAS by nibabel). Voxel centres sit at integer indices.
 - Labels are non-negative integers; 0 is background.
+- The brain mask (from skull stripping, say) is optional: without one, preprocessing finds the brain
+  by thresholding the images.
 
 Loaders: a BraTS-named folder, a folder with ``manifest.json``, or numpy arrays. Everything is checked
 before a :class:`Study` is returned; each problem raises :class:`StudyError` naming the file and the fault.
@@ -31,9 +33,10 @@ BRATS_CHANNELS = {
     "flair": "flair", "t2f": "flair",
 }
 BRATS_LABELS = ("seg",)
+BRATS_BRAIN_MASK = ("brainmask",)
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 MANIFEST = "manifest.json"
-MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "structures"}
+MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "brain_mask", "structures"}
 
 #: Two grids are the same when every corner of the volume lands within this fraction of a voxel.
 GRID_TOLERANCE_VOXELS = 0.1
@@ -52,6 +55,7 @@ class Study:
     affine: np.ndarray
     labels: np.ndarray | None = None
     probability: np.ndarray | None = None
+    brain_mask: np.ndarray | None = None  # bool; None: found by thresholding the images
     structures: dict[str, tuple[int, ...]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     colors: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # RGB in [0, 1]; else defaults
@@ -84,6 +88,7 @@ class Study:
         name: str = "study",
         axis_order: str = "ijk",
         colors: dict[str, tuple[float, float, float]] | None = None,
+        brain_mask: np.ndarray | None = None,
     ) -> Study:
         """Build a checked study from arrays (the Slicer path). ``axis_order='kji'`` for Slicer arrays;
         ``colors``: RGB in [0, 1] per structure name (e.g. the segments' colours), defaults otherwise."""
@@ -97,13 +102,14 @@ class Study:
             return array.transpose(2, 1, 0) if axis_order == "kji" and array.ndim == 3 else array
 
         sources = {f"channel {n}": f"array '{n}'" for n in channels}
-        sources.update({"labels": "label array", "probability": "probability array"})
+        sources.update({"labels": "label array", "probability": "probability array", "brain mask": "brain mask array"})
         study = cls(
             name=name,
             channels={n: reorder(a) for n, a in channels.items()},
             affine=np.asarray(affine, dtype=np.float64),
             labels=reorder(labels),
             probability=reorder(probability),
+            brain_mask=reorder(brain_mask),
             structures=_parse_structures(structures, "structures argument"),
             sources=sources,
             colors={n: tuple(float(v) for v in c) for n, c in (colors or {}).items()},
@@ -174,11 +180,16 @@ def validate(study: Study) -> Study:
         study.channels[name] = array
     assert shape is not None
 
+    def on_grid(array: np.ndarray, role: str) -> tuple[np.ndarray, str]:
+        """A volume that must share the channels' grid, as 3-D, with the name to report it by."""
+        source = study.sources.get(role, role)
+        array = _squeeze_to_3d(np.asarray(array), source)
+        if array.shape != shape:
+            raise StudyError(f"{source}: shape {array.shape} differs from channel '{reference_name}' {shape}")
+        return array, source
+
     if study.labels is not None:
-        source = study.sources.get("labels", "labels")
-        labels = _squeeze_to_3d(np.asarray(study.labels), source)
-        if labels.shape != shape:
-            raise StudyError(f"{source}: shape {labels.shape} differs from channel '{reference_name}' {shape}")
+        labels, source = on_grid(study.labels, "labels")
         if not np.issubdtype(labels.dtype, np.integer):
             _check_finite(labels, source)
             if not np.all(labels == np.round(labels)):
@@ -190,15 +201,24 @@ def validate(study: Study) -> Study:
         study.labels = labels.astype(np.int16)
 
     if study.probability is not None:
-        source = study.sources.get("probability", "probability")
-        probability = _squeeze_to_3d(np.asarray(study.probability), source).astype(np.float32)
-        if probability.shape != shape:
-            raise StudyError(f"{source}: shape {probability.shape} differs from channel '{reference_name}' {shape}")
+        probability, source = on_grid(study.probability, "probability")
+        probability = probability.astype(np.float32)
         _check_finite(probability, source)
         low, high = float(probability.min()), float(probability.max())
         if low < -1e-3 or high > 1 + 1e-3:
             raise StudyError(f"{source}: probabilities must lie in [0, 1], found [{low:g}, {high:g}]")
         study.probability = np.clip(probability, 0.0, 1.0)
+
+    if study.brain_mask is not None:
+        mask, source = on_grid(study.brain_mask, "brain mask")
+        if not np.issubdtype(mask.dtype, np.bool_):
+            _check_finite(mask, source)
+            if not np.all((mask == 0) | (mask == 1)):
+                raise StudyError(f"{source}: a brain mask holds only 0 and 1 (is it a label map or an image?)")
+        mask = mask.astype(bool)
+        if not mask.any() or mask.all():
+            raise StudyError(f"{source}: the brain mask is empty or fills the whole volume")
+        study.brain_mask = mask
 
     study.structures = _resolve_structures(study)
     return study
@@ -277,6 +297,7 @@ def _load_files(
     label_file: Path | None,
     probability_file: Path | None,
     structures: dict[str, tuple[int, ...]],
+    brain_mask_file: Path | None = None,
 ) -> Study:
     """Read NIfTI files onto the first channel's grid (axis flips are undone, anything else is refused)."""
     import nibabel as nib
@@ -284,6 +305,7 @@ def _load_files(
     roles = [(f"channel {n}", p) for n, p in channel_files.items()]
     roles += [("labels", label_file)] if label_file else []
     roles += [("probability", probability_file)] if probability_file else []
+    roles += [("brain mask", brain_mask_file)] if brain_mask_file else []
 
     reference = None
     arrays: dict[str, np.ndarray] = {}
@@ -320,6 +342,7 @@ def _load_files(
         affine=np.asarray(reference.affine, dtype=np.float64),
         labels=arrays.get("labels"),
         probability=arrays.get("probability"),
+        brain_mask=arrays.get("brain mask"),
         structures=structures,
         sources={role: str(path) for role, path in roles},
     )
@@ -334,7 +357,8 @@ def _nifti_stem(path: Path) -> str:
 
 
 def load_brats_folder(folder: Path) -> Study:
-    """A folder of ``<case>_t1.nii.gz, _t1ce, _t2, _flair, _seg`` (or BraTS 2023 ``-t1n, -t1c, -t2w, -t2f, -seg``)."""
+    """A folder of ``<case>_t1.nii.gz, _t1ce, _t2, _flair, _seg`` (or BraTS 2023 ``-t1n, -t1c, -t2w, -t2f, -seg``),
+    with an optional ``_brainmask``."""
     folder = Path(folder)
     found: dict[str, list[Path]] = {}
     case_names = set()
@@ -346,6 +370,7 @@ def load_brats_folder(folder: Path) -> Study:
             continue
         key = match.group(2).lower()
         role = BRATS_CHANNELS.get(key) or ("labels" if key in BRATS_LABELS else None)
+        role = role or ("brain mask" if key in BRATS_BRAIN_MASK else None)
         if role:
             found.setdefault(role, []).append(path)
             case_names.add(match.group(1))
@@ -360,11 +385,12 @@ def load_brats_folder(folder: Path) -> Study:
         )
     name = case_names.pop() if len(case_names) == 1 else folder.name
     labels = found.get("labels", [None])[0]
-    return _load_files(name, channels, labels, None, {})
+    return _load_files(name, channels, labels, None, {}, found.get("brain mask", [None])[0])
 
 
 def load_manifest(path: Path) -> Study:
-    """``manifest.json``: ``{"channels": {name: file}, "labels"?, "probability"?, "structures"?, "name"?}``."""
+    """``manifest.json``: ``{"channels": {name: file}, "labels"?, "probability"?, "brain_mask"?, "structures"?,
+    "name"?}``."""
     path = Path(path)
     if not path.is_file():
         raise StudyError(f"{path}: manifest not found")
@@ -380,7 +406,7 @@ def load_manifest(path: Path) -> Study:
     channels = manifest.get("channels")
     if not isinstance(channels, dict) or not channels or not all(isinstance(v, str) for v in channels.values()):
         raise StudyError(f"{path}: 'channels' must map channel names to file names, e.g. {{\"t1\": \"t1.nii.gz\"}}")
-    for key in ("labels", "probability", "name", "description"):
+    for key in ("labels", "probability", "brain_mask", "name", "description"):
         if key in manifest and not isinstance(manifest[key], str):
             raise StudyError(f"{path}: '{key}' must be a string")
     base = path.parent
@@ -390,6 +416,7 @@ def load_manifest(path: Path) -> Study:
         base / manifest["labels"] if "labels" in manifest else None,
         base / manifest["probability"] if "probability" in manifest else None,
         _parse_structures(manifest.get("structures"), str(path)),
+        base / manifest["brain_mask"] if "brain_mask" in manifest else None,
     )
 
 
@@ -409,7 +436,8 @@ def load_study(path: str | Path) -> Study:
 
 def downsample_study(study: Study, max_voxels: int) -> Study:
     """The study on a grid coarser by a whole factor, so no axis has more than ``max_voxels`` voxels:
-    images and P(x) averaged over blocks, labels taken at the block's centre voxel (unchanged if small)."""
+    images and P(x) averaged over blocks, labels and the brain mask taken at the block's centre voxel
+    (unchanged if small)."""
     factor = int(np.ceil(max(study.shape) / max_voxels))
     if factor <= 1:
         return study
@@ -420,17 +448,22 @@ def downsample_study(study: Study, max_voxels: int) -> Study:
         return cropped.reshape(shape[0], factor, shape[1], factor, shape[2], factor).mean(axis=(1, 3, 5))
 
     centre = factor // 2
-    labels = None
-    if study.labels is not None:
-        labels = study.labels[centre::factor, centre::factor, centre::factor][: shape[0], : shape[1], : shape[2]]
+
+    def centres(array: np.ndarray | None) -> np.ndarray | None:
+        if array is None:
+            return None
+        picked = array[centre::factor, centre::factor, centre::factor]
+        return np.ascontiguousarray(picked[: shape[0], : shape[1], : shape[2]])
+
     scale = np.diag([factor, factor, factor, 1.0])
     scale[:3, 3] = (factor - 1) / 2.0  # the new voxel centre is the old block's centre
     return Study(
         name=study.name,
         channels={name: blocks(image) for name, image in study.channels.items()},
         affine=study.affine @ scale,
-        labels=None if labels is None else np.ascontiguousarray(labels),
+        labels=centres(study.labels),
         probability=None if study.probability is None else blocks(study.probability),
+        brain_mask=centres(study.brain_mask),
         structures=dict(study.structures),
         sources={**study.sources, "grid": f"downsampled by {factor}"},
         colors=dict(study.colors),

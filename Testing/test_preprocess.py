@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import ndimage
 
 from NeuralRaycastLib.preprocess import (
     derived_probability,
@@ -66,9 +67,48 @@ def test_signed_distance_respects_anisotropic_spacing():
     assert np.abs(estimate[far] - exact[far]).mean() < 0.5 * spacing.max()
 
 
+def test_signed_distance_keeps_a_voxelised_sphere_where_it_was():
+    """The zero level of B lies closer to a voxelised sphere's true surface than marching cubes on the
+    mask does (at least twice), with no inward shift (a Gaussian on the distance map moves it by σ²/R)."""
+    from NeuralRaycastLib.mesh import extract_surface
+
+    spacing = np.array([1.0, 1.0, 1.0])
+    affine = np.eye(4)
+    affine[:3, 3] = -15.0
+    centre = np.array([0.31, -0.22, 0.17])  # off the voxel lattice
+    radius = 7.3
+    points = voxel_centres(affine, (31, 31, 31))
+    inside = np.linalg.norm(points - centre, axis=-1) < radius
+
+    def errors(volume):
+        vertices, faces = extract_surface(volume.astype(np.float32), affine)
+        return np.linalg.norm(vertices - centre, axis=-1) - radius
+
+    boundary = errors(signed_distance(inside, spacing))
+    label_map = errors(0.5 - inside.astype(np.float32))
+    assert np.abs(boundary).mean() <= 0.5 * np.abs(label_map).mean()
+    assert abs(boundary.mean()) < 0.05  # voxels
+
+
 def test_signed_distance_refuses_empty_mask():
     with pytest.raises(ValueError, match="mask is empty"):
         signed_distance(np.zeros((4, 4, 4), bool), np.ones(3))
+
+
+def test_a_given_brain_mask_is_used_instead_of_thresholding(tmp_path):
+    rng = np.random.default_rng(0)
+    image = rng.random((24, 24, 24)).astype(np.float32)  # nothing a threshold could find a brain in
+    brain = np.zeros(image.shape, bool)
+    brain[4:20, 5:19, 6:18] = True
+    labels = np.zeros(image.shape, np.int16)
+    labels[10:13, 10:13, 10:13] = 2
+    labels[2:4, 10:12, 10:12] = 2  # labelled outside the given mask: still part of the brain
+    prepared = prepare(Study.from_arrays({"t1": image}, np.eye(4), labels=labels, brain_mask=brain),
+                       cache_root=tmp_path)
+    np.testing.assert_array_equal(prepared.mask, brain | (labels > 0))
+    brain_map = prepared.boundary[prepared.structure_index("brain")]
+    assert np.all(brain_map[ndimage.binary_erosion(prepared.mask)] < 0)
+    assert np.all(brain_map[~ndimage.binary_dilation(prepared.mask)] > 0)
 
 
 def test_normalisation_maps_percentiles_and_ignores_outliers_and_background():

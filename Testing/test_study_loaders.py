@@ -55,6 +55,45 @@ def test_manifest_with_structures_and_probability(tiny_brats):
         assert study.probability is not None and study.probability.max() == pytest.approx(0.8)
 
 
+def test_brain_mask_file_is_read_from_a_brats_folder_and_a_manifest(tiny_brats):
+    mask = np.zeros((20, 22, 18), np.uint8)
+    mask[3:17, 3:19, 2:16] = 1
+    affine = nib.load(tiny_brats / "case_t1.nii.gz").affine
+    save_nifti(tiny_brats / "case_brainmask.nii.gz", mask, affine)
+    study = load_study(tiny_brats)
+    assert study.brain_mask is not None and study.brain_mask.dtype == bool
+    np.testing.assert_array_equal(study.brain_mask, mask.astype(bool))
+    (tiny_brats / "case_brainmask.nii.gz").rename(tiny_brats / "skullstrip.nii.gz")
+    manifest = {"channels": {"t1": "case_t1.nii.gz"}, "labels": "case_seg.nii.gz", "brain_mask": "skullstrip.nii.gz"}
+    (tiny_brats / "manifest.json").write_text(json.dumps(manifest))
+    np.testing.assert_array_equal(load_study(tiny_brats).brain_mask, mask.astype(bool))
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (np.full((6, 7, 8), 2, np.uint8), "holds only 0 and 1"),
+        (np.zeros((6, 7, 8), bool), "empty or fills"),
+        (np.ones((6, 7, 9), bool), "shape"),
+    ],
+)
+def test_bad_brain_mask_is_refused(mask, message):
+    image = np.random.default_rng(0).random((6, 7, 8)).astype(np.float32)
+    with pytest.raises(StudyError, match=message):
+        Study.from_arrays({"t1": image}, np.eye(4), brain_mask=mask)
+
+
+def test_downsampling_keeps_the_brain_mask_on_the_new_grid():
+    from NeuralRaycastLib.study import downsample_study
+
+    image = np.random.default_rng(0).random((12, 12, 12)).astype(np.float32)
+    mask = np.zeros(image.shape, bool)
+    mask[2:9, 3:10, 1:12] = True
+    small = downsample_study(Study.from_arrays({"t1": image}, np.eye(4), brain_mask=mask), 6)
+    assert small.brain_mask is not None and small.brain_mask.shape == small.shape == (6, 6, 6)
+    np.testing.assert_array_equal(small.brain_mask, mask[1::2, 1::2, 1::2])
+
+
 def test_arrays_in_slicer_order_are_transposed_once():
     rng = np.random.default_rng(0)
     ijk = rng.random((6, 7, 8)).astype(np.float32)

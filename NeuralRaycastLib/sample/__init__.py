@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 CASES = ("icbm", "phantom", "fixture")
+#: Bump when a case's files change, so cached copies are written again.
+SAMPLE_VERSION = 2
 
 PHANTOM_DESCRIPTION = (
     "Analytic phantom: a rounded-box brain with ventricles and a spherical tumour (necrotic core, "
@@ -32,8 +34,10 @@ def write_case(
     labels: np.ndarray | None,
     affine: np.ndarray,
     description: str,
+    brain_mask: np.ndarray | None = None,
 ) -> Path:
-    """Write ``<name>_<channel>.nii.gz``, ``<name>_seg.nii.gz`` and ``manifest.json``; return the manifest."""
+    """Write ``<name>_<channel>.nii.gz``, ``<name>_seg.nii.gz``, ``<name>_brainmask.nii.gz`` (if given) and
+    ``manifest.json``; return the manifest."""
     import nibabel as nib
 
     folder = Path(folder)
@@ -48,6 +52,10 @@ def write_case(
         file = f"{name}_seg.nii.gz"
         nib.save(nib.Nifti1Image(labels.astype(np.uint8), affine), folder / file)
         manifest["labels"] = file
+    if brain_mask is not None:
+        file = f"{name}_brainmask.nii.gz"
+        nib.save(nib.Nifti1Image(brain_mask.astype(np.uint8), affine), folder / file)
+        manifest["brain_mask"] = file
     path = folder / "manifest.json"
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
@@ -79,7 +87,7 @@ def cached_sample(case: str = "icbm", spacing: float | None = None, seed: int = 
     """A sample study kept in the cache folder (written on first use): the path of its manifest."""
     from ..paths import cache_dir
 
-    folder = cache_dir() / "samples" / f"{case}-{spacing or 'native'}-seed{seed}"
+    folder = cache_dir() / "samples" / f"{case}-{spacing or 'native'}-seed{seed}-v{SAMPLE_VERSION}"
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         partial = folder.with_name(folder.name + ".partial")
@@ -97,6 +105,7 @@ def write_sample(
 ) -> Path:
     """Create a sample study in ``folder``; returns the path of its ``manifest.json``."""
     report = progress or (lambda message, fraction: None)
+    brain_mask = None
     if case == "icbm":
         from .icbm import DESCRIPTION, synthesise_case
 
@@ -104,10 +113,13 @@ def write_sample(
         channels, labels, affine = synthesise_case(spacing=spacing, seed=seed)
         name, description = "icbm152_synthetic_lesion", DESCRIPTION
     elif case == "phantom":
-        from .phantom import Phantom, render_phantom
+        from .phantom import Phantom, render_phantom, voxel_centres
 
         report("sampling the analytic phantom", 0.0)
         channels, labels, affine = render_phantom(Phantom(), spacing=spacing or 2.0, seed=seed)
+        # The brain is voxelised exactly, as the labels are, so meshes are judged against the same kind of
+        # mask for every structure (thresholding the images would put it a quarter voxel inside).
+        brain_mask = Phantom().sdf("brain", voxel_centres(affine, labels.shape)) < 0
         name, description = "phantom", PHANTOM_DESCRIPTION
     elif case == "fixture":
         if spacing is not None:
@@ -117,6 +129,6 @@ def write_sample(
     else:
         raise ValueError(f"unknown sample case '{case}'; choose one of {', '.join(CASES)}")
     report("writing NIfTI files", 0.8)
-    path = write_case(Path(folder), name, channels, labels, affine, description)
+    path = write_case(Path(folder), name, channels, labels, affine, description, brain_mask)
     report("sample written", 1.0)
     return path
