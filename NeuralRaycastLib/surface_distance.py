@@ -8,6 +8,8 @@ free of VTK so studies can be prepared wherever numpy runs.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 from scipy import sparse
 from scipy.spatial import cKDTree
@@ -24,6 +26,7 @@ def _neighbour_average(vertex_count: int, faces: np.ndarray) -> sparse.csr_matri
     return sparse.diags(1.0 / np.maximum(degree, 1.0)) @ adjacency
 
 
+@lru_cache(maxsize=8)  # the same filter serves every structure of a study
 def _sinc_coefficients(iterations: int, passband: float) -> np.ndarray:
     """Chebyshev coefficients of a Hamming-windowed sinc low-pass filter whose gain is 1 at ``passband``.
 

@@ -258,6 +258,21 @@ class Trainer:
                                                                      eikonal_weight=c.geometry.eikonal_weight))
         return adam, sdf
 
+    def render_step(self, step: int, joint: bool, adam: Adam, sdf: SdfFitter, rate: float = 1.0,
+                    rows: np.ndarray | None = None, timings: dict[str, float] | None = None) -> dict[str, float]:
+        """One step of stage 3 (``joint``) or stage 2: the image step, the SDF and Eikonal terms when joint,
+        then Adam (appearance only in stage 2) at ``rate`` times the schedule. A non-finite loss skips Adam
+        and leaves the gradients accumulated; returns the loss terms (``timings``: see :meth:`image_step`)."""
+        terms = self.image_step(geometry=joint, rows=rows, timings=timings)
+        clock = PassClock(self.gpu, timings)
+        if joint:
+            sdf.accumulate(step, self.config.sdf_weight)
+            clock.lap("SDF and Eikonal terms")
+        if np.isfinite(terms["loss"]):
+            adam.step(learning_rate_factor(step, adam.config) * rate, (1.0, 1.0, 1.0) if joint else (0.0, 0.0, 1.0))
+            clock.lap("Adam")
+        return terms
+
     def profile_steps(self, joint: bool = True, steps: int = 10, patches: int | None = None) -> dict[str, float]:
         """Mean seconds per phase of a stage-3 (``joint``) or stage-2 step of ``patches`` patches (default:
         the configuration's), waiting for the device after each phase; the field is left as it was."""
@@ -265,14 +280,8 @@ class Trainer:
         adam, sdf = self.render_optimisers(steps)
         timings: dict[str, float] = {}
         for step in range(steps):
-            rows = self.sampler.sample(patches or self.config.patches)
-            self.image_step(geometry=joint, rows=rows, timings=timings)
-            clock = PassClock(self.gpu, timings)
-            if joint:
-                sdf.accumulate(step, self.config.sdf_weight)
-                clock.lap("SDF and Eikonal terms")
-            adam.step(learning_rate_factor(step, adam.config), (1.0, 1.0, 1.0) if joint else (0.0, 0.0, 1.0))
-            clock.lap("Adam")
+            self.render_step(step, joint, adam, sdf, rows=self.sampler.sample(patches or self.config.patches),
+                             timings=timings)
         self.field.set_parameters(saved)
         self.field.zero_gradients()
         return {name: seconds / steps for name, seconds in timings.items()}
@@ -323,9 +332,7 @@ class Trainer:
             joint = step >= c.appearance_steps
             stage = 3 if joint else 2
             t0 = time.perf_counter()
-            terms = self.image_step(geometry=joint)
-            if joint:
-                sdf.accumulate(step, c.sdf_weight)
+            terms = self.render_step(step, joint, adam, sdf, rate)
             if not np.isfinite(terms["loss"]):
                 self.field.zero_gradients()
                 rate, bad = rate * 0.5, bad + 1
@@ -336,8 +343,6 @@ class Trainer:
                                         "the last good state is kept")
                 continue
             bad = 0
-            scales = (1.0, 1.0, 1.0) if joint else (0.0, 0.0, 1.0)
-            adam.step(learning_rate_factor(step, adam.config) * rate, scales)
             self.gpu.device.wait()
             spent = time.perf_counter() - t0
             self.log.stage_seconds[stage] = self.log.stage_seconds.get(stage, 0.0) + spent

@@ -48,14 +48,11 @@ def write_case(
         data = np.clip(np.round(image), -32768, 32767).astype(np.int16)  # scanner-like integers
         nib.save(nib.Nifti1Image(data, affine), folder / file)
         manifest["channels"][channel] = file
-    if labels is not None:
-        file = f"{name}_seg.nii.gz"
-        nib.save(nib.Nifti1Image(labels.astype(np.uint8), affine), folder / file)
-        manifest["labels"] = file
-    if brain_mask is not None:
-        file = f"{name}_brainmask.nii.gz"
-        nib.save(nib.Nifti1Image(brain_mask.astype(np.uint8), affine), folder / file)
-        manifest["brain_mask"] = file
+    for key, suffix, volume in (("labels", "seg", labels), ("brain_mask", "brainmask", brain_mask)):
+        if volume is not None:
+            file = f"{name}_{suffix}.nii.gz"
+            nib.save(nib.Nifti1Image(volume.astype(np.uint8), affine), folder / file)
+            manifest[key] = file
     path = folder / "manifest.json"
     path.write_text(json.dumps(manifest, indent=2) + "\n")
     return path
@@ -116,10 +113,11 @@ def write_sample(
         from .phantom import Phantom, render_phantom, voxel_centres
 
         report("sampling the analytic phantom", 0.0)
-        channels, labels, affine = render_phantom(Phantom(), spacing=spacing or 2.0, seed=seed)
+        phantom = Phantom()
+        channels, labels, affine = render_phantom(phantom, spacing=spacing or 2.0, seed=seed)
         # The brain is voxelised exactly, as the labels are, so meshes are judged against the same kind of
         # mask for every structure (thresholding the images would put it a quarter voxel inside).
-        brain_mask = Phantom().sdf("brain", voxel_centres(affine, labels.shape)) < 0
+        brain_mask = phantom.sdf("brain", voxel_centres(affine, labels.shape)) < 0
         name, description = "phantom", PHANTOM_DESCRIPTION
     elif case == "fixture":
         if spacing is not None:
