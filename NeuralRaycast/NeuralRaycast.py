@@ -139,6 +139,8 @@ class NeuralRaycastParameterNode:
     inputVolume2..4 - further channels, on the same grid as inputVolume.
     inputSegmentation - the tumour segmentation; each segment becomes a structure.
     probabilityVolume - optional tumour probability map in [0, 1]; derived from the labels if absent.
+    brainMaskVolume - optional brain mask (non-zero inside, e.g. a label map from skull stripping); where
+        absent the brain is found by thresholding the reference channel.
     preset - training quality preset; auto is quick on a software device and standard on a GPU.
     device - slangpy device: auto, cuda or vulkan.
     seed - random seed for reproducible training.
@@ -156,6 +158,7 @@ class NeuralRaycastParameterNode:
     inputVolume4: vtkMRMLScalarVolumeNode
     inputSegmentation: vtkMRMLSegmentationNode
     probabilityVolume: vtkMRMLScalarVolumeNode
+    brainMaskVolume: vtkMRMLScalarVolumeNode
     preset: Annotated[str, Choice(list(PRESETS))] = "auto"
     device: Annotated[str, Choice(list(DEVICES))] = "auto"
     seed: Annotated[int, WithinRange(0, 2**31 - 1)] = 0
@@ -331,6 +334,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                     parameters.volumeNodes(),
                     parameters.inputSegmentation,
                     parameters.probabilityVolume,
+                    brainMaskNode=parameters.brainMaskVolume,
                     preset=parameters.preset,
                     device=parameters.device,
                     seed=parameters.seed,
@@ -351,7 +355,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         """False when every input is on the reference grid; True if the user agrees to resample the others;
         None if not."""
         parameters = self._parameterNode
-        offGrid = self.logic.volumesOffGrid(parameters.volumeNodes(), parameters.probabilityVolume)
+        offGrid = self.logic.volumesOffGrid(parameters.volumeNodes(), parameters.probabilityVolume,
+                                            parameters.brainMaskVolume)
         if not offGrid:
             return False
         question = _("These volumes are not on the grid of the reference volume '{reference}':\n{names}\n\n"
@@ -367,7 +372,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             if resample is None:
                 return
             run = self.logic.loadRun(parameters.runFolder, parameters.volumeNodes(), parameters.inputSegmentation,
-                                     parameters.probabilityVolume, parameters.device, resample)
+                                     parameters.probabilityVolume, parameters.device, resample,
+                                     brainMaskNode=parameters.brainMaskVolume)
             self.ui.resultsText.setPlainText(self.logic.trainingSummary(run))
         self._checkCanApply()
 
@@ -559,19 +565,20 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             )
 
     @staticmethod
-    def resampledOnto(array: np.ndarray, affine: np.ndarray, refShape, refAffine: np.ndarray) -> np.ndarray:
-        """A KJI volume array resampled (trilinear; zero outside) onto the reference grid; both affines map
-        IJK to the same world RAS, so registration is assumed done."""
+    def resampledOnto(array: np.ndarray, affine: np.ndarray, refShape, refAffine: np.ndarray,
+                      order: int = 1) -> np.ndarray:
+        """A KJI volume array resampled (trilinear, or nearest with ``order=0``: masks; zero outside) onto the
+        reference grid; both affines map IJK to the same world RAS, so registration is assumed done."""
         from scipy import ndimage
 
         toOther = np.linalg.inv(affine) @ refAffine  # reference IJK -> this volume's IJK
         reverse = np.eye(3)[::-1]  # IJK <-> KJI
         return ndimage.affine_transform(
             np.asarray(array, np.float32), reverse @ toOther[:3, :3] @ reverse, reverse @ toOther[:3, 3],
-            output_shape=tuple(refShape[:3]), order=1, mode="constant", cval=0.0,
+            output_shape=tuple(refShape[:3]), order=order, mode="constant", cval=0.0,
         )
 
-    def volumesOffGrid(self, volumeNodes, probabilityNode=None) -> list[str]:
+    def volumesOffGrid(self, volumeNodes, probabilityNode=None, brainMaskNode=None) -> list[str]:
         """Names of the selected volumes that are not on the reference (first) volume's grid."""
         nodes = [node for node in (volumeNodes or []) if node is not None]
         if not nodes:
@@ -579,7 +586,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         reference, refAffine = nodes[0], self.ijkToWorldMatrix(nodes[0])
         refShape = self._shapeKji(reference)
         names = []
-        for node in nodes[1:] + ([probabilityNode] if probabilityNode is not None else []):
+        for node in nodes[1:] + [node for node in (probabilityNode, brainMaskNode) if node is not None]:
             try:
                 self._checkSameGrid(node, self._shapeKji(node), self.ijkToWorldMatrix(node), reference, refShape,
                                     refAffine)
@@ -587,7 +594,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 names.append(node.GetName())
         return names
 
-    def _onReferenceGrid(self, node, reference, refShape, refAffine, resample: bool) -> np.ndarray:
+    def _onReferenceGrid(self, node, reference, refShape, refAffine, resample: bool, order: int = 1) -> np.ndarray:
         array, affine = self._volumeArray(node), self.ijkToWorldMatrix(node)
         try:
             self._checkSameGrid(node, array.shape, affine, reference, refShape, refAffine)
@@ -595,7 +602,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             if not resample:
                 raise
             logging.info(f"Volume '{node.GetName()}' resampled onto the grid of '{reference.GetName()}'")
-            return self.resampledOnto(array, affine, refShape, refAffine)
+            return self.resampledOnto(array, affine, refShape, refAffine, order)
         return array
 
     def segmentationLabels(self, segmentationNode, referenceVolumeNode) -> tuple[np.ndarray, dict[str, list[int]]]:
@@ -671,7 +678,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         }
         return labels, structures
 
-    def studyFromNodes(self, volumeNodes, segmentationNode=None, probabilityNode=None, resampleToReference=False):
+    def studyFromNodes(self, volumeNodes, segmentationNode=None, probabilityNode=None, resampleToReference=False,
+                       brainMaskNode=None):
         """Build a checked ``NeuralRaycastLib.study.Study`` from scene nodes (the scene is not changed).
 
         :param volumeNodes: scalar volumes, the reference channel first; all must share its grid, unless
@@ -679,6 +687,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param segmentationNode: optional segmentation; exported onto the reference grid, one structure
             per non-empty segment, named after it.
         :param probabilityNode: optional tumour probability volume in [0, 1] on the reference grid.
+        :param brainMaskNode: optional brain mask volume (label map or scalar volume, non-zero inside) on the
+            reference grid (resampled nearest-neighbour with ``resampleToReference``).
         :return: the study; arrays are IJK ordered, ``affine`` is IJK -> world RAS (parent transforms included).
         Raises ValueError (``StudyError`` is one) naming the node at fault.
         """
@@ -709,6 +719,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             probability = self._onReferenceGrid(probabilityNode, reference, refArray.shape, refAffine,
                                                 resampleToReference)
 
+        brainMask = None
+        if brainMaskNode is not None:
+            brainMask = self._onReferenceGrid(brainMaskNode, reference, refArray.shape, refAffine,
+                                              resampleToReference, order=0) != 0
+
         labels, structures = None, None
         if segmentationNode is not None:
             labels, structures = self.segmentationLabels(segmentationNode, reference)
@@ -718,6 +733,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             refAffine,
             labels=labels,
             probability=probability,
+            brain_mask=brainMask,
             structures=structures,
             name=reference.GetName(),
             axis_order="kji",
@@ -827,7 +843,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     def train(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto", device: str = "auto",
               seed: int = 0, iterations: int = 0, runFolder: str | None = None, progress=None, shouldStop=None,
-              views: int = 0, size: int = 0, config=None, resampleToReference: bool = False, shadows: bool = False):
+              views: int = 0, size: int = 0, config=None, resampleToReference: bool = False, shadows: bool = False,
+              brainMaskNode=None):
         """Read the study from the scene, train a field (blocking) and save it in ``runFolder``.
 
         :param progress: optional ``callback(message, fraction)``; the widget uses it to keep Slicer responsive.
@@ -837,6 +854,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param config: a ``NeuralRaycastLib.train.TrainConfig`` replacing the preset's schedule (scripting).
         :param resampleToReference: resample volumes on other grids onto the reference (else an error).
         :param shadows: train on views lit with key-light shadows, shading the field through its own meshes.
+        :param brainMaskNode: optional brain mask volume (see ``studyFromNodes``).
         :return: ``NeuralRaycastLib.pipeline.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite.
@@ -844,7 +862,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         from NeuralRaycastLib.pipeline import prepare_study_for_run, train_prepared
 
         gpu = self.gpuContext(device)
-        study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference)
+        study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
+                                    brainMaskNode)
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
         startTime = time.time()
         prepared = prepare_study_for_run(study, settings, progress)
@@ -855,7 +874,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         return self.run
 
     def loadRun(self, runFolder: str, volumeNodes, segmentationNode, probabilityNode=None, device: str = "auto",
-                resampleToReference: bool = False):
+                resampleToReference: bool = False, brainMaskNode=None):
         """Reload a trained model for the study in the scene (the one it was trained on: its geometry is
         checked). Returns the TrainedRun (also kept as ``self.run``)."""
         from NeuralRaycastLib.pipeline import load_run, prepare_study_for_run, read_run
@@ -864,7 +883,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         if folder in ("", ".") or not os.path.isdir(folder):
             raise ValueError(f"Model folder '{folder}' does not exist; train a model first or select its folder")
         settings = read_run(folder)["settings"]
-        study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference)
+        study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
+                                    brainMaskNode)
         prepared = prepare_study_for_run(study, settings)
         self.run = load_run(self.gpuContext(device), folder, prepared)
         return self.run

@@ -171,6 +171,40 @@ def test_volumes_on_other_grids_are_resampled_when_asked(module, scene, self_tes
     assert node_ids(scene) == before
 
 
+def test_a_brain_mask_label_map_is_read_and_checked(module, scene, self_test):
+    """A brain mask (label map, non-zero inside) reaches the study; one on another grid is named among the
+    volumes to resample and resampled nearest-neighbour (still a mask) when asked; an empty one is refused."""
+    import slicer
+
+    volume, array, affine = self_test._syntheticVolume("t1")
+    inside = np.zeros(array.shape, np.uint8)
+    inside[2:8, 3:9, 4:11] = 7
+    moved = affine.copy()
+    moved[0, 3] -= 3.0  # two voxels along i (spacing -1.5 mm)
+
+    def label_map(values, name, ijk_to_ras):
+        return slicer.util.addVolumeFromArray(values, ijkToRAS=ijk_to_ras, name=name,
+                                              nodeClassName="vtkMRMLLabelMapVolumeNode")
+
+    mask = label_map(inside, "brain mask", affine)
+    shifted = label_map(inside, "shifted mask", moved)
+    empty = label_map(np.zeros_like(inside), "empty mask", affine)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+
+    study = logic.studyFromNodes([volume], brainMaskNode=mask)
+    np.testing.assert_array_equal(study.brain_mask, inside.transpose(2, 1, 0) != 0)
+    assert logic.volumesOffGrid([volume], brainMaskNode=shifted) == ["shifted mask"]
+    with pytest.raises(ValueError, match="shifted mask"):
+        logic.studyFromNodes([volume], brainMaskNode=shifted)
+    resampled = logic.studyFromNodes([volume], brainMaskNode=shifted, resampleToReference=True).brain_mask
+    assert resampled.dtype == bool
+    np.testing.assert_array_equal(resampled[2:], inside.transpose(2, 1, 0)[:-2] != 0)
+    with pytest.raises(ValueError, match="brain mask"):
+        logic.studyFromNodes([volume], brainMaskNode=empty)
+    assert node_ids(scene) == before
+
+
 def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
     import NeuralRaycastLib.gpu as gpu
 
