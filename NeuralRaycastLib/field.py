@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -366,6 +368,16 @@ class NeuralField:
 
     def zero_gradients(self) -> None:
         self.grads.copy_from_numpy(np.zeros(self.layout.count, np.float32))
+
+    @contextmanager
+    def gradients_kept(self, group: str) -> Iterator[None]:
+        """Within this block, what is added to one parameter group's gradients (GROUP_NAMES) is dropped."""
+        start, stop = self.layout.segments()[group]
+        kept = self.gradients()[start:stop].copy()
+        yield
+        grads = self.gradients().copy()
+        grads[start:stop] = kept
+        self.grads.copy_from_numpy(grads)
 
     def shader_struct(self, cooperative: bool = False) -> dict[str, Any]:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the

@@ -101,9 +101,9 @@ def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
 
 
 def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
-    """The renderer's forward kernels over whole waves with the geometry network on tensor cores: the same
-    picture as the per-thread kernels to half precision, and (the backward stays per thread, fed the values
-    of either forward pass) nearly the same parameter gradients."""
+    """The renderer's kernels over whole waves with the geometry network on tensor cores: the same picture
+    as the per-thread kernels to half precision, and nearly the same gradients for the hash table and the
+    appearance network; the geometry network gets none from the images on either path (field_scene.py)."""
     from NeuralRaycastLib.camera import orbit_cameras
     from NeuralRaycastLib.neural_render import OUTPUTS
     from NeuralRaycastLib.train import field_renderer
@@ -130,6 +130,9 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
     np.testing.assert_allclose(pictures[1][:, :4], pictures[0][:, :4], atol=2e-2)
     for name, (start, stop) in scalar.layout.segments().items():
         ga, gb = gradients[0][start:stop], gradients[1][start:stop]
+        if name == "geometry":
+            assert not ga.any() and not gb.any()
+            continue
         cosine = ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))
         print(f"render backward, {name}: cosine {cosine:.5f}")
         assert cosine > 0.99, name

@@ -11,7 +11,7 @@ from conftest import analytic_prepared
 from field_reference import tiny_config
 
 from NeuralRaycastLib.evaluate import geometry_metrics
-from NeuralRaycastLib.field import GROUP_APPEARANCE, FieldLayout, NeuralField
+from NeuralRaycastLib.field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, FieldLayout, NeuralField
 from NeuralRaycastLib.fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from NeuralRaycastLib.image_loss import albedo_consistency_and_gradient
 from NeuralRaycastLib.neural_render import OUTPUTS
@@ -75,10 +75,9 @@ def test_cancel_keeps_a_finite_state(gpu, phantom_views):
     assert np.all(np.isfinite(field.parameters()))
 
 
-def test_appearance_only_backward_is_the_appearance_part_of_the_full_one(gpu, phantom_views):
-    """Stage 2's fast backward (geometry frozen) must give the appearance network exactly the gradient the
-    full backward gives it, and that gradient must match finite differences of the rendered sums."""
-    prepared, views = phantom_views
+def shaded_phantom(gpu, prepared, views):
+    """A field fitted to the phantom's surfaces, its renderer, and a weighted sum of a small view's rendered
+    sums as a function of the parameters (with the weights, ∂sum/∂sums, for the backward pass)."""
     field = new_field(gpu, prepared)
     SdfFitter(gpu, prepared, field, FitConfig(steps=60, batch=1 << 12, seed=1)).run()  # surfaces to shade
     renderer = field_renderer(gpu, prepared, field, 128)
@@ -93,26 +92,54 @@ def test_appearance_only_backward_is_the_appearance_part_of_the_full_one(gpu, ph
         renderer.forward(batch)
         return float(np.sum(renderer.sums(batch).astype(np.float64) * d_sums))
 
+    return field, renderer, d_sums, weighted_sum
+
+
+def backward_gradients(field, renderer, d_sums, weighted_sum, geometry: bool) -> np.ndarray:
+    weighted_sum(field.parameters())
+    field.zero_gradients()
+    renderer.backward(renderer.batch(len(d_sums)), d_sums, geometry=geometry)
+    return field.gradients()
+
+
+def assert_matches_finite_differences(weighted_sum, base, gradient, indices, step):
+    for index in indices:
+        offset = np.zeros_like(base)
+        offset[index] = step
+        numeric = (weighted_sum(base + offset) - weighted_sum(base - offset)) / (2 * step)
+        assert numeric == pytest.approx(gradient[index], rel=5e-2), index
+    weighted_sum(base)
+
+
+def test_appearance_only_backward_is_the_appearance_part_of_the_full_one(gpu, phantom_views):
+    """Stage 2's fast backward (geometry frozen) must give the appearance network exactly the gradient the
+    full backward gives it, and that gradient must match finite differences of the rendered sums."""
+    field, renderer, d_sums, weighted_sum = shaded_phantom(gpu, *phantom_views)
     base = field.parameters()
-    gradients = {}
-    for geometry in (True, False):
-        weighted_sum(base)
-        field.zero_gradients()
-        renderer.backward(renderer.batch(len(d_sums)), d_sums, geometry=geometry)
-        gradients[geometry] = field.gradients()
+    gradients = {geometry: backward_gradients(field, renderer, d_sums, weighted_sum, geometry)
+                 for geometry in (True, False)}
     appearance = field.layout.groups() == GROUP_APPEARANCE
     assert np.abs(gradients[False][appearance]).max() > 0
     np.testing.assert_array_equal(gradients[False][~appearance], 0.0)
     np.testing.assert_allclose(gradients[False][appearance], gradients[True][appearance], rtol=1e-4,
                                atol=1e-6 * np.abs(gradients[True][appearance]).max())
-
     largest = np.flatnonzero(appearance)[np.argsort(-np.abs(gradients[False][appearance]))[:4]]
-    for index in largest:
-        step = np.zeros_like(base)
-        step[index] = 1e-2
-        numeric = (weighted_sum(base + step) - weighted_sum(base - step)) / 2e-2
-        assert numeric == pytest.approx(gradients[False][index], rel=5e-2), index
-    field.set_parameters(base)
+    assert_matches_finite_differences(weighted_sum, base, gradients[False], largest, 1e-2)
+
+
+def test_full_backward_trains_the_hash_table_not_the_geometry_network(gpu, phantom_views):
+    """The images' gradient reaches the geometry through the hash table (checked against finite
+    differences of the rendered sums); the geometry network's weights get none from it (they follow the
+    SDF and Eikonal terms: NeuralRaycastLib/field_scene.py says why)."""
+    field, renderer, d_sums, weighted_sum = shaded_phantom(gpu, *phantom_views)
+    base = field.parameters()
+    gradient = backward_gradients(field, renderer, d_sums, weighted_sum, geometry=True)
+    groups = field.layout.groups()
+    np.testing.assert_array_equal(gradient[groups == GROUP_GEOMETRY], 0.0)
+    table = np.flatnonzero(groups == GROUP_TABLE)
+    largest = table[np.argsort(-np.abs(gradient[table]))[:4]]
+    assert np.abs(gradient[largest]).min() > 0
+    assert_matches_finite_differences(weighted_sum, base, gradient, largest, 1e-4)
 
 
 def test_training_with_shadows_keeps_them_out_of_the_albedo(gpu, phantom_views):
