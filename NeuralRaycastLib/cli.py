@@ -17,7 +17,8 @@ from .study import StudyError
 from .train import PRESETS, TrainingError
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
-USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundError, ValueError, TrainingError)
+USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundError, FileExistsError, ValueError,
+               TrainingError)
 
 
 def _print_json(data) -> None:
@@ -116,6 +117,17 @@ def cmd_render(args: argparse.Namespace) -> int:
     progress("done", 1.0)
     folder = save_reference_views(ReferenceViews(cameras, images, list(range(len(cameras))), []), args.out)
     print(f"{len(cameras)} views in {folder}; see {folder / 'contact_sheet.png'}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .pipeline import export_run
+
+    source = Path(args.run_folder) / "model.safetensors"
+    folder = export_run(args.run_folder, args.out, args.precision)
+    before, after = source.stat().st_size, (folder / "model.safetensors").stat().st_size
+    print(f"{folder}: model {after / 1e6:.1f} MB in {args.precision} (was {before / 1e6:.1f} MB); "
+          f"'neuralraycast evaluate {folder}' scores it")
     return 0
 
 
@@ -266,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_evaluate)
+
+    p = sub.add_parser("export", help="copy a run folder with its model stored in float16 (half the size)")
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--out", required=True, help="new run folder to write")
+    p.add_argument("--precision", choices=["float16", "float32"], default="float16",
+                   help="how the parameters are stored (default float16)")
+    p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("render", help="render orbit views of a trained field (RGBA, depth, normals)")
     device_option(p)

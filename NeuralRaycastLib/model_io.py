@@ -1,6 +1,7 @@
 """Model files: the trained parameters (safetensors) with JSON metadata in the same file.
 
-The metadata holds everything needed to rebuild and to trust a field: format version, configuration,
+The metadata holds everything needed to rebuild and to trust a field: format version, the precision the
+parameters are stored in (float32; float16 for exported copies, half the size), configuration,
 the study's geometry (affine, shape, bounds), channel names, structures and their colours, the
 parameter layout sizes and a SHA-256 of the tensor bytes. Loading checks all of it before anything is
 used; a file that is truncated, tampered with, from an unknown version or for another study is refused
@@ -21,7 +22,9 @@ from .field import FieldConfig, FieldConfigError, FieldLayout, NeuralField
 from .gpu import GpuContext
 
 FORMAT = "neuralraycast-field"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds "precision"; version 1 files (float32) are read as before
+READABLE_VERSIONS = (1, 2)
+PRECISIONS = {"float32": np.float32, "float16": np.float16}
 METADATA_KEY = "neuralraycast"
 GEOMETRY_TOLERANCE_MM = 1e-3
 
@@ -99,6 +102,7 @@ class ModelFile:
     geometry: StudyGeometry
     parameters: np.ndarray  # (count,) float32
     extra: dict[str, Any]
+    precision: str = "float32"  # as stored in the file
 
 
 def _tensors(layout: FieldLayout, parameters: np.ndarray) -> dict[str, np.ndarray]:
@@ -121,8 +125,10 @@ def save_model(
     parameters: np.ndarray,
     geometry: StudyGeometry,
     extra: dict[str, Any] | None = None,
+    precision: str = "float32",
 ) -> Path:
-    """Write the model atomically (a crash never leaves a half-written file under ``path``)."""
+    """Write the model atomically (a crash never leaves a half-written file under ``path``), its
+    parameters stored in ``precision`` (PRECISIONS; loading turns them back into float32)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -131,10 +137,18 @@ def save_model(
         raise ValueError(f"expected {layout.count} parameters, got {parameters.shape}")
     if len(geometry.structures) != layout.structures or len(geometry.channel_names) + 1 != layout.appearance_inputs:
         raise ValueError("the study geometry does not match the layout's structures or channels")
-    tensors = _tensors(layout, parameters)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, not '{precision}'")
+    with np.errstate(over="ignore"):
+        stored = parameters.astype(PRECISIONS[precision])
+    if not np.all(np.isfinite(stored)):
+        raise ValueError(f"some parameters are outside the range of {precision} (largest magnitude "
+                         f"{float(np.abs(parameters).max()):.3g}); keep this model in float32")
+    tensors = _tensors(layout, stored)
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "precision": precision,
         "config": layout.config.as_dict(),
         "geometry": geometry.as_dict(),
         "parameter_count": layout.count,
@@ -177,8 +191,13 @@ def load_model(path: str | Path, expected: StudyGeometry | None = None) -> Model
     if metadata.get("format") != FORMAT:
         raise ModelFileError(f"{path}: format '{metadata.get('format')}' is not '{FORMAT}'")
     version = metadata.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ModelFileError(f"{path}: format version {version} is not supported (this build reads {FORMAT_VERSION})")
+    if version not in READABLE_VERSIONS:
+        raise ModelFileError(f"{path}: format version {version} is not supported (this build reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))})")
+    precision = metadata.get("precision", "float32") if version >= 2 else "float32"
+    if precision not in PRECISIONS:
+        raise ModelFileError(f"{path}: unknown parameter precision '{precision}'")
+    dtype = np.dtype(PRECISIONS[precision])
     try:
         config = FieldConfig.from_dict(metadata["config"])
         geometry = StudyGeometry.from_dict(metadata["geometry"])
@@ -192,18 +211,18 @@ def load_model(path: str | Path, expected: StudyGeometry | None = None) -> Model
     if set(tensors) != set(segments):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(segments)}")
     for name, (a, b) in segments.items():
-        if tensors[name].dtype != np.float32 or tensors[name].shape != (b - a,):
+        if tensors[name].dtype != dtype or tensors[name].shape != (b - a,):
             raise ModelFileError(
-                f"{path}: tensor '{name}' is {tensors[name].dtype}{tensors[name].shape}, expected float32({b - a},)"
+                f"{path}: tensor '{name}' is {tensors[name].dtype}{tensors[name].shape}, expected {precision}({b - a},)"
             )
     if _digest(tensors) != digest:
         raise ModelFileError(f"{path}: the parameters do not match their checksum (file modified or damaged)")
-    parameters = np.concatenate([tensors[name] for name in segments])
+    parameters = np.concatenate([tensors[name] for name in segments]).astype(np.float32)
     if not np.all(np.isfinite(parameters)):
         raise ModelFileError(f"{path}: parameters contain NaN or infinity")
     if expected is not None and (problems := geometry.mismatches(expected)):
         raise ModelFileError(f"{path}: made for a different study: " + "; ".join(problems))
-    return ModelFile(config, layout, geometry, parameters, dict(metadata.get("extra") or {}))
+    return ModelFile(config, layout, geometry, parameters, dict(metadata.get("extra") or {}), precision)
 
 
 def save_field(path: str | Path, field: NeuralField, prepared, extra: dict[str, Any] | None = None) -> Path:

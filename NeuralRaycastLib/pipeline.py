@@ -9,6 +9,7 @@ training / held-out split).
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -279,6 +280,28 @@ def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = No
         raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
                          "use it where it was trained")
     return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress))
+
+
+def export_run(folder: str | Path, out: str | Path, precision: str = "float16") -> Path:
+    """A copy of a run folder with its model's parameters stored in ``precision`` (float16: half the file,
+    for sharing and rendering; they are turned back into float32 when loaded). Every command and the
+    Slicer module read the copy as they read the run; its own scores come from evaluating it."""
+    from .model_io import load_model, save_model
+
+    folder, out = Path(folder), Path(out)
+    read_run(folder)  # refuses what is not a run folder
+    if out.exists() and (out.resolve() == folder.resolve() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
+    model = load_model(folder / "model.safetensors")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(folder, staging, ignore=shutil.ignore_patterns("model.safetensors", "metrics.json"))
+    save_model(staging / "model.safetensors", model.layout, model.parameters, model.geometry,
+               {**model.extra, "exported_from_precision": model.precision}, precision)
+    if out.exists():
+        out.rmdir()
+    staging.replace(out)  # all or nothing: a failed export leaves no half-written run folder
+    return out
 
 
 def evaluate_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:

@@ -90,6 +90,19 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     assert metrics["dice"]["brain"] > 0.5  # a few geometry steps already find the brain
     assert metrics["model_bytes"] == (run / "model.safetensors").stat().st_size
 
+    # A float16 copy: half the file, the same scores to within its rounding.
+    half = tmp_path / "run-half"
+    assert main(["export", str(run), "--out", str(half)]) == 0
+    assert "float16" in capsys.readouterr().out
+    assert main(["evaluate", str(half), "--json"]) == 0
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["model_bytes"] < 0.55 * metrics["model_bytes"]
+    assert exported["heldout_psnr"] == pytest.approx(metrics["heldout_psnr"], abs=0.5)
+    for name, dice in metrics["dice"].items():
+        assert exported["dice"][name] == pytest.approx(dice, abs=0.01), name
+    assert main(["export", str(run), "--out", str(half)]) == 2  # never over an existing folder
+    assert "not empty" in capsys.readouterr().err
+
     # The trained field renders from new cameras and meshes its learned surfaces.
     assert main(["render", str(run), "--views", "2", "--size", "24", "20", "--out", str(tmp_path / "r")]) == 0
     picture = iio.imread(tmp_path / "r" / "views" / "001.png")

@@ -132,6 +132,35 @@ def test_inconsistent_metadata_is_rejected(saved, change, message):
         load_model(path)
 
 
+def test_float16_copy_is_half_the_size_and_loads_as_float32(saved, tmp_path, layout, geometry):
+    path, params = saved
+    half = save_model(tmp_path / "half.safetensors", layout, params, geometry, precision="float16")
+    assert half.stat().st_size < 0.55 * path.stat().st_size
+    model = load_model(half)
+    assert model.precision == "float16" and model.parameters.dtype == np.float32
+    np.testing.assert_array_equal(model.parameters, params.astype(np.float16).astype(np.float32))
+    rewrite(half, tensors=lambda t: {**t, "hash_table": t["hash_table"] * np.float16(1.01)})
+    with pytest.raises(ModelFileError, match="checksum"):
+        load_model(half)
+    rewrite(half, change=lambda m: m.update(precision="float8"))
+    with pytest.raises(ModelFileError, match="precision"):
+        load_model(half)
+
+
+def test_float16_refuses_parameters_beyond_its_range(tmp_path, layout, geometry):
+    params = np.zeros(layout.count, np.float32)
+    params[3] = 1e6
+    with pytest.raises(ValueError, match="range of float16"):
+        save_model(tmp_path / "half.safetensors", layout, params, geometry, precision="float16")
+    assert not list(tmp_path.iterdir())
+
+
+def test_version_1_files_still_load(saved):
+    path, params = saved
+    rewrite(path, change=lambda m: (m.update(format_version=1), m.pop("precision")))
+    np.testing.assert_array_equal(load_model(path).parameters, params)
+
+
 def test_foreign_and_missing_files_are_rejected(tmp_path):
     with pytest.raises(ModelFileError, match="no such model file"):
         load_model(tmp_path / "absent.safetensors")
