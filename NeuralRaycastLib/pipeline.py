@@ -296,8 +296,12 @@ def export_run(folder: str | Path, out: str | Path, precision: str = "float16") 
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(folder, staging, ignore=shutil.ignore_patterns("model.safetensors", "metrics.json"))
-    save_model(staging / "model.safetensors", model.layout, model.parameters, model.geometry,
-               {**model.extra, "exported_from_precision": model.precision}, precision)
+    try:
+        save_model(staging / "model.safetensors", model.layout, model.parameters, model.geometry,
+                   {**model.extra, "exported_from_precision": model.precision}, precision)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if out.exists():
         out.rmdir()
     staging.replace(out)  # all or nothing: a failed export leaves no half-written run folder

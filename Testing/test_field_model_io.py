@@ -186,3 +186,20 @@ def test_field_for_another_study_is_rejected(saved, geometry):
     ]:
         with pytest.raises(ModelFileError, match=message):
             load_model(path, expected=other)
+
+
+def test_export_of_a_model_beyond_float16_leaves_nothing_behind(tmp_path, layout, geometry):
+    from dataclasses import asdict
+
+    from NeuralRaycastLib.pipeline import RUN_VERSION, RunSettings, export_run
+
+    run = tmp_path / "run"
+    params = np.zeros(layout.count, np.float32)
+    params[0] = 1e6
+    save_model(run / "model.safetensors", layout, params, geometry)
+    (run / "run.json").write_text(json.dumps({"version": RUN_VERSION, "settings": asdict(RunSettings("quick"))}))
+    with pytest.raises(ValueError, match="range of float16"):
+        export_run(run, tmp_path / "half")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert export_run(run, tmp_path / "copy", "float32") == tmp_path / "copy"
+    np.testing.assert_array_equal(load_model(tmp_path / "copy" / "model.safetensors").parameters, params)
