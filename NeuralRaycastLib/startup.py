@@ -1,0 +1,89 @@
+"""How long a run waits before it trains: the milestones of ``neuralraycast fit``'s start, timed in a fresh
+process (what a user starting a second run waits for, with the shader and study caches warm).
+
+``python -m NeuralRaycastLib.startup STUDY SPAWNED [--preset P] [--device D]`` goes through a run's start
+(imports, device, study, reference views, field and trainer, one SDF-fit step, one joint step) and prints
+one JSON object: seconds since ``SPAWNED`` (the parent's ``time.time()`` just before it started this
+process) at each milestone. ``bench --suite startup`` runs it twice and reports the second run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MILESTONES = (
+    "imports",
+    "device open",
+    "study prepared",
+    "reference views",
+    "field and trainer",
+    "first SDF-fit step",
+    "first joint step",
+)
+
+
+def run_start(study: str, spawned: float, preset_name: str | None = None, device: str | None = None) -> dict:
+    """Go through a run's start as ``fit`` does; seconds since ``spawned`` at each milestone."""
+    times: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        times[name] = time.time() - spawned
+
+    from .fit import SdfFitter
+    from .gpu import open_device
+    from .pipeline import RunSettings, prepare_for_run, reference_views_for_run
+    from .train import Trainer, preset
+
+    mark("imports")
+    gpu = open_device(device)
+    mark("device open")
+    settings = RunSettings.for_device(gpu, preset_name)
+    prepared = prepare_for_run(study, settings)
+    mark("study prepared")
+    views = reference_views_for_run(gpu, prepared, settings)
+    mark("reference views")
+    from .field import FieldLayout, NeuralField
+
+    field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
+    config = preset(settings.preset, settings.seed)
+    trainer = Trainer(gpu, prepared, field, views, config)
+    mark("field and trainer")
+    SdfFitter(gpu, prepared, field, config.geometry).step()
+    gpu.device.wait()
+    mark("first SDF-fit step")
+    adam, sdf = trainer.render_optimisers(1)
+    trainer.render_step(0, True, adam, sdf)
+    gpu.device.wait()
+    mark("first joint step")
+    return {"preset": settings.preset, "views": settings.views, "size": settings.size, "seconds": times}
+
+
+def timed_start(study: str | Path, preset_name: str | None = None, device: str | None = None) -> dict:
+    """:func:`run_start` in a new Python process (so imports and device creation count)."""
+    command = [sys.executable, "-m", __name__, str(study), repr(time.time())]
+    command += ["--preset", preset_name] if preset_name else []
+    command += ["--device", device] if device else []
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the start-up probe failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study")
+    parser.add_argument("spawned", type=float)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    print(json.dumps(run_start(args.study, args.spawned, args.preset, args.device)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
