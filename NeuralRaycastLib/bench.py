@@ -235,10 +235,16 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         rows.append(BenchRow("train", f"stage-3 training rays/s, {rays} rays per step", rays / seconds, "1/s",
                              f"{patches} patches; one step {seconds * 1e3:.1f} ms (sum of the phases)"))
     config = trainer.config
+    clock = time.perf_counter()
+    coarse = learned_mesh_shadows(gpu, prepared, field, trainer.style, config.mesh_grid_mm)
+    training_mesh_seconds = time.perf_counter() - clock
     joint_step = log.stage_seconds.get(3, 0.0) / max(config.joint_steps, 1)
     rows.append(BenchRow("train", f"re-extraction every {config.mesh_every} joint steps (training with shadows)",
-                         100.0 * mesh_seconds / (config.mesh_every * joint_step) if joint_step else float("nan"),
-                         "%", f"of stage-3 time; one joint step {joint_step * 1e3:.1f} ms"))
+                         100.0 * training_mesh_seconds / (config.mesh_every * joint_step) if joint_step
+                         else float("nan"), "%",
+                         f"of stage-3 time; one joint step {joint_step * 1e3:.1f} ms; meshes on a grid at most "
+                         f"{config.mesh_grid_mm:g} mm apart: {training_mesh_seconds:.2f} s, "
+                         f"{len(coarse.bvh.triangle_ids)} triangles"))
     reference = ReferenceRenderer(gpu, prepared)
     for width in (512, 1024):
         camera = orbit_cameras(prepared.bounds, 3, width, width)[1]

@@ -108,17 +108,20 @@ class ReferenceRenderer:
         return unpack_pixels(result, camera.height, camera.width)
 
 
-def hybrid_shadows(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle, boundary: np.ndarray | None = None):
-    """Meshes of the surfaces (marching cubes of ``boundary``, default the study's B_k) in a BVH, with each
-    structure's opacity, for shadow rays: the hybrid replacement of volumetric shadows."""
+def hybrid_shadows(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle, boundary: np.ndarray | None = None,
+                   affine: np.ndarray | None = None):
+    """Meshes of the surfaces (marching cubes of ``boundary`` on the grid of ``affine``, default the study's
+    B_k on its grid) in a BVH, with each structure's opacity, for shadow rays: the hybrid replacement of
+    volumetric shadows."""
     from .bvh import build_bvh
     from .mesh import mesh_sdf_grid
     from .mesh_shadows import MeshShadows
 
-    meshes = mesh_sdf_grid(prepared.boundary if boundary is None else boundary, prepared.affine,
-                           prepared.structures)
+    affine = prepared.affine if affine is None else np.asarray(affine)
+    meshes = mesh_sdf_grid(prepared.boundary if boundary is None else boundary, affine, prepared.structures)
     opacities = [style.structures[s.name].opacity if s.name in style.structures else 1.0
                  for s in prepared.structures]
     # Shadow rays start from the distance field's surface, which the mesh facets approximate to a
     # fraction of a voxel: keep a voxel away from the surface being left.
-    return MeshShadows(gpu, build_bvh(meshes), opacities, offset_mm=float(prepared.spacing.min()))
+    return MeshShadows(gpu, build_bvh(meshes), opacities,
+                       offset_mm=float(np.linalg.norm(affine[:3, :3], axis=0).min()))

@@ -14,7 +14,8 @@ lighting out of the albedo) in stages 2 and 3.
 
 Every ``eval_every`` steps the held-out views are rendered and their PSNR logged; the occupancy grid
 used to place samples is refreshed from the learned distances. With ``shadows`` (reference views lit
-with shadows of the key light), the learned surfaces are meshed every ``mesh_every`` steps into a BVH,
+with shadows of the key light), the learned surfaces are meshed every ``mesh_every`` steps into a BVH
+(on a grid at most ``mesh_grid_mm`` apart: shadows barely change, meshing is several times cheaper),
 and the key light's visibility from those meshes is a fixed mask in the rendered pictures: no gradient
 flows through it, so the shadows are explained by geometry and not baked into the albedo.
 
@@ -76,6 +77,7 @@ class TrainConfig:
     albedo_consistency_weight: float = 0.0  # L_shade, stages 2 and 3
     shadows: bool = False  # the references have key-light shadows: shade through meshes of the learned SDF
     mesh_every: int = 50  # steps of stages 2 and 3 between re-extractions of those meshes
+    mesh_grid_mm: float = 2.0  # those meshes: marching cubes on every n-th voxel while at most this far apart
 
     def with_total_steps(self, total: int) -> TrainConfig:
         """The same schedule scaled to ``total`` steps over the three stages (each at least one)."""
@@ -166,13 +168,16 @@ def field_renderer(
     return renderer
 
 
-def learned_mesh_shadows(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, style: RenderStyle):
-    """Key-light shadows from meshes of the field's learned surfaces (marching cubes on the study grid, BVH),
-    for a renderer's ``set_mesh_shadows``."""
-    from .evaluate import learned_distances
+def learned_mesh_shadows(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, style: RenderStyle,
+                         grid_mm: float = 0.0):
+    """Key-light shadows from meshes of the field's learned surfaces (marching cubes on the study grid, or on
+    every n-th voxel where that is still at most ``grid_mm`` apart; BVH), for ``set_mesh_shadows``."""
+    from .evaluate import learned_distances, strided_affine
     from .render import hybrid_shadows
 
-    return hybrid_shadows(gpu, prepared, style, learned_distances(field, prepared))
+    stride = max(1, int(grid_mm / float(prepared.spacing.max()) + 1e-9))
+    return hybrid_shadows(gpu, prepared, style, learned_distances(field, prepared, stride=stride),
+                          strided_affine(prepared.affine, stride))
 
 
 def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int],
@@ -292,7 +297,8 @@ class Trainer:
     def refresh_meshes(self) -> None:
         """Mesh the learned surfaces on the study's grid and shadow the key light with them from now on."""
         start = time.perf_counter()
-        self.renderer.set_mesh_shadows(learned_mesh_shadows(self.gpu, self.prepared, self.field, self.style))
+        self.renderer.set_mesh_shadows(learned_mesh_shadows(self.gpu, self.prepared, self.field, self.style,
+                                                            self.config.mesh_grid_mm))
         self.log.mesh_seconds += time.perf_counter() - start
         self.log.mesh_extractions += 1
 

@@ -221,6 +221,28 @@ def test_normal_and_depth_terms_descend(gpu, phantom_views):
     assert after["loss"] < terms["loss"], (terms, after)
 
 
+def test_meshes_for_training_shadows_on_a_coarser_grid_shadow_alike(gpu, phantom_views):
+    """Training re-meshes the learned surfaces on every n-th voxel (``mesh_grid_mm``): far fewer triangles,
+    nearly the same shadowed pictures as meshes on the study's grid."""
+    from NeuralRaycastLib.metrics import psnr
+    from NeuralRaycastLib.train import learned_mesh_shadows
+
+    trainer = fitted_trainer(gpu, phantom_views)
+    prepared, views = phantom_views
+    pictures, triangles = [], []
+    for grid_mm in (0.0, 2 * SPACING):
+        shadows = learned_mesh_shadows(gpu, prepared, trainer.field, trainer.style, grid_mm)
+        triangles.append(len(shadows.bvh.triangle_ids))
+        trainer.renderer.set_mesh_shadows(shadows)
+        pictures.append(np.concatenate([trainer.renderer.render(camera).rgb() for camera in views.cameras[:4]]))
+    trainer.renderer.set_mesh_shadows(None)
+    unshadowed = np.concatenate([trainer.renderer.render(camera).rgb() for camera in views.cameras[:4]])
+    print(f"triangles {triangles}; PSNR coarse vs fine {psnr(pictures[1], pictures[0]):.2f} dB, "
+          f"shadows' own effect {psnr(unshadowed, pictures[0]):.2f} dB")
+    assert triangles[1] < 0.4 * triangles[0]
+    assert psnr(pictures[1], pictures[0]) > psnr(unshadowed, pictures[0]) + 6.0
+
+
 def test_step_profile_names_every_phase_and_leaves_the_field_as_it_was(gpu, phantom_views):
     """The bench's breakdown of a joint step: each phase timed, the field's parameters untouched."""
     trainer = fitted_trainer(gpu, phantom_views)
