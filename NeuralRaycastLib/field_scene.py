@@ -8,12 +8,12 @@ tensor cores over whole waves, from the tiled copy of its weights (uploaded befo
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
 cancel (a surface moved forward along a ray adds opacity on one side and removes it on the other), and
-half-precision activations do not resolve them: on an H100, at the standard preset's trained state, the
+half-precision activations do not resolve them: on an H100, after a short training on the sample, the
 tensor-core backward's gradient for the geometry network had a cosine of 0.25–0.55 with the fp32
 per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
 the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
 every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
-scores as good and the held-out PSNR 1.3 dB lower (still 5 dB above its target)."""
+scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 1. geometry: the signed distances fit to the boundary maps B_k (SDF + Eikonal; fit.py), no rendering;
 2. appearance: the appearance network learns the reference images through the differentiable renderer
    while the geometry stays fixed;
-3. joint: everything trains on the images (L1 + DSSIM on patches) while the SDF and Eikonal terms keep
-   the geometry a true signed distance that agrees with the segmentation.
+3. joint: the hash table and the appearance network train on the images (L1 + DSSIM on patches) while
+   the SDF and Eikonal terms train the whole geometry and keep it a true signed distance that agrees with
+   the segmentation (the geometry network's weights take no image gradient: field_scene.py says why).
 
 Optional terms, each with its weight (0: off): ``normal_weight`` (L_norm: the volume-integrated normal
 against the reference G-buffer's normal, the analytic gradient of the boundary maps) and ``depth_weight``
