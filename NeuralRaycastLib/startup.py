@@ -34,6 +34,7 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
     def mark(name: str) -> None:
         times[name] = time.time() - spawned
 
+    from .field import FieldLayout, NeuralField
     from .fit import SdfFitter
     from .gpu import open_device
     from .pipeline import RunSettings, prepare_for_run, reference_views_for_run
@@ -47,8 +48,6 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
     mark("study prepared")
     views = reference_views_for_run(gpu, prepared, settings)
     mark("reference views")
-    from .field import FieldLayout, NeuralField
-
     field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
     config = preset(settings.preset, settings.seed)
     trainer = Trainer(gpu, prepared, field, views, config)
