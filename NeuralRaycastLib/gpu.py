@@ -4,7 +4,8 @@ Order of preference: CUDA where it works, else Vulkan (on a machine without a GP
 lavapipe, a CPU implementation). slangpy's own CPU device is not used: it cannot dispatch in 0.43.x.
 The choice can be forced with ``--device`` on the command line or ``NEURALRAYCAST_DEVICE``
 (``auto``, ``cuda``, ``vulkan``). Every device gets a persistent shader cache in the user cache
-directory, so kernels compile once per machine rather than once per process.
+directory, so kernels compile once per machine rather than once per process; on Vulkan also a cache of
+Slang's parsed modules (MODULE_CACHE_BACKENDS), so a new process does not parse them again.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class DeviceReport:
     shader_cache: str
     shader_dir: str
     tried: dict[str, str] = field(default_factory=dict)
+    module_cache: str = ""  # Slang's parsed modules on disk ("" where not kept: MODULE_CACHE_BACKENDS)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +65,7 @@ class DeviceReport:
             f"slangpy            {self.slangpy_version}",
             f"python             {self.python_version}",
             f"shader cache       {self.shader_cache}",
+            f"module cache       {self.module_cache or 'not kept on this backend'}",
             f"shaders            {self.shader_dir}",
         ]
         lines += [f"not used: {name:9s} {why}" for name, why in self.tried.items()]
@@ -94,6 +97,25 @@ def requested_backend(choice: str | None = None) -> str:
 
 def shader_cache_path(backend: str) -> Path:
     return cache_dir() / "shaders" / backend
+
+
+# Backends whose devices also keep Slang's parsed modules on disk (module_cache_path): a new process then
+# loads them in a fraction of a second instead of parsing slangpy's and our modules again (about 3 s of a
+# start on a 2-core CPU). Slang checks each cached module against its sources and imports. It needs the
+# folder of Slang's standard modules among the include paths, or `import slang.neural` fails to resolve;
+# measured on Vulkan (lavapipe) only so far, so CUDA keeps the plain shader cache.
+MODULE_CACHE_BACKENDS = ("vulkan",)
+
+
+def module_cache_path(backend: str) -> Path:
+    return cache_dir() / "modules" / backend
+
+
+def _standard_module_dirs() -> list[str]:
+    """Where slangpy ships Slang's standard modules (``slang/neural.slang`` among them)."""
+    import slangpy as spy
+
+    return sorted(str(p) for p in Path(spy.__file__).parent.glob("slang-standard-module-*") if p.is_dir())
 
 
 def _quiet_slangpy_logs():
@@ -128,13 +150,20 @@ def _open(backend: str):
 
     cache = shader_cache_path(backend)
     cache.mkdir(parents=True, exist_ok=True)
+    include_paths = [spy.SHADER_PATH, str(shader_dir())]
+    modules: dict[str, str] = {}
+    if backend in MODULE_CACHE_BACKENDS and (standard := _standard_module_dirs()):
+        include_paths += standard
+        module_cache_path(backend).mkdir(parents=True, exist_ok=True)
+        modules["module_cache_path"] = str(module_cache_path(backend))
     device = spy.Device(
         type=getattr(spy.DeviceType, backend),
         compiler_options={
-            "include_paths": [spy.SHADER_PATH, str(shader_dir())],
+            "include_paths": include_paths,
             "enable_experimental_features": True,  # `import slang.neural;`
         },
-        shader_cache_path=str(cache),  # never module_cache_path: it breaks `import slang.neural`
+        shader_cache_path=str(cache),
+        **modules,
     )
     # A device can open and still fail on its first dispatch (old Mesa, broken driver): prove it works.
     module = spy.Module.load_from_file(device, "device_check.slang")
@@ -159,6 +188,7 @@ def _report(device, backend: str, tried: dict[str, str]) -> DeviceReport:
         slangpy_version=spy.__version__,
         python_version=platform.python_version(),
         shader_cache=str(shader_cache_path(backend)),
+        module_cache=str(device.desc.module_cache_path or ""),
         shader_dir=str(shader_dir()),
         tried=tried,
     )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from NeuralRaycastLib import gpu
+from NeuralRaycastLib import gpu as gpu_module
 
 
 def test_default_device_runs_a_kernel(gpu):
@@ -44,3 +47,16 @@ def test_forcing_cuda_without_a_driver_says_what_to_install():
 def test_shader_cache_lives_in_the_user_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("NEURALRAYCAST_CACHE", str(tmp_path))
     assert gpu.shader_cache_path("vulkan") == tmp_path / "shaders" / "vulkan"
+    assert gpu.module_cache_path("vulkan") == tmp_path / "modules" / "vulkan"
+
+
+def test_modules_with_slang_neural_load_where_parsed_modules_are_cached(gpu):
+    """Slang's module cache needs its standard modules on the include path, or `import slang.neural` (the
+    field's tensor-core network) fails to resolve; where the cache is kept, that module loads and is cached."""
+    if gpu.backend not in gpu_module.MODULE_CACHE_BACKENDS:
+        assert gpu.report.module_cache == ""
+        return
+    cache = Path(gpu.report.module_cache)
+    assert cache == gpu_module.module_cache_path(gpu.backend)
+    assert gpu.load_module("cooperative_mlp") is not None
+    assert any(path.is_file() for path in cache.rglob("*"))
