@@ -15,27 +15,13 @@ import numpy as np
 from scipy import ndimage
 
 from .field import NeuralField
-from .mesh import extract_surface, grid_points
+from .mesh import extract_surface, resample_sdf
 from .preprocess import PreparedStudy, structure_mask
 
 
-def learned_distances(field: NeuralField, prepared: PreparedStudy, chunk: int = 1 << 18,
-                      stride: int = 1) -> np.ndarray:
-    """s_k on the study's voxel centres, (K, I, J, K); with ``stride``, on every stride-th voxel of each
-    axis (the grid of :func:`strided_affine`)."""
-    shape = strided_shape(prepared.study.shape, stride)
-    points = grid_points(strided_affine(prepared.affine, stride), shape).reshape(-1, 3)
-    values = np.concatenate([field.distances(points[i:i + chunk]) for i in range(0, len(points), chunk)])
-    return values.T.reshape((field.structures, *shape)).astype(np.float32)
-
-
-def strided_affine(affine: np.ndarray, stride: int) -> np.ndarray:
-    """The IJK-to-RAS matrix of every ``stride``-th voxel of a grid (same first voxel centre)."""
-    return np.asarray(affine, np.float64) @ np.diag([stride, stride, stride, 1.0])
-
-
-def strided_shape(shape, stride: int) -> tuple[int, int, int]:
-    return tuple(-(-int(n) // stride) for n in shape)  # type: ignore[return-value]
+def learned_distances(field: NeuralField, prepared: PreparedStudy) -> np.ndarray:
+    """s_k on the study's voxel centres, (K, I, J, K)."""
+    return resample_sdf(field.distances, prepared.affine, prepared.study.shape)
 
 
 def dice(a: np.ndarray, b: np.ndarray) -> float:

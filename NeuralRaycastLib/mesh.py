@@ -59,6 +59,14 @@ def refined_grid(affine: np.ndarray, shape: Sequence[int], factor: int) -> tuple
     return fine, tuple((int(n) - 1) * factor + 1 for n in shape)
 
 
+def coarsened_grid(affine: np.ndarray, shape: Sequence[int], stride: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Every ``stride``-th voxel centre of a grid along each axis: the same first voxel centre, same
+    orientation (the counterpart of :func:`refined_grid`)."""
+    coarse = np.array(affine, dtype=np.float64)
+    coarse[:3, :3] *= stride
+    return coarse, tuple(-(-int(n) // stride) for n in shape)
+
+
 def resample_sdf(
     sdf: Callable[[np.ndarray], np.ndarray],
     affine: np.ndarray,

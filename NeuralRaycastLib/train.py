@@ -173,12 +173,12 @@ def learned_mesh_shadows(gpu: GpuContext, prepared: PreparedStudy, field: Neural
                          grid_mm: float = 0.0):
     """Key-light shadows from meshes of the field's learned surfaces (marching cubes on the study grid, or on
     every n-th voxel where that is still at most ``grid_mm`` apart; BVH), for ``set_mesh_shadows``."""
-    from .evaluate import learned_distances, strided_affine
+    from .mesh import coarsened_grid, resample_sdf
     from .render import hybrid_shadows
 
     stride = max(1, int(grid_mm / float(prepared.spacing.max()) + 1e-9))
-    return hybrid_shadows(gpu, prepared, style, learned_distances(field, prepared, stride=stride),
-                          strided_affine(prepared.affine, stride))
+    affine, shape = coarsened_grid(prepared.affine, prepared.study.shape, stride)
+    return hybrid_shadows(gpu, prepared, style, resample_sdf(field.distances, affine, shape), affine)
 
 
 def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int],

@@ -11,6 +11,7 @@ from NeuralRaycastLib.bvh import BvhTracer, build_bvh
 from NeuralRaycastLib.mesh import (
     EXPORT_FORMATS,
     Mesh,
+    coarsened_grid,
     grid_points,
     mesh_prepared,
     mesh_structure,
@@ -77,6 +78,14 @@ def test_sphere_mesh_at_twice_the_resolution_lies_within_a_tenth_of_a_voxel(hand
     assert_outward(mesh, CENTRE)
     assert_closed(mesh)
     assert mesh.enclosed_volume() == pytest.approx(4 / 3 * np.pi * RADIUS**3, rel=0.01)
+
+
+def test_coarsened_grid_holds_every_nth_voxel_centre():
+    affine = np.array([[-1.5, 0, 0, 20.0], [0, 1.2, 0, -30.0], [0, 0, 2.0, 5.0], [0, 0, 0, 1]])
+    shape = (7, 6, 5)
+    coarse_affine, coarse_shape = coarsened_grid(affine, shape, 2)
+    assert coarse_shape == (4, 3, 3)
+    np.testing.assert_allclose(grid_points(coarse_affine, coarse_shape), grid_points(affine, shape)[::2, ::2, ::2])
 
 
 def test_smoothing_and_decimation_keep_the_surface_and_its_orientation():
