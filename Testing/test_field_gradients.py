@@ -121,6 +121,24 @@ def test_hash_encoding_values_and_gradients(field, layout, params, points):
     assert_position_gradient(lambda x: encode(layout, params, x) @ w, points, dx.reshape(-1, 3))
 
 
+def test_hash_encoding_gradients_of_consecutive_points_in_the_same_cells(field, layout, params):
+    """Samples along rays in ray order, as the renderer's backward passes send them: neighbouring threads
+    share cells at every level (runs of lanes whose gradients are summed before one atomic on CUDA), and
+    the table gradient must still be exact."""
+    rng = np.random.default_rng(9)
+    starts = rng.uniform(BOX[0] + 1.0, BOX[1] - 1.0, (6, 3))
+    directions = rng.normal(size=(6, 3))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    steps = 0.25 * np.arange(48)  # mm; the finest cells are 2 mm
+    rays = np.clip(starts[:, None, :] + steps[None, :, None] * directions[:, None, :], BOX[0] + 0.3, BOX[1] - 0.3)
+    samples = rays.reshape(-1, 3).astype(np.float32).astype(np.float64)
+    encoded = layout.config.encoding.levels * layout.config.encoding.features
+    w = np.random.default_rng(10).normal(size=encoded)
+
+    _, gradient = device_backward(field, field.module.encodingBackward, f32(samples), list(w))
+    assert_parameter_gradient(lambda p: (encode(layout, p, samples) @ w).sum(), params, gradient)
+
+
 def test_hash_encoding_active_levels(field, layout, params, points):
     """Coarse-to-fine: levels from activeLevels on contribute nothing."""
     encoded = layout.config.encoding.levels * layout.config.encoding.features
