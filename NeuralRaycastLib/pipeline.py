@@ -13,6 +13,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,6 @@ def train_prepared(
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     views = reference_views_for_run(gpu, prepared, settings, progress)
-    save_reference_views(views, folder / "reference")
     if config is None:
         config = preset(settings.preset, settings.seed)
         if settings.iterations is not None:
@@ -164,8 +164,12 @@ def train_prepared(
     config = replace(config, shadows=settings.shadows)
     layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=settings.seed)
-    trainer = Trainer(gpu, prepared, field, views, config)
-    log = trainer.run(progress, should_stop)
+    # The view pictures are written while training runs: encoding them would otherwise delay its start.
+    with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+        saved = writer.submit(save_reference_views, views, folder / "reference")
+        trainer = Trainer(gpu, prepared, field, views, config)
+        log = trainer.run(progress, should_stop)
+        saved.result()  # a failed write surfaces here, before anything says the run is done
     save_field(folder / "model.safetensors", field, prepared,
                {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
     (folder / "train_log.json").write_text(json.dumps({

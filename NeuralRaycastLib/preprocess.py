@@ -56,6 +56,7 @@ class PreparedStudy:
     occupancy: np.ndarray  # (ceil(I/b), ceil(J/b), ceil(K/b)) bool
     occupancy_block: int
     bounds: np.ndarray  # (2, 3) RAS mm box around the mask
+    key: str = ""  # digest of the inputs it was prepared from ("" if unknown): names derived caches
 
     @property
     def affine(self) -> np.ndarray:
@@ -203,7 +204,8 @@ def prepare(
     """Derive everything the field needs from a study (see the module docstring)."""
     report = progress or (lambda message, fraction: None)
     structures = make_structures(study.structures, include_brain=True, colors=study.colors)
-    path = (cache_root or cache_dir() / "prepared") / f"{_cache_key(study, structures)}.npz"
+    key = _cache_key(study, structures)
+    path = (cache_root or cache_dir() / "prepared") / f"{key}.npz"
     cached = _load_cached(path, study.shape, len(structures)) if use_cache else None
 
     if cached is not None:
@@ -249,6 +251,7 @@ def prepare(
         occupancy=occupancy_grid(mask),
         occupancy_block=OCCUPANCY_BLOCK,
         bounds=mask_bounds(mask, study.affine),
+        key=key,
     )
 
 

@@ -1,10 +1,17 @@
 """Reference views of a study: orbit cameras rendered by the reference raycaster, saved for training
 and for looking at (PNG per view, depth and normal pictures, a contact sheet, cameras with their split).
+
+Rendered views are also kept on disk, keyed by everything that decides their pixels (the prepared
+study's inputs, cameras, style, backend and the Slang sources), so a second run on the same study starts
+training without rendering them again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +21,17 @@ import numpy as np
 from .camera import Camera, orbit_cameras, split_views
 from .gpu import GpuContext
 from .metrics import contact_sheet, depth_picture, normal_picture, save_png
+from .paths import cache_dir, shader_dir
 from .preprocess import PreparedStudy
 from .render import ReferenceRenderer, RenderedImage
+from .style import RenderStyle
+
+log = logging.getLogger(__name__)
+
+#: Bump when what a cached set of views holds changes.
+VIEW_CACHE_VERSION = 1
+#: Sets of views kept on disk; the least recently used go first.
+VIEW_CACHE_ENTRIES = 8
 
 
 @dataclass
@@ -36,17 +52,76 @@ def render_reference_views(
     view_angle: float = 30.0,
     held_out_every: int = 8,
     progress: Callable[[str, float], None] | None = None,
+    cache_root: Path | None = None,
 ) -> ReferenceViews:
+    """Orbit views of the prepared study; from the view cache when the same views were rendered before
+    (``cache_root`` overrides its folder; a study without ``prepared.key`` is never cached)."""
     report = progress or (lambda message, fraction: None)
-    renderer = ReferenceRenderer(gpu, prepared)
+    style = RenderStyle.default(prepared.structures, prepared.channel_names)
     cameras = orbit_cameras(prepared.bounds, count, width, height, view_angle)
+    training, held_out = split_views(count, held_out_every)
+    path = None
+    if prepared.key:
+        key = view_cache_key(gpu, prepared, style, cameras, shadows)
+        path = (cache_root or cache_dir() / "views") / f"{key}.npz"
+        images = _load_views(path, count, width, height)
+        if images is not None:
+            report("views loaded from cache", 1.0)
+            return ReferenceViews(cameras, images, training, held_out)
+    renderer = ReferenceRenderer(gpu, prepared, style)
     images = []
     for index, camera in enumerate(cameras):
         report(f"view {index + 1}/{count}", index / count)
         images.append(renderer.render(camera, shadows=shadows))
     report("views rendered", 1.0)
-    training, held_out = split_views(count, held_out_every)
+    if path is not None:
+        _store_views(path, images)
     return ReferenceViews(cameras, images, training, held_out)
+
+
+def view_cache_key(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle, cameras: list[Camera],
+                   shadows: bool) -> str:
+    """Digest of everything that decides the views' pixels."""
+    digest = hashlib.sha256(f"views v{VIEW_CACHE_VERSION} {prepared.key} {gpu.backend} {shadows}".encode())
+    digest.update(repr(prepared.structures).encode())
+    digest.update(repr(style).encode())
+    digest.update(repr(cameras).encode())
+    for source in sorted(shader_dir().glob("*.slang")):
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def _load_views(path: Path, count: int, width: int, height: int) -> list[RenderedImage] | None:
+    """The cached views at ``path``, or None (absent, unreadable or of another size: render again)."""
+    if not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            rgba, depth, normal = data["rgba"], data["depth"], data["normal"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
+        log.warning("ignoring unreadable cached views %s: %s", path, error)
+        return None
+    if rgba.shape != (count, height, width, 4) or depth.shape != (count, height, width) \
+            or normal.shape != (count, height, width, 3):
+        return None
+    path.touch()  # recently used
+    return [RenderedImage(rgba[i], depth[i], normal[i]) for i in range(count)]
+
+
+def _store_views(path: Path, images: list[RenderedImage]) -> None:
+    """Write the views atomically (a crash never leaves a half-written entry); keep the newest entries."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".partial.npz")
+        np.savez(temporary, rgba=np.stack([i.rgba for i in images]), depth=np.stack([i.depth for i in images]),
+                 normal=np.stack([i.normal for i in images]))
+        temporary.replace(path)
+        entries = sorted(path.parent.glob("*.npz"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for stale in entries[VIEW_CACHE_ENTRIES:]:
+            stale.unlink(missing_ok=True)
+    except OSError as error:  # a full or read-only disk costs the next run a re-render, nothing more
+        log.warning("could not keep the reference views in %s: %s", path.parent, error)
 
 
 def save_reference_views(views: ReferenceViews, folder: str | Path) -> Path:

@@ -13,7 +13,9 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 MILESTONES = (
@@ -38,6 +40,7 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
     from .fit import SdfFitter
     from .gpu import open_device
     from .pipeline import RunSettings, prepare_for_run, reference_views_for_run
+    from .reference_views import save_reference_views
     from .train import Trainer, preset
 
     mark("imports")
@@ -48,17 +51,21 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
     mark("study prepared")
     views = reference_views_for_run(gpu, prepared, settings)
     mark("reference views")
-    field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
-    config = preset(settings.preset, settings.seed)
-    trainer = Trainer(gpu, prepared, field, views, config)
-    mark("field and trainer")
-    SdfFitter(gpu, prepared, field, config.geometry).step()
-    gpu.device.wait()
-    mark("first SDF-fit step")
-    adam, sdf = trainer.render_optimisers(1)
-    trainer.render_step(0, True, adam, sdf)
-    gpu.device.wait()
-    mark("first joint step")
+    # fit writes the view pictures while it trains; so does this probe, into a folder it then removes
+    with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(1) as writer:
+        saved = writer.submit(save_reference_views, views, Path(folder) / "reference")
+        field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
+        config = preset(settings.preset, settings.seed)
+        trainer = Trainer(gpu, prepared, field, views, config)
+        mark("field and trainer")
+        SdfFitter(gpu, prepared, field, config.geometry).step()
+        gpu.device.wait()
+        mark("first SDF-fit step")
+        adam, sdf = trainer.render_optimisers(1)
+        trainer.render_step(0, True, adam, sdf)
+        gpu.device.wait()
+        mark("first joint step")
+        saved.result()
     return {"preset": settings.preset, "views": settings.views, "size": settings.size, "seconds": times}
 
 

@@ -141,3 +141,43 @@ def test_mesh_shadows_match_volumetric_shadows(gpu, phantom_study_dir):
     assert darkened.sum() > 20  # the scene has shadows to compare
     assert psnr(hybrid.rgb(), volumetric.rgb()) > 35.0
     assert psnr(hybrid.rgb(), volumetric.rgb()) > psnr(lit.rgb(), volumetric.rgb()) + 5.0
+
+
+def test_reference_views_are_rendered_once_then_read_from_the_cache(gpu, phantom_exact, tmp_path, monkeypatch):
+    """A second run on the same study starts without rendering its views again; anything that changes
+    the pixels is another entry, and a damaged entry is rendered again, never trusted."""
+    from dataclasses import replace
+
+    from NeuralRaycastLib.reference_views import render_reference_views
+
+    prepared = replace(phantom_exact, key="phantom-exact")
+    first = render_reference_views(gpu, prepared, 3, 24, 20, cache_root=tmp_path)
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+
+    def no_render(*args, **kwargs):
+        raise AssertionError("the views were rendered again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ReferenceRenderer, "render", no_render)
+        second = render_reference_views(gpu, prepared, 3, 24, 20, cache_root=tmp_path)
+    for a, b in zip(first.images, second.images, strict=True):
+        np.testing.assert_array_equal(a.rgba, b.rgba)
+        np.testing.assert_array_equal(a.depth, b.depth)
+        np.testing.assert_array_equal(a.normal, b.normal)
+    assert (second.training, second.held_out) == (first.training, first.held_out)
+
+    shadowed = render_reference_views(gpu, prepared, 3, 24, 20, shadows=True, cache_root=tmp_path)
+    assert len(list(tmp_path.glob("*.npz"))) == 2
+    assert not np.array_equal(shadowed.images[1].rgba, first.images[1].rgba)
+    other_study = render_reference_views(gpu, replace(prepared, key="another"), 3, 24, 20, cache_root=tmp_path)
+    assert len(list(tmp_path.glob("*.npz"))) == 3
+    np.testing.assert_array_equal(other_study.images[0].rgba, first.images[0].rgba)  # same pixels, own entry
+
+    for entry in tmp_path.glob("*.npz"):
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # truncated
+    again = render_reference_views(gpu, prepared, 3, 24, 20, cache_root=tmp_path)
+    np.testing.assert_array_equal(again.images[0].rgba, first.images[0].rgba)
+
+    unkeyed = tmp_path / "unkeyed"
+    render_reference_views(gpu, phantom_exact, 3, 24, 20, cache_root=unkeyed)
+    assert not unkeyed.exists()
