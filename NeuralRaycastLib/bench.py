@@ -360,7 +360,7 @@ def bench_startup(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
             for name in MILESTONES]
     views = f"{second['views']} views of {second['size']}²"
     rows.append(BenchRow("startup", "second run: training starts after", seconds["field and trainer"], "s",
-                         f"preset {second['preset']}, {views} rendered before it; the first run (caches as they "
+                         f"preset {second['preset']}, {views} (read from the view cache); the first run (caches as they "
                          f"were) reached its first joint step after {first['seconds']['first joint step']:.1f} s"))
     return rows
 
