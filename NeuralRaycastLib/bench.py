@@ -359,9 +359,10 @@ def bench_startup(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     rows = [BenchRow("startup", f"second run: {name}", seconds[name], "s", "since the process was started")
             for name in MILESTONES]
     views = f"{second['views']} views of {second['size']}²"
+    first_joint = first["seconds"]["first joint step"]
     rows.append(BenchRow("startup", "second run: training starts after", seconds["field and trainer"], "s",
-                         f"preset {second['preset']}, {views} (read from the view cache); the first run (caches as they "
-                         f"were) reached its first joint step after {first['seconds']['first joint step']:.1f} s"))
+                         f"preset {second['preset']}, {views} (read from the view cache); the first run (caches "
+                         f"as they were) reached its first joint step after {first_joint:.1f} s"))
     return rows
 
 

@@ -63,6 +63,23 @@ def test_fixture_case_is_a_loadable_study(tmp_path):
     assert head_mask(study.channels)[study.labels > 0].all()
 
 
+def test_runs_starting_together_each_get_a_whole_sample(tmp_path, monkeypatch):
+    """Several processes (here threads) asking for a sample that is not cached yet: every one gets a
+    complete, loadable study and no half-written folder is left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from NeuralRaycastLib.paths import CACHE_ENV
+    from NeuralRaycastLib.sample import cached_sample
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    with ThreadPoolExecutor(4) as pool:
+        manifests = list(pool.map(lambda _: cached_sample("fixture"), range(4)))
+    assert len(set(manifests)) == 1
+    study = load_study(manifests[0])
+    assert study.shape == (33, 41, 25)
+    assert [p.name for p in (tmp_path / "samples").iterdir()] == [manifests[0].parent.name]
+
+
 def test_phantom_labels_agree_with_its_exact_surfaces(phantom_study_dir):
     study = load_study(phantom_study_dir)
     phantom = Phantom()

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -87,9 +89,18 @@ def cached_sample(case: str = "icbm", spacing: float | None = None, seed: int = 
     folder = cache_dir() / "samples" / f"{case}-{spacing or 'native'}-seed{seed}-v{SAMPLE_VERSION}"
     manifest = folder / "manifest.json"
     if not manifest.is_file():
-        partial = folder.with_name(folder.name + ".partial")
-        write_sample(partial, case, spacing, seed, progress)
-        partial.replace(folder)  # complete folders only: an interrupted run leaves nothing half-written
+        # Complete folders only: each process writes its own copy and moves it in whole, so neither an
+        # interrupted run nor two runs starting together leave a half-written sample behind.
+        partial = folder.with_name(f"{folder.name}.partial-{uuid.uuid4().hex}")
+        try:
+            write_sample(partial, case, spacing, seed, progress)
+            try:
+                partial.replace(folder)
+            except OSError:
+                if not manifest.is_file():  # not a copy another process finished first: a real failure
+                    raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return manifest
 
 
