@@ -27,7 +27,8 @@ def test_missing_study_is_one_line_and_status_2(capsys):
 
 
 def test_sample_then_prepare_as_json_with_preview(tmp_path, capsys):
-    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
     manifest = capsys.readouterr().out.strip()
     assert manifest.endswith("manifest.json")
     assert main(["prepare", manifest, "--json", "--preview", str(tmp_path / "p.png")]) == 0
@@ -50,7 +51,8 @@ def test_unknown_case_is_rejected_by_the_parser():
 
 
 def test_render_reference_writes_views_cameras_and_arrays(tmp_path, capsys):
-    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
     manifest = capsys.readouterr().out.strip()
     out = tmp_path / "views"
     assert main(["render-reference", manifest, "--views", "9", "--size", "24", "20", "--out", str(out)]) == 0
@@ -63,7 +65,8 @@ def test_render_reference_writes_views_cameras_and_arrays(tmp_path, capsys):
 
 
 def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
-    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
     manifest = capsys.readouterr().out.strip()
     assert main(["mesh", manifest, "--out", str(tmp_path / "m"), "--formats", "vtp", "stl"]) == 0
     names = sorted(p.name for p in (tmp_path / "m").iterdir())
@@ -74,9 +77,11 @@ def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
 def test_fit_and_evaluate_a_run(tmp_path, capsys):
     from NeuralRaycastLib.model_io import ModelFileError, StudyGeometry, load_model
     from NeuralRaycastLib.preprocess import prepare
+    from NeuralRaycastLib.sample import write_sample
     from NeuralRaycastLib.study import load_study
 
-    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
     manifest = capsys.readouterr().out.strip()
     run = tmp_path / "run"
     assert main(["fit", manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
@@ -116,12 +121,6 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     geometry = StudyGeometry.from_prepared(prepare(load_study(manifest)))
     model = load_model(run / "model.safetensors", geometry)
     assert model.parameters.size == model.layout.count
-    other = prepare(load_study(write_phantom(tmp_path)))
+    other = prepare(load_study(write_sample(tmp_path / "other", "fixture")))  # another grid and channels
     with pytest.raises(ModelFileError):
         load_model(run / "model.safetensors", StudyGeometry.from_prepared(other))
-
-
-def write_phantom(tmp_path):
-    from NeuralRaycastLib.sample import write_sample
-
-    return write_sample(tmp_path / "phantom", "phantom", spacing=4.0)
