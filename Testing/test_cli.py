@@ -27,8 +27,7 @@ def test_missing_study_is_one_line_and_status_2(capsys):
 
 
 def test_sample_then_prepare_as_json_with_preview(tmp_path, capsys):
-    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
-    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
     manifest = capsys.readouterr().out.strip()
     assert manifest.endswith("manifest.json")
     assert main(["prepare", manifest, "--json", "--preview", str(tmp_path / "p.png")]) == 0
@@ -51,8 +50,7 @@ def test_unknown_case_is_rejected_by_the_parser():
 
 
 def test_render_reference_writes_views_cameras_and_arrays(tmp_path, capsys):
-    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
-    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
     manifest = capsys.readouterr().out.strip()
     out = tmp_path / "views"
     assert main(["render-reference", manifest, "--views", "9", "--size", "24", "20", "--out", str(out)]) == 0
@@ -65,8 +63,7 @@ def test_render_reference_writes_views_cameras_and_arrays(tmp_path, capsys):
 
 
 def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
-    # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
-    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
     manifest = capsys.readouterr().out.strip()
     assert main(["mesh", manifest, "--out", str(tmp_path / "m"), "--formats", "vtp", "stl"]) == 0
     names = sorted(p.name for p in (tmp_path / "m").iterdir())
