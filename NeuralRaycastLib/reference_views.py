@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import uuid
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,14 +111,16 @@ def _load_views(path: Path, count: int, width: int, height: int) -> list[Rendere
 
 
 def _store_views(path: Path, images: list[RenderedImage]) -> None:
-    """Write the views atomically (a crash never leaves a half-written entry); keep the newest entries."""
+    """Write the views atomically (a crash, or another run writing the same entry, never leaves a
+    half-written one); keep the newest entries."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".partial.npz")
+        temporary = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.npz")
         np.savez(temporary, rgba=np.stack([i.rgba for i in images]), depth=np.stack([i.depth for i in images]),
                  normal=np.stack([i.normal for i in images]))
         temporary.replace(path)
-        entries = sorted(path.parent.glob("*.npz"), key=lambda p: p.stat().st_mtime, reverse=True)
+        entries = [e for e in path.parent.glob("*.npz") if not e.name.endswith(".partial.npz")]
+        entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
         for stale in entries[VIEW_CACHE_ENTRIES:]:
             stale.unlink(missing_ok=True)
     except OSError as error:  # a full or read-only disk costs the next run a re-render, nothing more

@@ -181,3 +181,10 @@ def test_reference_views_are_rendered_once_then_read_from_the_cache(gpu, phantom
     unkeyed = tmp_path / "unkeyed"
     render_reference_views(gpu, phantom_exact, 3, 24, 20, cache_root=unkeyed)
     assert not unkeyed.exists()
+
+    from NeuralRaycastLib.reference_views import VIEW_CACHE_ENTRIES
+
+    bounded = tmp_path / "bounded"
+    for index in range(VIEW_CACHE_ENTRIES + 2):  # the oldest entries go, the newest stay
+        render_reference_views(gpu, replace(prepared, key=f"study {index}"), 1, 8, 8, cache_root=bounded)
+    assert len(list(bounded.glob("*.npz"))) == VIEW_CACHE_ENTRIES
