@@ -296,7 +296,8 @@ class Trainer:
         return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
 
     def refresh_meshes(self) -> None:
-        """Mesh the learned surfaces on the study's grid and shadow the key light with them from now on."""
+        """Mesh the learned surfaces (on a grid at most ``mesh_grid_mm`` apart) and shadow the key light with
+        them from now on."""
         start = time.perf_counter()
         self.renderer.set_mesh_shadows(learned_mesh_shadows(self.gpu, self.prepared, self.field, self.style,
                                                             self.config.mesh_grid_mm))
