@@ -29,7 +29,7 @@ from .study import Study, StudyError
 log = logging.getLogger(__name__)
 
 #: Bump when anything below changes what is cached.
-PREPROCESS_VERSION = 4
+PREPROCESS_VERSION = 5
 #: Windowed-sinc smoothing of a mask's surface before distances are taken, with the iterations and pass
 #: band of Slicer's closed-surface default (smoothing factor 0.5: 20 iterations, pass band 10⁻²).
 SURFACE_SMOOTHING_ITERATIONS = 20
@@ -107,7 +107,8 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
 
     A voxel mask only says which voxel centres are inside, so its surface is terraced. The boundary
     taken here is the mask's marching-cubes surface after a windowed-sinc low-pass filter, the kind
-    Slicer's closed-surface conversion applies (the terraces go, smooth surfaces do not shrink). Within
+    Slicer's closed-surface conversion applies (the terraces go, smooth surfaces do not shrink), each
+    closed piece then moved to agree with the mask (the filter closes small cavities). Within
     ``EXACT_BAND_VOXELS`` of it the distance is the exact distance to that smoothed mesh; further out,
     where nothing is fitted closely, the Euclidean distance transform of the mask (shortened by half a
     voxel, since the boundary lies halfway between inside and outside voxel centres) stands in for it.
@@ -125,13 +126,17 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     sdf = np.where(inside, -(inside_distance - half), outside_distance - half)
     if smooth_surface:
         from .mesh import extract_surface
-        from .surface_distance import signed_distance_to_mesh, smooth_surface
+        from .surface_distance import agree_with_labels, signed_distance_to_mesh, smooth_surface
 
         scaled = np.diag([*spacing, 1.0])  # distances do not depend on the grid's orientation or origin
         vertices, faces = extract_surface(0.5 - inside.astype(np.float32), scaled)
         vertices = smooth_surface(vertices, faces, SURFACE_SMOOTHING_ITERATIONS, SURFACE_SMOOTHING_PASSBAND)
         band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
-        exact = signed_distance_to_mesh(vertices, faces, np.argwhere(band) * spacing)
+        points = np.argwhere(band) * spacing
+        exact = signed_distance_to_mesh(vertices, faces, points)
+        moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()))
+        if not np.array_equal(moved, vertices):
+            exact = signed_distance_to_mesh(moved, faces, points)
         # The smoothed surface stays within a voxel of the terraced one: a sign that disagrees with
         # the mask further in than that would be a fault of the sign test, never of the surface.
         trusted = (np.sign(exact) == np.sign(sdf[band])) | (np.abs(sdf[band]) < float(spacing.max()))

@@ -17,10 +17,7 @@ PHANTOM = Phantom()
 @pytest.fixture(scope="module")
 def phantom_exact():
     sdfs = {n: (lambda points, n=n: PHANTOM.sdf(n, points)) for n in Phantom.structure_names}
-    margin = 8.0
-    low = np.array(PHANTOM.brain_centre) - PHANTOM.brain_half_extent - margin
-    high = np.array(PHANTOM.brain_centre) + PHANTOM.brain_half_extent + margin
-    return analytic_prepared(sdfs, 2.0, low, high)
+    return analytic_prepared(sdfs, 2.0, *PHANTOM.bounds(8.0))
 
 
 def _surface_cosine(sdf, points, directions):
@@ -53,7 +50,8 @@ def test_rays_hit_each_analytic_surface_at_the_right_depth(gpu, phantom_exact, n
         assert covered[hit].mean() > 0.98
         # the smooth step widens silhouettes: a covered ray that misses passes within 3 ε of the surface
         halo = covered & ~hit
-        samples = origin + np.arange(0.0, 400.0, 0.25)[:, None, None] * directions[halo][None]
+        reach = np.linalg.norm(origin - box.mean(axis=0)) + np.linalg.norm(box[1] - box[0])  # past the box
+        samples = origin + np.arange(0.0, reach, 0.25)[:, None, None] * directions[halo][None]
         assert np.all(sdf(samples).min(axis=0) < 3 * epsilon)
         points = origin + np.where(hit, exact, 0.0)[..., None] * directions
         facing = hit & covered & (_surface_cosine(sdf, points, directions) > 0.5)

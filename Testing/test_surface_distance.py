@@ -1,11 +1,20 @@
-"""Distances to a mask's smoothed surface: exact against brute force, and no shrinking of smooth shapes."""
+"""Distances to a mask's smoothed surface: exact against brute force, no shrinking of smooth shapes, and
+small cavities kept where the labels put them."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
+from scipy.ndimage import map_coordinates
 
 from NeuralRaycastLib.mesh import extract_surface
-from NeuralRaycastLib.surface_distance import closest_on_triangles, signed_distance_to_mesh, smooth_surface
+from NeuralRaycastLib.preprocess import signed_distance
+from NeuralRaycastLib.surface_distance import (
+    balanced_level,
+    closest_on_triangles,
+    signed_distance_to_mesh,
+    smooth_surface,
+)
 
 
 def sphere_mesh(radius: float, spacing: float = 1.0, voxelised: bool = False):
@@ -51,3 +60,41 @@ def test_smoothing_removes_terraces_without_shrinking_a_sphere():
     after = np.linalg.norm(smooth_surface(vertices, faces) - 0.3, axis=-1) - 8.0
     assert np.abs(after).mean() < 0.5 * np.abs(before).mean()
     assert abs(after.mean()) < 0.05  # voxels: no net shrinkage
+
+
+def test_balanced_level_finds_a_tilted_plane_at_any_offset_between_voxel_centres():
+    """Voxel centres (1 mm) labelled by a tilted plane at offset ``true``, distances measured to the plane
+    moved by ``error``: the balanced level undoes the error; with no labelled point of one side near, it is 0."""
+    centres = np.indices((24, 24, 24)).reshape(3, -1).T - 11.5
+    normal = np.array([0.31, -0.52, 0.79])
+    normal /= np.linalg.norm(normal)
+    height = centres @ normal
+    for true in (-0.4, -0.1, 0.0, 0.3):
+        for error in (-0.3, 0.0, 0.2):
+            level = balanced_level(height - (true + error), height < true, voxel=1.0)
+            assert level == pytest.approx(-error, abs=0.02), (true, error, level)
+    assert balanced_level(height - 0.9, height < 0.0, voxel=1.0) == 0.0  # no inside point within half a voxel
+    assert balanced_level(height, np.ones(len(height), bool), voxel=1.0) == 0.0  # one side only
+
+
+def test_a_small_cavity_keeps_its_place_after_smoothing():
+    """A shell (a tumour core around a necrotic cavity 3.5 voxels in radius, 2 mm voxels): smoothing alone
+    closes the cavity by about half a millimetre (the boundary map on the exact cavity sphere: 0.49 mm
+    on average); moved to agree with the labels, it is within 0.15 voxel there, and within 0.1 voxel on
+    the outer sphere."""
+    spacing, centre = 2.0, np.array([0.37, -0.21, 0.55])
+    n = 12
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = -n * spacing
+    points = np.indices((2 * n + 1,) * 3).reshape(3, -1).T * spacing - n * spacing
+    radius = np.linalg.norm(points - centre, axis=-1).reshape((2 * n + 1,) * 3)
+    shell = (radius < 13.0) & (radius >= 7.0)
+    boundary = signed_distance(shell, np.full(3, spacing))
+    rng = np.random.default_rng(0)
+    directions = rng.normal(size=(500, 3))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    for r, tolerance in ((7.0, 0.15), (13.0, 0.1)):
+        on_sphere = centre + r * directions
+        ijk = (on_sphere - affine[:3, 3]) / spacing
+        values = map_coordinates(boundary, ijk.T, order=1)
+        assert np.abs(values).mean() < tolerance * spacing, (r, np.abs(values).mean())

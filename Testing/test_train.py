@@ -26,9 +26,8 @@ SPACING = 2.5
 
 @pytest.fixture(scope="module")
 def phantom_views(gpu):
-    phantom = Phantom()
-    low = np.asarray(phantom.brain_centre) - np.asarray(phantom.brain_half_extent) - 6.0
-    high = np.asarray(phantom.brain_centre) + np.asarray(phantom.brain_half_extent) + 6.0
+    phantom = Phantom(brain_tilt_degrees=(0.0, 0.0, 0.0))  # exact SDFs: the tilt (for label maps) not needed
+    low, high = phantom.bounds(6.0)
     sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in phantom.structure_names}
     prepared = analytic_prepared(sdfs, SPACING, low, high)
     views = render_reference_views(gpu, prepared, 8, 40, 40, held_out_every=4)

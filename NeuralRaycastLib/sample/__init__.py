@@ -18,7 +18,7 @@ import numpy as np
 
 CASES = ("icbm", "phantom", "fixture")
 #: Bump when a case's files change, so cached copies are written again.
-SAMPLE_VERSION = 2
+SAMPLE_VERSION = 3
 
 PHANTOM_DESCRIPTION = (
     "Analytic phantom: a rounded-box brain with ventricles and a spherical tumour (necrotic core, "

@@ -6,6 +6,10 @@ concentric with the tumour core, so the enhancing shell between them is exact to
 two capsules; they shape the image contrast but are not structures. Like BraTS data, the images are
 skull-stripped: everything outside the brain is 0.
 
+The brain is tilted a few degrees against the grid, as a head in a scanner is: a flat face parallel to
+the grid would lie at one fixed offset between voxel centres, so the label map would hold nothing about
+where within that voxel the face lies (every method that reads labels alone misses it by the same amount).
+
 All coordinates are RAS millimetres; the phantom can be sampled on a grid of any spacing.
 """
 
@@ -32,6 +36,15 @@ def rounded_box_sdf(points: np.ndarray, centre, half_extent, radius: float) -> n
     return outside + inside - radius
 
 
+def rotation_xyz(degrees) -> np.ndarray:
+    """Rotation by ``degrees`` about x, then y, then z (fixed axes): R = Rz · Ry · Rx."""
+    ax, ay, az = np.radians(np.asarray(degrees, dtype=np.float64))
+    rx = np.array([[1, 0, 0], [0, np.cos(ax), -np.sin(ax)], [0, np.sin(ax), np.cos(ax)]])
+    ry = np.array([[np.cos(ay), 0, np.sin(ay)], [0, 1, 0], [-np.sin(ay), 0, np.cos(ay)]])
+    rz = np.array([[np.cos(az), -np.sin(az), 0], [np.sin(az), np.cos(az), 0], [0, 0, 1]])
+    return rz @ ry @ rx
+
+
 def capsule_sdf(points: np.ndarray, a, b, radius: float) -> np.ndarray:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     pa, ba = points - a, b - a
@@ -46,6 +59,7 @@ class Phantom:
     brain_centre: tuple[float, float, float] = (0.0, -8.0, 6.0)
     brain_half_extent: tuple[float, float, float] = (66.0, 82.0, 58.0)
     brain_rounding: float = 38.0
+    brain_tilt_degrees: tuple[float, float, float] = (8.0, -6.0, 12.0)  # about R, A and S
     cortex_thickness: float = 3.0
     tumour_centre: tuple[float, float, float] = (30.0, 12.0, 16.0)
     core_radius: float = 13.0
@@ -57,8 +71,9 @@ class Phantom:
     def sdf(self, name: str, points: np.ndarray) -> np.ndarray:
         """Exact signed distance (mm, negative inside) of structure ``name`` at RAS ``points`` (..., 3)."""
         points = np.asarray(points, dtype=np.float64)
-        if name == "brain":
-            return rounded_box_sdf(points, self.brain_centre, self.brain_half_extent, self.brain_rounding)
+        if name == "brain":  # the box in its own axes (a rotation keeps distances exact)
+            local = (points - self.brain_centre) @ self.brain_axes() + self.brain_centre
+            return rounded_box_sdf(local, self.brain_centre, self.brain_half_extent, self.brain_rounding)
         core = sphere_sdf(points, self.tumour_centre, self.core_radius)
         if name == "tumor_core":
             return core
@@ -69,18 +84,28 @@ class Phantom:
         if name == "necrotic":
             return sphere_sdf(points, self.tumour_centre, self.necrotic_radius)
         if name == "ventricles":
-            c = np.asarray(self.brain_centre)
-            left = capsule_sdf(points, c + (-9, -20, 2), c + (-7, 22, 8), self.ventricle_radius)
-            right = capsule_sdf(points, c + (9, -20, 2), c + (7, 22, 8), self.ventricle_radius)
+            c, axes = np.asarray(self.brain_centre), self.brain_axes()  # they tilt with the brain
+            left = capsule_sdf(points, c + axes @ (-9, -20, 2), c + axes @ (-7, 22, 8), self.ventricle_radius)
+            right = capsule_sdf(points, c + axes @ (9, -20, 2), c + axes @ (7, 22, 8), self.ventricle_radius)
             return np.minimum(left, right)
         raise KeyError(f"the phantom has no structure '{name}'")
 
     structure_names = ("brain", "whole_tumor", "tumor_core", "enhancing_tumor")
 
+    def brain_axes(self) -> np.ndarray:
+        """The brain box's axes in RAS (columns)."""
+        return rotation_xyz(self.brain_tilt_degrees)
+
+    def bounds(self, margin: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """RAS corners (low, high) of a box that holds the brain, widened by ``margin`` mm."""
+        # The rounded box is its inner box grown by a ball of the rounding radius.
+        inner = np.asarray(self.brain_half_extent) - self.brain_rounding
+        half = np.abs(self.brain_axes()) @ inner + self.brain_rounding + margin
+        return np.asarray(self.brain_centre) - half, np.asarray(self.brain_centre) + half
+
     def grid(self, spacing: float) -> tuple[np.ndarray, tuple[int, int, int]]:
         """An axis-aligned RAS grid that holds the brain with a 6 mm margin: (affine, shape)."""
-        low = np.asarray(self.brain_centre) - np.asarray(self.brain_half_extent) - 6.0
-        high = np.asarray(self.brain_centre) + np.asarray(self.brain_half_extent) + 6.0
+        low, high = self.bounds(6.0)
         shape = tuple(int(np.ceil((h - lo) / spacing)) + 1 for lo, h in zip(low, high, strict=True))
         affine = np.diag([spacing, spacing, spacing, 1.0])
         affine[:3, 3] = low
