@@ -29,7 +29,7 @@ from .study import Study, StudyError
 log = logging.getLogger(__name__)
 
 #: Bump when anything below changes what is cached.
-PREPROCESS_VERSION = 5
+PREPROCESS_VERSION = 6
 #: Windowed-sinc smoothing of a mask's surface before distances are taken, with the iterations and pass
 #: band of Slicer's closed-surface default (smoothing factor 0.5: 20 iterations, pass band 10⁻²).
 SURFACE_SMOOTHING_ITERATIONS = 20
