@@ -111,9 +111,8 @@ def agree_with_labels(vertices: np.ndarray, faces: np.ndarray, points: np.ndarra
     """Vertices of a smoothed mesh, each closed piece moved along its normals to its ``balanced_level``
     among the labelled points nearest it (``inside``, with signed ``distances`` to the mesh).
 
-    A low-pass filter shrinks what is small against its pass band: a cavity a few voxels across closes by
-    half a voxel, a sphere 13 mm in radius by a tenth of a millimetre, which the labels the mesh came from
-    rule out."""
+    A low-pass filter shrinks what is small against its pass band (a cavity 3.5 voxels in radius closes by
+    about half a millimetre at 2 mm voxels), which the labels the mesh came from rule out."""
     pieces = csgraph.connected_components(_neighbour_average(len(vertices), faces), directed=False)[1]
     owner = pieces[cKDTree(vertices).query(points, workers=-1)[1]]
     normals = vertex_normals(vertices, faces)
