@@ -63,7 +63,10 @@ class RenderStyle:
     structures: dict[str, StructureStyle] = field(default_factory=dict)
     lighting: Lighting = field(default_factory=Lighting)
     epsilon_voxels: float = 0.5  # width of the smooth step, in voxels
-    step_voxels: float = 0.5  # sample spacing near surfaces, in voxels
+    # Sample spacing near surfaces, in voxels. Each segment's optical depth is exact (from the smooth step
+    # at its ends), so the step only sets where colour and normal are taken: on the sample case one voxel
+    # renders within about 60 dB of a four times finer march (docs/image-formation.md).
+    step_voxels: float = 1.0
     shadow_step_voxels: float = 1.0
 
     @classmethod
