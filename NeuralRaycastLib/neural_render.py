@@ -49,6 +49,9 @@ class TrainableScene(Protocol):
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
+#: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not shaded. On the
+#: sample case this leaves out about 40 % of the non-empty segments and at most 0.003 of a pixel's opacity.
+MIN_SEGMENT_WEIGHT = 1e-4
 
 
 @dataclass(frozen=True)
@@ -162,8 +165,10 @@ class DiffRenderer:
         occupancy: Occupancy,
         normal_step_mm: float,
         max_samples: int = 256,
+        min_weight: float = MIN_SEGMENT_WEIGHT,
     ) -> None:
         self.gpu, self.scene = gpu, scene
+        self.min_weight = min_weight  # 0: shade every non-empty segment (exact; for gradient checks)
         self.shading = {"look": look, "lighting": lighting, "settings": settings}
         self.look, self.settings = look, settings
         self.normal_step_mm = normal_step_mm
@@ -237,7 +242,8 @@ class DiffRenderer:
         self.scene.distances(spy.grid((n, self.max_samples)), batch.struct)
         clock.lap("distances")
         batch.list_counts.copy_from_numpy(np.zeros(2, np.int32))
-        self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings)
+        self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings,
+                                       self.min_weight)
         batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
         clock.lap("work lists")
         if batch.lists.shaded:

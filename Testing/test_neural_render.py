@@ -8,7 +8,7 @@ from conftest import analytic_prepared
 
 from NeuralRaycastLib.camera import Camera, orbit_cameras
 from NeuralRaycastLib.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.neural_render import DiffRenderer, Occupancy, WorkLists
+from NeuralRaycastLib.neural_render import MIN_SEGMENT_WEIGHT, DiffRenderer, Occupancy, WorkLists
 from NeuralRaycastLib.patches import PatchSampler, pack_cameras
 from NeuralRaycastLib.render import ReferenceRenderer, hybrid_shadows
 from NeuralRaycastLib.sample.phantom import sphere_sdf
@@ -47,7 +47,7 @@ class Spheres:
 
 
 def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES,
-                    style: RenderStyle = STYLE):
+                    style: RenderStyle = STYLE, min_weight: float = MIN_SEGMENT_WEIGHT):
     import slangpy as spy
 
     settings = {"epsilon": 1.0, "step": 0.5, "shadowStep": 1.0,
@@ -55,7 +55,7 @@ def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None,
     everywhere = Occupancy(np.ones((1, 1, 1), bool), BOX[0], 40.0)
     scene = Spheres(gpu, values)
     renderer = DiffRenderer(gpu, scene, style.shader_look(structures, ["t1"]), style.shader_lighting(), settings,
-                            occupancy or everywhere, normal_step_mm=0.25, max_samples=128)
+                            occupancy or everywhere, normal_step_mm=0.25, max_samples=128, min_weight=min_weight)
     return renderer, scene
 
 
@@ -65,13 +65,13 @@ def test_ray_integral_gradient_matches_finite_differences(gpu):
     weights = np.random.default_rng(0).normal(size=(camera.height * camera.width, 8))
 
     def loss(values: np.ndarray) -> float:
-        renderer, _scene = sphere_renderer(gpu, values)
+        renderer, _scene = sphere_renderer(gpu, values, min_weight=0.0)
         batch = renderer.camera_rays(camera)
         renderer.forward(batch)
         return float((weights * renderer.sums(batch)).sum())
 
     values = SPHERES.ravel().astype(np.float64)
-    renderer, scene = sphere_renderer(gpu, values)
+    renderer, scene = sphere_renderer(gpu, values, min_weight=0.0)
     batch = renderer.camera_rays(camera)
     renderer.forward(batch)
     renderer.backward(batch, weights)
@@ -87,34 +87,67 @@ def test_ray_integral_gradient_matches_finite_differences(gpu):
     np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=2e-2 * np.abs(numeric).max())
 
 
-def test_work_lists_hold_the_segments_compositing_reads(gpu):
-    """Normals, appearance and the backward pass run only on the work lists: they must hold every segment
-    compositing reads (not empty, transmittance not yet run out: here an opaque sphere ends most rays),
-    no empty segment, and exactly the samples at the ends of the listed segments."""
-    opaque = RenderStyle({"a": StructureStyle(0.99999), "b": StructureStyle(0.8)}, Lighting())
-    renderer, _scene = sphere_renderer(gpu, SPHERES, style=opaque)
-    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 24, 20)
-    batch = renderer.camera_rays(camera)
-    renderer.forward(batch)
-    n, m, k = renderer.ray_count, renderer.max_samples, 2
+def _segment_depths(renderer, batch) -> tuple[np.ndarray, np.ndarray]:
+    """Optical depth of every segment of the last forward (rays, max_samples - 1; 0 where not linked) and
+    each segment's slot."""
+    n, m, k = renderer.ray_count, renderer.max_samples, renderer.scene.structures
     counts = renderer.sample_counts(batch)
     samples = batch.samples.to_numpy().reshape(-1, m, 2)[:n]
     distance = batch.values.to_numpy().reshape(-1, m, 8 * k)[:n, :, :k].astype(np.float64)
     inside = 1.0 / (1.0 + np.exp(np.clip(distance / renderer.epsilon, -60, 60)))
     depth = (np.asarray(renderer.look["opticalDepth"][:k]) * np.abs(np.diff(inside, axis=1))).sum(axis=-1)
     linked = (samples[:, :-1, 1] != 0) & (np.arange(1, m)[None, :] < counts[:, None])
-    shaded = linked & (depth > 1e-6)
-    before = np.exp(-np.cumsum(np.where(shaded, depth, 0.0), axis=1) + np.where(shaded, depth, 0.0))
     slot = np.arange(n)[:, None] * m + np.arange(m - 1)[None, :]
-    composited = set(slot[shaded & (before > 1e-4)])
-    plausible = set(slot[shaded & (before > 0.4e-4)])
+    return np.where(linked, depth, 0.0), slot
 
-    listed = batch.shaded_slots.to_numpy()[: batch.lists.shaded]
-    touched = batch.touched_slots.to_numpy()[: batch.lists.touched]
-    assert len(set(listed)) == len(listed) and len(set(touched)) == len(touched)
-    assert composited <= set(listed) <= plausible
-    assert len(set(slot[shaded]) - set(listed)) > 100  # the opaque sphere cut many rays short
-    assert set(touched) == set(listed) | {s + 1 for s in listed}
+
+def test_work_lists_hold_the_segments_compositing_reads(gpu):
+    """Normals, appearance and the backward pass run only on the work lists: a segment is listed where it
+    is not empty and adds more than the renderer's minimum weight to its pixel (transmittance × opacity,
+    counting the listed segments before it) until the transmittance has run out (here an opaque sphere ends
+    most rays); the lists hold exactly the samples at the ends of the listed segments, and the marks
+    compositing reads are the listed segments."""
+    opaque = RenderStyle({"a": StructureStyle(0.99999), "b": StructureStyle(0.8)}, Lighting())
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 24, 20)
+    for min_weight in (0.0, 1e-3):
+        renderer, _scene = sphere_renderer(gpu, SPHERES, style=opaque, min_weight=min_weight)
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch)
+        depth, slot = _segment_depths(renderer, batch)
+        listed = batch.shaded_slots.to_numpy()[: batch.lists.shaded]
+        touched = batch.touched_slots.to_numpy()[: batch.lists.touched]
+        assert len(set(listed)) == len(listed) and len(set(touched)) == len(touched)
+        assert set(touched) == set(listed) | {s + 1 for s in listed}
+        marked = batch.samples.to_numpy().reshape(-1, 2)[: slot.max() + 1, 1] == 2.0
+        assert set(np.flatnonzero(marked)) == set(listed)
+
+        is_listed = np.isin(slot, listed)
+        before = np.exp(-(np.cumsum(np.where(is_listed, depth, 0.0), axis=1) - np.where(is_listed, depth, 0.0)))
+        weight = before * (1.0 - np.exp(-depth))
+        assert np.all(depth[is_listed] > 1e-6) and np.all(weight[is_listed] > min_weight * (1 - 1e-4))
+        alive = before > 1e-4 * (1 + 1e-4)
+        left_out = ~is_listed & alive & (depth > 1e-6)
+        assert np.all(weight[left_out] <= min_weight * (1 + 1e-4) + 1e-12)
+        if min_weight:  # faint segments were left out (behind the opaque sphere all are faint)
+            assert left_out.sum() > 0.1 * is_listed.sum()
+        else:  # the opaque sphere cut many rays short
+            assert (~is_listed & (depth > 1e-6) & ~alive).sum() > 100
+
+
+def test_faint_segments_left_out_change_no_8_bit_colour(gpu):
+    """With the default minimum weight, the segments left out change no pixel by as much as one step of
+    8-bit colour, and fewer segments are shaded."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    shaded, images = [], []
+    for min_weight in (0.0, MIN_SEGMENT_WEIGHT):
+        renderer, _scene = sphere_renderer(gpu, SPHERES, min_weight=min_weight)
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch)
+        shaded.append(batch.lists.shaded)
+        images.append(renderer.render(camera))
+    assert shaded[1] < 0.7 * shaded[0]
+    difference = np.abs(images[1].rgba - images[0].rgba)
+    assert 0 < difference.max() < 1 / 255
 
 
 def test_forward_pass_matches_the_reference_renderer(gpu):
