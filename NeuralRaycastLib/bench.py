@@ -10,7 +10,7 @@ import importlib.util
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -135,22 +135,58 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
         progress(f"sdf fit: {steps} steps, {elapsed:.1f} s, mean |s - B| {error:.3f} mm", min(elapsed / budget, 1))
         if error <= 0.5:
             break
-    rate = steps * fitter.batch / max(elapsed, 1e-9)
+    race_rate = steps * fitter.batch / max(elapsed, 1e-9)
+    race_levels = field.active_levels
     reached = error <= 0.5
+    # Throughput with every level active (the race above trains coarse levels first, which is cheaper).
+    fitter = SdfFitter(gpu, prepared, field, replace(fit_config, coarse_to_fine=0.0))
+    rate = fit_rate(fitter, 10 if quick else 40)
+    phase_rows = fit_phase_rows(fitter)
     comparison = []
     if field.cooperative:  # the same steps with the per-thread network, for the ratio
         comparison = [BenchRow("sdf_fit", "points/s with the per-thread network", per_thread_fit_rate(fitter), "1/s",
-                               "same batch and loss (what NEURALRAYCAST_COOPERATIVE=0 runs)")]
+                               "same batch and loss, every level active (what NEURALRAYCAST_COOPERATIVE=0 runs)")]
+    levels = len(layout.levels)
     return comparison + [
         BenchRow("sdf_fit", "field module load", load, "s", "first process on this machine compiles"),
         BenchRow("sdf_fit", "first step (compiles the fit kernels)", first, "s", "cached on disk after the first run"),
         BenchRow("sdf_fit", "points/s (forward + backward + Adam)", rate, "1/s",
-                 f"batch {batch}, Eikonal on every {fit_config.eikonal_every}th wave of 32 points; geometry network "
-                 + ("on tensor cores" if field.cooperative else "per thread")),
+                 f"batch {batch}, all {levels} levels active, Eikonal on every {fit_config.eikonal_every}th wave of "
+                 "32 points; geometry network " + ("on tensor cores" if field.cooperative else "per thread")),
         BenchRow("sdf_fit", "time to mean |s - B| <= 0.5 mm (5 mm band)" if reached
                  else f"mean |s - B| after {budget:.0f} s budget", elapsed if reached else error,
-                 "s" if reached else "mm", f"{steps} steps of {fitter.batch} points, warm kernels"),
-    ]
+                 "s" if reached else "mm", f"{steps} steps of {fitter.batch} points, warm kernels, coarse to fine "
+                 f"({race_levels} of {levels} levels active at the end; {race_rate:.3g} points/s)"),
+    ] + phase_rows
+
+
+def fit_phase_rows(fitter) -> list[BenchRow]:
+    """Where a fit step's time goes: its phases, and the fit kernel with the Eikonal term carried by every wave
+    and by none (what the term's four extra evaluations per point cost)."""
+    from .fit import SdfFitter
+
+    phases = fitter.profile_steps()
+    rows = [BenchRow("sdf_fit", "step phases", sum(phases.values()) * 1e3, "ms",
+                     "; ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in phases.items())
+                     + f" (means of 10 steps of {fitter.batch} points, waits after each phase)")]
+    kernel = "fit kernel (forward + backward)"
+    for label, every in (("every wave", 1), ("no wave", 1 << 30)):
+        variant = SdfFitter(fitter.gpu, fitter.prepared, fitter.field, replace(fitter.config, eikonal_every=every))
+        seconds = variant.profile_steps()[kernel]
+        rows.append(BenchRow("sdf_fit", f"fit kernel, Eikonal term on {label}", seconds * 1e3, "ms",
+                             f"{fitter.batch} points; {fitter.batch / seconds:.3g} points/s in the kernel"))
+    return rows
+
+
+def fit_rate(fitter, steps: int = 40) -> float:
+    """Points/s of ``steps`` fit steps (forward + backward + Adam), after one that may compile."""
+    fitter.step()
+    fitter.gpu.device.wait()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fitter.step()
+    fitter.gpu.device.wait()
+    return steps * fitter.batch / (time.perf_counter() - start)
 
 
 def per_thread_fit_rate(fitter, steps: int = 10) -> float:
@@ -158,13 +194,7 @@ def per_thread_fit_rate(fitter, steps: int = 10) -> float:
     field = fitter.field
     previous, field.cooperative = field.cooperative, False
     try:
-        fitter.step()  # compiles
-        fitter.gpu.device.wait()
-        start = time.perf_counter()
-        for _ in range(steps):
-            fitter.step()
-        fitter.gpu.device.wait()
-        return steps * fitter.batch / (time.perf_counter() - start)
+        return fit_rate(fitter, steps)
     finally:
         field.cooperative = previous
 

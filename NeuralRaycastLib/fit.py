@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
-from .gpu import GpuContext
+from .gpu import GpuContext, PassClock
 from .preprocess import PreparedStudy
 from .render import volume_stack
 
@@ -167,26 +167,43 @@ class SdfFitter:
             "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
         }
 
-    def step(self) -> None:
+    def step(self, timings: dict[str, float] | None = None) -> None:
+        """One fit step. ``timings``: add each phase's seconds there (waiting for the device after each)."""
         c, step = self.config, self.step_index
         self.field.active_levels = active_levels(step, c, len(self.field.layout.levels))
-        self.accumulate(step)
+        self.accumulate(step, timings=timings)
         if self._adam is None:
             self._adam = Adam(self.gpu, self.field, c)
+        clock = PassClock(self.gpu, timings)
         self._adam.step(learning_rate_factor(step, c))
+        clock.lap("Adam")
         self.step_index += 1
 
-    def accumulate(self, step: int, weight: float = 1.0) -> None:
+    def accumulate(self, step: int, weight: float = 1.0, timings: dict[str, float] | None = None) -> None:
         """Add ``weight`` × the gradient of one batch's SDF + Eikonal loss to the field's gradient buffer."""
         import slangpy as spy
 
+        clock = PassClock(self.gpu, timings)
         settings = self.settings(step)
         settings["dataScale"] *= weight
         settings["eikonalScale"] *= weight
         field = self.field
-        field.fit_module.fitStep(spy.grid((self.batch,)), self._field_struct(), self.boundary, self.band, settings)
+        struct = self._field_struct()
+        clock.lap("weights to tensor-core layout" if field.cooperative else "settings")
+        field.fit_module.fitStep(spy.grid((self.batch,)), struct, self.boundary, self.band, settings)
+        clock.lap("fit kernel (forward + backward)")
         if field.cooperative:
             field.add_tiled_gradients()
+            clock.lap("tensor-core gradients back")
+
+    def profile_steps(self, steps: int = 10) -> dict[str, float]:
+        """Mean seconds per phase of a fit step, waiting for the device after each phase (the field trains on)."""
+        timings: dict[str, float] = {}
+        self.step()  # compiles
+        self.gpu.device.wait()
+        for _ in range(steps):
+            self.step(timings)
+        return {name: seconds / steps for name, seconds in timings.items()}
 
     def _field_struct(self) -> dict:
         """The field for the fit kernels (with tensor cores, after copying the current weights to them)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -226,3 +227,19 @@ def open_device(choice: str | None = None) -> GpuContext:
         logger.level = level
     reasons = "; ".join(f"{name}: {why}" for name, why in tried.items())
     raise GpuUnavailableError(f"no GPU device works ({reasons}). {INSTALL_HINT}")
+
+
+class PassClock:
+    """Seconds per named pass of GPU work, waiting for the device at each lap; does nothing without a dict."""
+
+    def __init__(self, gpu: GpuContext, timings: dict[str, float] | None) -> None:
+        self.gpu, self.timings = gpu, timings
+        self.last = time.perf_counter() if timings is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.timings is None:
+            return
+        self.gpu.device.wait()
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self.last
+        self.last = now

@@ -18,7 +18,6 @@ device) and lets all samples of a batch run in parallel; the lists keep every th
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .camera import Camera
-from .gpu import GpuContext
+from .gpu import GpuContext, PassClock
 from .render import RenderedImage
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
@@ -337,22 +336,6 @@ class SegmentAlbedo:
     slots: np.ndarray  # (N,) slot (ray · max_samples + sample) where each segment starts
     albedo: np.ndarray  # (N, K, 3)
     weight: np.ndarray  # (N, K) optical depth of each structure over the segment
-
-
-class PassClock:
-    """Seconds per named pass of GPU work, waiting for the device at each lap; does nothing without a dict."""
-
-    def __init__(self, gpu: GpuContext, timings: dict[str, float] | None) -> None:
-        self.gpu, self.timings = gpu, timings
-        self.last = time.perf_counter() if timings is not None else 0.0
-
-    def lap(self, name: str) -> None:
-        if self.timings is None:
-            return
-        self.gpu.device.wait()
-        now = time.perf_counter()
-        self.timings[name] = self.timings.get(name, 0.0) + now - self.last
-        self.last = now
 
 
 def finish_pixels(sums: np.ndarray) -> RenderedImage:

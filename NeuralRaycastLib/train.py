@@ -37,10 +37,10 @@ import numpy as np
 from .field import NeuralField
 from .field_scene import FieldScene, boundary_occupancy, field_occupancy
 from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
-from .gpu import GpuContext
+from .gpu import GpuContext, PassClock
 from .image_loss import albedo_consistency_and_gradient, geometry_loss_and_gradient, patch_loss_and_gradient
 from .metrics import psnr, ssim
-from .neural_render import OUTPUTS, WAVE, DiffRenderer, PassClock
+from .neural_render import OUTPUTS, WAVE, DiffRenderer
 from .patches import PatchSampler, pack_cameras
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews
