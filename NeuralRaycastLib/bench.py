@@ -50,7 +50,10 @@ class BenchReport:
             "| suite | metric | value | unit | notes |",
             "|---|---|---:|---|---|",
         ]
-        lines += [f"| {r.suite} | {r.metric} | {r.value:.4g} | {r.unit} | {r.notes} |" for r in self.rows]
+        def cell(text: str) -> str:
+            return text.replace("|", "\\|")  # a metric such as "mean |s - B|" must not split the row
+
+        lines += [f"| {r.suite} | {cell(r.metric)} | {r.value:.4g} | {r.unit} | {cell(r.notes)} |" for r in self.rows]
         return "\n".join(lines) + "\n"
 
 
