@@ -60,3 +60,41 @@ def test_modules_with_slang_neural_load_where_parsed_modules_are_cached(gpu):
     assert cache == gpu_module.module_cache_path(gpu.backend)
     assert gpu.load_module("cooperative_mlp") is not None
     assert any(path.is_file() for path in cache.rglob("*"))
+
+
+FAKE_TORCH = "FAKE = True\n\nclass Tensor:\n    pass\n"
+PROBE = """
+import json, sys
+{imports}
+result = {{"torch_loaded_with_slangpy": "torch" in sys.modules}}
+import torch
+result["torch_importable_after"] = getattr(torch, "FAKE", False)
+print(json.dumps(result))
+"""
+
+
+def run_with_installed_torch(tmp_path: Path, imports: str) -> dict:
+    """Run ``imports`` in a fresh process where a stand-in ``torch`` package is installed; what was loaded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "torch").mkdir(exist_ok=True)
+    (tmp_path / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", PROBE.format(imports=imports)], capture_output=True, text=True,
+                          env=env, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_slangpy_is_loaded_without_torch_where_torch_is_installed(tmp_path):
+    """slangpy alone imports an installed torch (seconds); opening the device through NeuralRaycast does not,
+    and the device works and torch stays importable."""
+    plain = run_with_installed_torch(tmp_path, "import slangpy")
+    assert plain["torch_loaded_with_slangpy"]  # the cost being avoided (a newer slangpy may drop it)
+    ours = run_with_installed_torch(tmp_path, "from NeuralRaycastLib.gpu import open_device\n"
+                                              "open_device().load_module('device_check')")
+    assert not ours["torch_loaded_with_slangpy"]
+    assert ours["torch_importable_after"]
