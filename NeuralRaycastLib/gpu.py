@@ -227,10 +227,13 @@ def import_slangpy():
     sys.meta_path.insert(0, refuse)
     try:
         import slangpy
-        from slangpy.torchintegration import detection
     finally:
         sys.meta_path.remove(refuse)
-    if getattr(detection, "_torch_module", False) is None:  # not looked for yet: its first call would import torch
+    try:  # slangpy 0.43's first call imports torch unless told it was looked for
+        from slangpy.torchintegration import detection
+    except ImportError:  # another slangpy: nothing to tell it
+        return slangpy
+    if getattr(detection, "_torch_module", False) is None:
         detection._torch_module = False
     return slangpy
 
