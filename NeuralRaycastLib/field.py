@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -369,19 +367,11 @@ class NeuralField:
     def zero_gradients(self) -> None:
         self.grads.copy_from_numpy(np.zeros(self.layout.count, np.float32))
 
-    @contextmanager
-    def gradients_kept(self, group: str) -> Iterator[None]:
-        """Within this block, what is added to one parameter group's gradients (GROUP_NAMES) is dropped."""
-        start, stop = self.layout.segments()[group]
-        kept = self.gradients()[start:stop].copy()
-        yield
-        grads = self.gradients().copy()
-        grads[start:stop] = kept
-        self.grads.copy_from_numpy(grads)
-
-    def shader_struct(self, cooperative: bool = False) -> dict[str, Any]:
+    def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
-        kernels of ``fit_module`` where the geometry network runs on tensor cores."""
+        kernels of ``fit_module`` where the geometry network runs on tensor cores. Without
+        ``geometry_network_gradients`` the per-thread geometry network's backward pass returns input gradients
+        only (its weights are left out; the tensor-core one writes them to its tiled copy regardless)."""
         import slangpy as spy
 
         levels = [
@@ -405,6 +395,7 @@ class NeuralField:
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
             "geometryOffset": self.layout.geometry_offset,
             "tiledGeometry": tiled,
+            "geometryNetworkGradients": int(geometry_network_gradients),
             "appearanceOffset": self.layout.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,
         }

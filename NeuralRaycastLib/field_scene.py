@@ -46,8 +46,8 @@ class FieldScene:
     def cooperative(self) -> bool:
         return self.field.cooperative
 
-    def struct(self, cooperative: bool = False) -> dict[str, Any]:
-        return {"field": self.field.shader_struct(cooperative), "inputs": self.inputs}
+    def struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
+        return {"field": self.field.shader_struct(cooperative, geometry_network_gradients), "inputs": self.inputs}
 
     def distances(self, grid: Any, buffers: dict) -> None:
         if self.cooperative:
@@ -67,8 +67,7 @@ class FieldScene:
             self.field.upload_tiled_geometry()  # the tiled weight gradients it computes are not copied back
             self._backward(self.field.fit_module, self.struct(True), lists, buffers, step_mm)
         else:
-            with self.field.gradients_kept("geometry"):
-                self._backward(self.field.module, self.struct(), lists, buffers, step_mm)
+            self._backward(self.field.module, self.struct(geometry_network_gradients=False), lists, buffers, step_mm)
 
     @staticmethod
     def _backward(module: Any, struct: dict, lists: WorkLists, buffers: dict, step_mm: float) -> None:
