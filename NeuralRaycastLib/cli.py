@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "it trains) (default: reference)")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (for slow devices)")
+    p.add_argument("--quick", action="store_true",
+                   help="for slow devices: fewer repetitions, smaller batches and frames (no 1024² frames)")
     p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
     p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
