@@ -13,7 +13,9 @@ tensor-core backward's gradient for the geometry network had a cosine of 0.25–
 per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
 the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
 every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
-scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target)."""
+scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). The per-thread backward
+does not compute that group's gradients at all (shaders/mlp.slang, a null gradient buffer); the tensor-core
+one writes them into its tiled copy, which is not read."""
 
 from __future__ import annotations
 
