@@ -4,8 +4,8 @@ Order of preference: CUDA where it works, else Vulkan (on a machine without a GP
 lavapipe, a CPU implementation). slangpy's own CPU device is not used: it cannot dispatch in 0.43.x.
 The choice can be forced with ``--device`` on the command line or ``NEURALRAYCAST_DEVICE``
 (``auto``, ``cuda``, ``vulkan``). Every device gets a persistent shader cache in the user cache
-directory, so kernels compile once per machine rather than once per process; on Vulkan also a cache of
-Slang's parsed modules (MODULE_CACHE_BACKENDS), so a new process does not parse them again.
+directory, so kernels compile once per machine rather than once per process, and a cache of Slang's
+parsed modules (module_cache_path), so a new process does not parse them again.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class DeviceReport:
     shader_cache: str
     shader_dir: str
     tried: dict[str, str] = field(default_factory=dict)
-    module_cache: str = ""  # Slang's parsed modules on disk ("" where not kept: MODULE_CACHE_BACKENDS)
+    module_cache: str = ""  # Slang's parsed modules on disk ("" where slangpy ships no standard modules)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,14 +101,11 @@ def shader_cache_path(backend: str) -> Path:
     return cache_dir() / "shaders" / backend
 
 
-# Backends whose devices also keep Slang's parsed modules on disk (module_cache_path): a new process then
-# loads them in a fraction of a second instead of parsing slangpy's and our modules again (about 3 s of a
-# start on a 2-core CPU; on an H100 machine opening the device went from 2.7 to 0.7 s). Slang checks each
-# cached module against its sources and imports. It needs the folder of Slang's standard modules among the
-# include paths, or `import slang.neural` fails to resolve.
-MODULE_CACHE_BACKENDS = ("vulkan", "cuda")
-
-
+# Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a
+# second instead of parsing slangpy's and our modules again (about 3 s of a start on a 2-core CPU; on an H100
+# machine opening the device went from 2.7 to 0.7 s). Slang checks each cached module against its sources and
+# imports. It needs the folder of Slang's standard modules among the include paths, or `import slang.neural`
+# fails to resolve; a slangpy without that folder gets no module cache.
 def module_cache_path(backend: str) -> Path:
     return cache_dir() / "modules" / backend
 
@@ -154,7 +151,7 @@ def _open(backend: str):
     cache.mkdir(parents=True, exist_ok=True)
     include_paths = [spy.SHADER_PATH, str(shader_dir())]
     modules: dict[str, str] = {}
-    if backend in MODULE_CACHE_BACKENDS and (standard := _standard_module_dirs()):
+    if standard := _standard_module_dirs():
         include_paths += standard
         module_cache_path(backend).mkdir(parents=True, exist_ok=True)
         modules["module_cache_path"] = str(module_cache_path(backend))
