@@ -190,13 +190,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     """Compile the kernels the demo and 'fit' use on this machine, so later runs start at once."""
-    from .pipeline import RunSettings, warm_up
+    from .pipeline import RunSettings
     from .sample import cached_sample
+    from .warmup import default_jobs, warm_up
 
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset)
     study = args.study or cached_sample("icbm", progress=ConsoleProgress("sample icbm"))
-    seconds = warm_up(gpu, study, settings, ConsoleProgress(f"warm-up ({settings.preset})"))
+    jobs = args.jobs or default_jobs(gpu)
+    seconds = warm_up(gpu, study, settings, ConsoleProgress(f"warm-up ({settings.preset}, {jobs} at once)"),
+                      jobs=jobs, device=args.device)
     for phase, value in seconds.items():
         print(f"{phase:45s} {value:7.1f} s")
     print(f"shader cache: {gpu.report.shader_cache}")
@@ -325,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("study", nargs="?", default=None, help="study to warm up for (default: the icbm sample)")
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="preset to warm up for (default: quick on a software device, else standard)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="compile the kernels in this many processes at once (default: one per part of a run "
+                        "on a GPU machine with the cores for it, one on a software device)")
     p.set_defaults(run=cmd_warmup)
 
     p = sub.add_parser("demo", help="the main job on the built-in sample case: train, render, mesh, report.html")

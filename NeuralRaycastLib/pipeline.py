@@ -250,32 +250,6 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     return metrics
 
 
-def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings,
-            progress: Progress | None = None) -> dict[str, float]:
-    """Compile every kernel a run of ``settings`` on this study uses (reference renderer, SDF fit, both
-    backward passes of the renderer, Adam) by running one step of each stage on tiny views; the kernels
-    stay in the persistent shader cache. Kernels are specialised by the number of structures and
-    channels, so a study with other counts compiles its own. Returns seconds per phase."""
-    report = progress or (lambda message, fraction: None)
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-    prepared = prepare_for_run(study_path, settings)
-    seconds["prepare the study"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    report("reference renderer", 0.1)
-    views = render_reference_views(gpu, prepared, 2, 16, 16, held_out_every=2)
-    seconds["reference renderer"] = time.perf_counter() - clock
-    clock = time.perf_counter()
-    report("field kernels: fit, render forward and backward, Adam", 0.3)
-    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
-    field = NeuralField(gpu, layout, seed=settings.seed)
-    config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1)
-    Trainer(gpu, prepared, field, views, config).run()
-    seconds["field kernels (one step of each stage)"] = time.perf_counter() - clock
-    report("done", 1.0)
-    return seconds
-
-
 def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> TrainedRun:
     """A run folder's field on its study, prepared again from the study file recorded in ``run.json``."""
     folder = Path(folder)

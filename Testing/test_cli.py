@@ -113,11 +113,21 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     assert main(["mesh", str(run), "--out", str(tmp_path / "m"), "--formats", "stl"]) == 0
     assert (tmp_path / "m" / "brain.stl").stat().st_size > 1000
     capsys.readouterr()
-    assert main(["warmup", manifest, "--preset", "quick"]) == 0  # the same kernels: all from the cache now
-    assert "field kernels (one step of each stage)" in capsys.readouterr().out
+    # The same kernels, all from the cache now; in worker processes, one per part of a run.
+    assert main(["warmup", manifest, "--preset", "quick", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "SDF fit (stage 1)" in out and "joint backward" in out and "all parts (2 processes)" in out
     geometry = StudyGeometry.from_prepared(prepare(load_study(manifest)))
     model = load_model(run / "model.safetensors", geometry)
     assert model.parameters.size == model.layout.count
     other = prepare(load_study(write_sample(tmp_path / "other", "fixture")))  # another grid and channels
     with pytest.raises(ModelFileError):
         load_model(run / "model.safetensors", StudyGeometry.from_prepared(other))
+
+
+def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
+    from NeuralRaycastLib.pipeline import RunSettings
+    from NeuralRaycastLib.warmup import _parts_in_processes
+
+    with pytest.raises(RuntimeError, match="warm-up failed in fit: .*missing"):
+        _parts_in_processes(tmp_path / "missing.nii.gz", RunSettings("quick"), None, 3, lambda *_: None)

@@ -1,0 +1,164 @@
+"""Compile ahead: every kernel a run uses, into the persistent shader cache, so later runs start at once.
+
+A run's kernels fall into parts that need nothing of each other: the SDF fit (stage 1), the rendering
+stages' forward passes with the appearance backward (stage 2) and evaluation renders, and the joint
+backward (stage 3). Slang and the GPU compiler work on one kernel at a time in a process, so on a machine
+with cores to spare the parts compile in parallel processes (``jobs``); the shader cache is a database
+that several processes may fill at once. One step of each part is run on tiny views with a fresh field:
+what is compiled is exactly what training calls.
+
+``python -m NeuralRaycastLib.warmup STUDY PART [--preset P] [--device D]`` is the worker a parallel
+warm-up starts for each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import IO
+
+from .field import FieldLayout, NeuralField
+from .fit import SdfFitter
+from .gpu import GpuContext, open_device
+from .pipeline import RunSettings, prepare_for_run
+from .preprocess import PreparedStudy
+from .reference_views import ReferenceViews, render_reference_views
+from .train import Trainer, preset
+
+Progress = Callable[[str, float], None]
+PARTS = {
+    "fit": "SDF fit (stage 1)",
+    "appearance": "render forward, appearance backward (stage 2), evaluation renders",
+    "joint": "joint backward: distances, normals, appearance (stage 3)",
+}
+
+
+def tiny_views(gpu: GpuContext, prepared: PreparedStudy) -> ReferenceViews:
+    """Two 16² reference views (one held out): enough to run every training kernel once."""
+    return render_reference_views(gpu, prepared, 2, 16, 16, held_out_every=2)
+
+
+def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews, settings: RunSettings,
+                 part: str) -> None:
+    """Run one step of ``part`` (a key of :data:`PARTS`) as training would, on a fresh field."""
+    if part not in PARTS:
+        raise ValueError(f"unknown warm-up part '{part}' ({', '.join(PARTS)})")
+    field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
+    config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1,
+                     shadows=settings.shadows)
+    if part == "fit":
+        SdfFitter(gpu, prepared, field, config.geometry).run()
+        trainer = Trainer(gpu, prepared, field, views, config)
+        trainer.refresh_occupancy()  # the learned distances on the occupancy grid
+        gpu.device.wait()
+        return
+    trainer = Trainer(gpu, prepared, field, views, config)
+    adam, sdf = trainer.render_optimisers(2)
+    if part == "appearance":
+        if settings.shadows:
+            trainer.refresh_meshes()
+        trainer.render_step(0, False, adam, sdf)
+        trainer.evaluate_views()
+    else:
+        trainer.render_step(1, True, adam, sdf)
+    gpu.device.wait()
+
+
+def default_jobs(gpu: GpuContext) -> int:
+    """Parallel processes for a warm-up: one per part on a GPU machine with the cores for it; one on a
+    software device (its compiler already uses every core, and each process would hold its own device)."""
+    if gpu.report.software:
+        return 1
+    return max(1, min(len(PARTS), (os.cpu_count() or 1) // 2))
+
+
+def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
+            jobs: int = 1, device: str | None = None) -> dict[str, float]:
+    """Compile every kernel a run of ``settings`` on this study uses (reference renderer, SDF fit, both
+    backward passes of the renderer, Adam); ``jobs`` > 1 compiles the parts in that many processes at
+    once (``device``: the backend they open, as ``gpu`` was opened). Kernels are specialised by the number
+    of structures and channels, so a study with other counts compiles its own. Returns seconds per phase
+    (the parts' own seconds, and with ``jobs`` > 1 the wall time they took together)."""
+    report = progress or (lambda message, fraction: None)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+    prepared = prepare_for_run(study_path, settings)  # also fills the study cache the workers read
+    seconds["prepare the study"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    report("reference renderer", 0.1)
+    views = tiny_views(gpu, prepared)
+    seconds["reference renderer"] = time.perf_counter() - clock
+    if jobs <= 1:
+        for index, (part, title) in enumerate(PARTS.items()):
+            report(title, 0.2 + 0.8 * index / len(PARTS))
+            clock = time.perf_counter()
+            warm_up_part(gpu, prepared, views, settings, part)
+            seconds[title] = time.perf_counter() - clock
+    else:
+        seconds.update(_parts_in_processes(study_path, settings, device, jobs, report))
+    report("done", 1.0)
+    return seconds
+
+
+def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: str | None, jobs: int,
+                        report: Progress) -> dict[str, float]:
+    """Each part in its own worker process, at most ``jobs`` at once; seconds of each and of them all."""
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    waiting = list(PARTS)
+    running: dict[str, tuple[subprocess.Popen, float, IO[str]]] = {}
+    failures: list[str] = []
+    with ExitStack() as files:
+        files.callback(lambda: [process.kill() for process, _, _ in running.values()])  # cancelled: stop them
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                part = waiting.pop(0)
+                command = [sys.executable, "-m", __name__, str(study_path), part, "--preset", settings.preset]
+                command += ["--device", device] if device else []
+                command += ["--shadows"] if settings.shadows else []
+                errors = files.enter_context(tempfile.TemporaryFile("w+"))  # a file: a chatty worker never blocks
+                running[part] = (subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors),
+                                 time.perf_counter(), errors)
+            time.sleep(0.05)
+            for part, (process, began, errors) in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[part]
+                seconds[PARTS[part]] = time.perf_counter() - began
+                if process.returncode != 0:
+                    errors.seek(0)
+                    lines = errors.read().strip().splitlines() or [f"exit status {process.returncode}"]
+                    failures.append(f"{part}: {lines[-1]}")  # the worker's exception
+                report(f"{PARTS[part]}: compiled", 0.2 + 0.8 * len(seconds) / len(PARTS))
+    if failures:
+        raise RuntimeError("warm-up failed in " + "; ".join(sorted(failures, key=lambda f: list(PARTS).index(
+            f.split(":")[0]))))
+    seconds[f"all parts ({jobs} processes)"] = time.perf_counter() - start
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one part of a parallel warm-up (see the module docstring)")
+    parser.add_argument("study")
+    parser.add_argument("part", choices=list(PARTS))
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--shadows", action="store_true")
+    args = parser.parse_args(argv)
+    gpu = open_device(args.device)
+    settings = RunSettings.for_device(gpu, args.preset, shadows=args.shadows or None)
+    prepared = prepare_for_run(args.study, settings)
+    warm_up_part(gpu, prepared, tiny_views(gpu, prepared), settings, args.part)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
