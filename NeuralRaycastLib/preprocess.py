@@ -204,19 +204,20 @@ def _cache_key(study: Study, structures: list[Structure]) -> str:
     return digest.hexdigest()[:32]
 
 
-CACHED_ARRAYS = ("boundary", "mask", "probability", "occupancy", "bounds")  # the last two: from later versions
+CACHED_ARRAYS = ("boundary", "mask", "probability")
+CACHED_IF_PRESENT = ("occupancy", "bounds")  # not in cache files written by earlier versions: derived then
 
 
 def _load_cached(path: Path, shape: tuple[int, ...], count: int) -> dict[str, np.ndarray] | None:
     try:
         with np.load(path, allow_pickle=False) as data:
-            cached = {key: data[key] for key in data.files if key in CACHED_ARRAYS}
+            cached = {key: data[key] for key in data.files if key in CACHED_ARRAYS + CACHED_IF_PRESENT}
     except FileNotFoundError:
         return None
     except Exception as error:  # a damaged cache file is recomputed, never trusted
         log.warning("ignoring unreadable cache file %s (%s)", path, error)
         return None
-    if any(key not in cached for key in CACHED_ARRAYS[:3]):
+    if any(key not in cached for key in CACHED_ARRAYS):
         return None
     if cached["boundary"].shape != (count, *shape) or cached["mask"].shape != shape:
         return None

@@ -54,21 +54,19 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
     config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1,
                      shadows=settings.shadows)
+    trainer = Trainer(gpu, prepared, field, views, config)
     if part == "fit":
         SdfFitter(gpu, prepared, field, config.geometry).run()
-        trainer = Trainer(gpu, prepared, field, views, config)
         trainer.refresh_occupancy()  # the learned distances on the occupancy grid
-        gpu.device.wait()
-        return
-    trainer = Trainer(gpu, prepared, field, views, config)
-    adam, sdf = trainer.render_optimisers(2)
-    if part == "appearance":
-        if settings.shadows:
-            trainer.refresh_meshes()
-        trainer.render_step(0, False, adam, sdf)
-        trainer.evaluate_views()
     else:
-        trainer.render_step(1, True, adam, sdf)
+        adam, sdf = trainer.render_optimisers(2)
+        if part == "appearance":
+            if settings.shadows:
+                trainer.refresh_meshes()
+            trainer.render_step(0, False, adam, sdf)
+            trainer.evaluate_views()
+        else:
+            trainer.render_step(1, True, adam, sdf)
     gpu.device.wait()
 
 
@@ -115,7 +113,7 @@ def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: s
     start = time.perf_counter()
     waiting = list(PARTS)
     running: dict[str, tuple[subprocess.Popen, float, IO[str]]] = {}
-    failures: list[str] = []
+    failures: dict[str, str] = {}  # part: the last line its worker wrote (its exception)
     with ExitStack() as files:
         files.callback(lambda: [process.kill() for process, _, _ in running.values()])  # cancelled: stop them
         while waiting or running:
@@ -136,11 +134,11 @@ def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: s
                 if process.returncode != 0:
                     errors.seek(0)
                     lines = errors.read().strip().splitlines() or [f"exit status {process.returncode}"]
-                    failures.append(f"{part}: {lines[-1]}")  # the worker's exception
+                    failures[part] = lines[-1]
                 report(f"{PARTS[part]}: compiled", 0.2 + 0.8 * len(seconds) / len(PARTS))
     if failures:
-        raise RuntimeError("warm-up failed in " + "; ".join(sorted(failures, key=lambda f: list(PARTS).index(
-            f.split(":")[0]))))
+        raise RuntimeError("warm-up failed in " + "; ".join(f"{part}: {failures[part]}" for part in PARTS
+                                                            if part in failures))
     seconds[f"all parts ({jobs} processes)"] = time.perf_counter() - start
     return seconds
 
