@@ -146,12 +146,15 @@ class SdfFitter:
         self.batch = -(-config.batch // WAVE) * WAVE
         field.zero_gradients()
 
+    @property
+    def eikonal_points(self) -> int:
+        """Points of a step that carry the Eikonal term (those of every ``eikonal_every``-th wave)."""
+        return WAVE * math.ceil(self.batch // WAVE / self.config.eikonal_every)
+
     def settings(self, step: int) -> dict:
         import slangpy as spy
 
         c, layout = self.config, self.field.layout
-        waves = self.batch // WAVE
-        eikonal_points = WAVE * math.ceil(waves / c.eikonal_every)
         finest = layout.levels[self.field.active_levels - 1].cell_mm
         low, high = self.prepared.bounds
         return {
@@ -163,7 +166,7 @@ class SdfFitter:
             "eikonalStep": c.eikonal_step_cells * finest,
             "eikonalEvery": c.eikonal_every,
             "dataScale": 1.0 / (self.batch * layout.structures),
-            "eikonalScale": c.eikonal_weight / (eikonal_points * layout.structures),
+            "eikonalScale": c.eikonal_weight / (self.eikonal_points * layout.structures),
             "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
         }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import phantom_prepared
 from field_reference import (
     appearance,
     central_difference,
@@ -20,6 +21,7 @@ from field_reference import (
 )
 
 from NeuralRaycastLib.field import FieldLayout, NeuralField
+from NeuralRaycastLib.fit import FitConfig, SdfFitter
 
 pytestmark = pytest.mark.gpu
 
@@ -257,3 +259,28 @@ def test_normals_point_along_the_distance_gradient(field, layout, params, points
     normals = field.normals(points, h)
     np.testing.assert_allclose(np.linalg.norm(normals, axis=-1), 1.0, atol=1e-5)
     np.testing.assert_allclose(normals, numeric / np.linalg.norm(numeric, axis=-1, keepdims=True), atol=1e-3)
+
+
+def test_the_fit_steps_backward_by_hand_equals_the_checked_point_loss_gradients(gpu, field):
+    """A training step schedules its backward pass by hand (distances first, then each evaluation's network
+    and hash table backward again, one at a time); its gradients must be those of the point loss checked
+    above (bwd_diff through the whole of it), summed over the step's points, Eikonal waves and others."""
+    import slangpy as spy
+
+    prepared = phantom_prepared(4.0)[1]  # four structures and one channel, as the field's layout
+    fitter = SdfFitter(gpu, prepared, field, FitConfig(batch=96, eikonal_every=2, seed=7))
+    assert fitter.eikonal_points == 64  # waves 0 and 2 of 3
+    fitter.accumulate(0)
+    split = field.gradients().astype(np.float64)
+    field.zero_gradients()
+    field.module.fitStepByAutodiff(spy.grid((fitter.batch,)), field.shader_struct(), fitter.boundary, fitter.band,
+                                    fitter.settings(0))
+    whole = field.gradients().astype(np.float64)
+    field.zero_gradients()
+    for name, (start, stop) in field.layout.segments().items():
+        if name == "appearance":
+            assert not split[start:stop].any() and not whole[start:stop].any()
+            continue
+        assert np.abs(whole[start:stop]).max() > 0, name
+        np.testing.assert_allclose(split[start:stop], whole[start:stop], rtol=1e-4,
+                                   atol=1e-5 * np.abs(whole[start:stop]).max(), err_msg=name)
