@@ -131,3 +131,37 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
 
     with pytest.raises(RuntimeError, match="warm-up failed in fit: .*missing"):
         _parts_in_processes(tmp_path / "missing.nii.gz", RunSettings("quick"), None, 3, lambda *_: None)
+
+
+def test_the_joint_warm_up_part_waits_for_the_forward_part_and_the_fit_runs_beside_them(monkeypatch):
+    """The joint backward's process starts only once the forward part's has ended (it then finds the forward
+    kernels cached); the SDF fit compiles beside the render parts. Workers are stand-ins here: the order is
+    what is checked, with even three processes allowed."""
+    from NeuralRaycastLib import warmup
+    from NeuralRaycastLib.pipeline import RunSettings
+
+    events: list[tuple[str, str]] = []
+    polls_to_finish = {"fit": 8, "appearance": 2, "joint": 2}
+
+    class Worker:
+        def __init__(self, command, **_):
+            self.part, self.polls, self.returncode = command[4], 0, 0
+            events.append(("start", self.part))
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < polls_to_finish[self.part]:
+                return None
+            if ("end", self.part) not in events:
+                events.append(("end", self.part))
+            return 0
+
+        def kill(self):
+            pass
+
+    monkeypatch.setattr(warmup.subprocess, "Popen", Worker)
+    monkeypatch.setattr(warmup.time, "sleep", lambda seconds: None)
+    seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 3, lambda *_: None)
+    assert events.index(("start", "joint")) > events.index(("end", "appearance"))
+    assert events.index(("start", "appearance")) < events.index(("end", "fit"))
+    assert set(warmup.PARTS.values()) <= set(seconds)
