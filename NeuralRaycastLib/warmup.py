@@ -90,8 +90,10 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     """Compile every kernel a run of ``settings`` on this study uses (reference renderer, SDF fit, both
     backward passes of the renderer, Adam); ``jobs`` > 1 compiles the parts in that many processes at
     once (``device``: the backend they open, as ``gpu`` was opened). Kernels are specialised by the number
-    of structures and channels, so a study with other counts compiles its own. Returns seconds per phase
-    (the parts' own seconds, and with ``jobs`` > 1 the wall time they took together)."""
+    of structures and channels, so a study with other counts compiles its own. On a GPU every part runs in a
+    worker process of its own, even one at a time (a part compiled after the others in the same process was
+    much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Returns
+    seconds per phase (the parts' own seconds, and with worker processes the wall time they took together)."""
     report = progress or (lambda message, fraction: None)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -101,7 +103,7 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     report("reference renderer", 0.1)
     views = tiny_views(gpu, prepared)
     seconds["reference renderer"] = time.perf_counter() - clock
-    if jobs <= 1:
+    if jobs <= 1 and gpu.report.software:
         for index, (part, title) in enumerate(PARTS.items()):
             report(title, 0.2 + 0.8 * index / len(PARTS))
             clock = time.perf_counter()

@@ -165,3 +165,21 @@ def test_the_joint_warm_up_part_waits_for_the_forward_part_and_the_fit_runs_besi
     assert events.index(("start", "joint")) > events.index(("end", "appearance"))
     assert events.index(("start", "appearance")) < events.index(("end", "fit"))
     assert set(warmup.PARTS.values()) <= set(seconds)
+
+
+def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_at_a_time(monkeypatch):
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib import warmup
+    from NeuralRaycastLib.pipeline import RunSettings
+
+    calls = []
+    monkeypatch.setattr(warmup, "prepare_for_run", lambda study, settings: "prepared")
+    monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: "views")
+    monkeypatch.setattr(warmup, "warm_up_part", lambda *args: calls.append(("here", args[-1])))
+    monkeypatch.setattr(warmup, "_parts_in_processes",
+                        lambda study, settings, device, jobs, report: calls.append(("processes", jobs)) or {})
+    for software in (False, True):
+        gpu = SimpleNamespace(report=SimpleNamespace(software=software))
+        warmup.warm_up(gpu, "study", RunSettings("standard"), jobs=1)
+    assert calls == [("processes", 1), *[("here", part) for part in warmup.PARTS]]
