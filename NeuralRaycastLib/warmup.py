@@ -1,14 +1,14 @@
 """Compile ahead: every kernel a run uses, into the persistent shader cache, so later runs start at once.
 
-A run's kernels fall into parts that need nothing of each other: the SDF fit (stage 1), the rendering
-stages' forward passes with the appearance backward (stage 2) and evaluation renders, and the joint
-backward (stage 3). Slang and the GPU compiler work on one kernel at a time in a process, so on a machine
-with cores to spare the parts compile in parallel processes (``jobs``); the shader cache is a database
-that several processes may fill at once. The joint backward also runs the forward kernels, so its process
-starts once the forward part's has ended (:data:`AFTER`) and finds them cached. On an H100 machine the joint
-backward took 205 s in a process of its own, and had not finished after 352 s in the process that had just
-compiled the other parts. One step of each part is run on tiny views with a fresh field:
-what is compiled is exactly what training calls.
+A run's kernels fall into three parts: the SDF fit (stage 1), the rendering stages' forward passes with the
+appearance backward (stage 2) and evaluation renders, and the joint backward (stage 3). One step of each part
+is run on tiny views with a fresh field: what is compiled is exactly what training calls. Slang and the GPU
+compiler work on one kernel at a time in a process, so on a machine with cores to spare the parts compile in
+parallel processes (``jobs``); the shader cache is a database that several processes may fill at once. The
+joint backward also runs the forward kernels, so its process starts once the forward part's has ended
+(:data:`AFTER`) and finds them cached. On a GPU each part gets a process of its own even one at a time: on an
+H100 machine the joint backward took 205 s in a process of its own, and had not finished after 352 s in the
+process that had just compiled the other parts.
 
 ``python -m NeuralRaycastLib.warmup STUDY PART [--preset P] [--device D]`` is the worker a parallel
 warm-up starts for each part.
