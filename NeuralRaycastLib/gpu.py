@@ -127,25 +127,49 @@ def _quiet_slangpy_logs():
     return logger, previous
 
 
-def _cuda_driver_missing() -> str | None:
-    """Why CUDA cannot work here, checked without asking slangpy (which prints to the console)."""
+def _cuda_driver():
+    """The CUDA driver library, or None: checked without asking slangpy (which prints to the console)."""
     import ctypes
 
     names = {"Windows": ["nvcuda.dll"], "Darwin": []}.get(platform.system(), ["libcuda.so.1", "libcuda.so"])
     for name in names:
         try:
-            ctypes.CDLL(name)
-            return None
+            return ctypes.CDLL(name)
         except OSError:
             continue
-    return "no NVIDIA driver (CUDA driver library not found)"
+    return None
+
+
+def _cuda_compute_capability(driver) -> int | None:
+    """The first GPU's compute capability as 10 * major + minor (90 on an H100), or None.
+
+    The shaders use it to pick instructions that only newer GPUs have (see ``addGradientPair``).
+    """
+    import ctypes
+
+    major, minor, handle = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    try:
+        if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(handle), 0) != 0:
+            return None
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+        if driver.cuDeviceGetAttribute(ctypes.byref(major), 75, handle) != 0:
+            return None
+        if driver.cuDeviceGetAttribute(ctypes.byref(minor), 76, handle) != 0:
+            return None
+    except AttributeError:
+        return None
+    return 10 * major.value + minor.value
 
 
 def _open(backend: str):
     import slangpy as spy
 
-    if backend == "cuda" and (missing := _cuda_driver_missing()):
-        raise RuntimeError(missing)
+    defines: dict[str, str] = {}
+    if backend == "cuda":
+        if (driver := _cuda_driver()) is None:
+            raise RuntimeError("no NVIDIA driver (CUDA driver library not found)")
+        if capability := _cuda_compute_capability(driver):
+            defines["NEURALRAYCAST_CUDA_SM"] = str(capability)
 
     cache = shader_cache_path(backend)
     cache.mkdir(parents=True, exist_ok=True)
@@ -160,6 +184,7 @@ def _open(backend: str):
         compiler_options={
             "include_paths": include_paths,
             "enable_experimental_features": True,  # `import slang.neural;`
+            "defines": defines,
         },
         shader_cache_path=str(cache),
         **modules,
