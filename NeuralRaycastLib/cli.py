@@ -83,7 +83,9 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
     from .pipeline import CancelOnInterrupt, RunSettings, train_run
+    from .study import load_study
 
+    study = load_study(args.study)  # a bad study fails at once, before the device opens
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                       views=args.views, size=args.size, shadows=args.shadows or None)
@@ -91,7 +93,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
               file=sys.stderr)
     with CancelOnInterrupt() as cancel:
-        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel)
+        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel, study)
     log = run.log
     state = "cancelled; the state so far is saved" if log.cancelled else "done"
     psnr = log.last("heldout_psnr")

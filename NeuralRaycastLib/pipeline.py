@@ -130,9 +130,12 @@ def train_run(
     settings: RunSettings,
     progress: Progress | None = None,
     should_stop: Callable[[], bool] | None = None,
+    study: Study | None = None,
 ) -> TrainedRun:
-    """Prepare the study file, render its reference views, train a field through all stages, save the run."""
-    prepared = prepare_for_run(study_path, settings, progress)
+    """Prepare the study file, render its reference views, train a field through all stages, save the run.
+
+    ``study`` is the file's content where the caller has read it already."""
+    prepared = prepare_study_for_run(study or load_study(study_path), settings, progress)
     return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
 
 

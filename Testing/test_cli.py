@@ -20,10 +20,13 @@ def test_every_command_has_help(command, capsys):
     assert "usage: neuralraycast " + command in capsys.readouterr().out
 
 
-def test_missing_study_is_one_line_and_status_2(capsys):
-    assert main(["prepare", "/no/such/study"]) == 2
+@pytest.mark.parametrize("command", ["prepare", "fit"])
+def test_missing_study_is_one_line_and_status_2(command, tmp_path, capsys):
+    extra = ["--out", str(tmp_path / "run")] if command == "fit" else []
+    assert main([command, "/no/such/study", *extra]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "neuralraycast prepare: error: /no/such/study: no such file or folder"
+    assert err == f"neuralraycast {command}: error: /no/such/study: no such file or folder"
+    assert not (tmp_path / "run").exists()
 
 
 def test_sample_then_prepare_as_json_with_preview(tmp_path, capsys):
