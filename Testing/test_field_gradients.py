@@ -47,7 +47,9 @@ def params(layout) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def field(gpu, layout, params) -> NeuralField:
-    return NeuralField(gpu, layout, params, parts=("sdf_fit", "field_checks"))
+    """The per-thread fp32 network on every backend: these checks are exact to float rounding. The tensor-core
+    path (half precision, CUDA) is compared with this one in test_cooperative_geometry."""
+    return NeuralField(gpu, layout, params, parts=("sdf_fit", "field_checks"), cooperative=False)
 
 
 @pytest.fixture(scope="module")
