@@ -102,8 +102,8 @@ def preset(name: str, seed: int = 0) -> TrainConfig:
         return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=60, joint_steps=60,
                            patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, seed=seed)
     if name == "standard":  # sized to train the full-resolution sample in under a minute on one GPU
-        return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=300, joint_steps=150,
-                           patches=8, eval_every=100, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
+        return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=600, joint_steps=300,
+                           patches=16, eval_every=100, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
                            seed=seed)
     if name == "high":
         return TrainConfig(FitConfig(steps=4000, batch=1 << 18, seed=seed), appearance_steps=600,
