@@ -193,7 +193,10 @@ class SdfFitter:
         field = self.field
         struct = self._field_struct()
         clock.lap("weights to tensor-core layout" if field.cooperative else "settings")
-        field.fit_module.fitStep(spy.grid((self.batch,)), struct, self.boundary, self.band, settings)
+        # The waves with the Eikonal term, then the others (shaders/sdf_fit.slang's pointIndex says why apart).
+        for eikonal, points in ((True, self.eikonal_points), (False, self.batch - self.eikonal_points)):
+            if points:
+                field.fit_module.fitStep(spy.grid((points,)), struct, self.boundary, self.band, settings, eikonal)
         clock.lap("fit kernel (forward + backward)")
         if field.cooperative:
             field.add_tiled_gradients()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import phantom_prepared
 from field_reference import (
+    TETRAHEDRON,
     appearance,
     central_difference,
     distance_gradients,
@@ -141,6 +142,26 @@ def test_hash_encoding_gradients_of_consecutive_points_in_the_same_cells(field, 
 
     _, gradient = device_backward(field, field.module.encodingBackward, f32(samples), list(w))
     assert_parameter_gradient(lambda p: (encode(layout, p, samples) @ w).sum(), params, gradient)
+
+
+@pytest.mark.parametrize("h", [0.4, 3.0], ids=["stencil-inside-cells", "stencil-across-cells"])
+def test_stencil_encoding_equals_the_encoding_of_each_point(field, layout, params, points, h):
+    """The Eikonal term's and the normals' tetrahedra are encoded together, reading a shared cell's entries once
+    (most coarse levels when h is small, few when it spans cells): the same features as each point alone, and
+    the same table gradient as five separate backward passes."""
+    encoded = layout.config.encoding.levels * layout.config.encoding.features
+    w = np.random.default_rng(11).normal(size=encoded)
+    stencil = [points] + [points + (h / np.sqrt(3.0)) * corner for corner in TETRAHEDRON]
+    for index, where in enumerate(stencil):
+        values = np.asarray(field.module.stencilEncodingValue(field.shader_struct(), f32(points), h, index, list(w),
+                                                              _result="numpy"))
+        reference = encode(layout, params, where) @ w
+        np.testing.assert_allclose(values, reference, rtol=1e-4, atol=1e-5 * np.abs(reference).max())
+
+    _, gradient = device_backward(field, field.module.stencilEncodingBackward, f32(points), h, list(w))
+    assert_parameter_gradient(
+        lambda p: sum((index + 1) * (encode(layout, p, where) @ w).sum() for index, where in enumerate(stencil)),
+        params, gradient)
 
 
 def test_hash_encoding_active_levels(field, layout, params, points):
