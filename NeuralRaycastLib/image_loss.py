@@ -5,18 +5,28 @@ random batch of rays. The gradient with respect to the rendered pixels is writte
 local means, variances and covariance are Gaussian filters, whose adjoint is the same filter), so it
 costs a few filters per step and is checked against finite differences in the tests. The SSIM
 definition is metrics.ssim's: an 11×11 Gaussian window (σ = 1.5) and borders excluded.
+
+Training computes the same loss and gradient on the device (:class:`DeviceImageLoss`,
+shaders/image_loss.slang), beside the rendered sums; the numpy functions here define it (in float64) and
+are what the device is tested against.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import ndimage
 
 from .metrics import SSIM_K1, SSIM_K2, SSIM_SIGMA, SSIM_TRUNCATE
 
+if TYPE_CHECKING:
+    from .gpu import GpuContext
+    from .neural_render import RayBatch
+
 DSSIM_WEIGHT = 0.2
+SSIM_PAD = int(SSIM_TRUNCATE * SSIM_SIGMA + 0.5)  # the window's radius; SSIM's mean leaves out this border
 
 
 @functools.lru_cache(maxsize=16)
@@ -40,7 +50,7 @@ def _blur(x: np.ndarray, mode: str = "reflect") -> np.ndarray:
 def ssim_and_gradient(x: np.ndarray, y: np.ndarray, data_range: float = 1.0) -> tuple[float, np.ndarray]:
     """Mean SSIM of patches x against y, (P, H, W, C), and its gradient with respect to x."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    pad = int(SSIM_TRUNCATE * SSIM_SIGMA + 0.5)
+    pad = SSIM_PAD
     if min(x.shape[1:3]) <= 2 * pad:
         raise ValueError(f"patches must be larger than {2 * pad + 1} pixels for SSIM")
     c1, c2 = (SSIM_K1 * data_range) ** 2, (SSIM_K2 * data_range) ** 2
@@ -140,3 +150,98 @@ def albedo_consistency_and_gradient(albedo: np.ndarray, weight: np.ndarray) -> t
     loss = float((weight[..., None] * deviation**2).sum() / total)
     # ∂ā/∂a contributes nothing: Σ_i w_ik (a_ik − ā_k) = 0
     return loss, 2.0 * weight[..., None] * deviation / total
+
+
+#: What shaders/image_loss.slang sums per batch (its TERM_* order): Σ|x − y| over RGBA, Σ SSIM away from the
+#: edges, the pixels opaque in both pictures, and the normal and depth terms' sums over those pixels.
+DEVICE_TERMS = ("l1", "ssim", "mask", "normal", "depth")
+_ADJOINTS = 12  # floats per pixel between the shader's passes
+_GBUFFER = 8  # floats per pixel of sums and references, as neural_render.OUTPUTS
+
+
+class DeviceImageLoss:
+    """The image loss of a batch of (P, size, size) patches (:func:`patch_loss_and_gradient` with
+    :func:`geometry_loss_and_gradient`) computed on the device, where the rendered sums are: ∂loss/∂sums
+    goes straight into the batch's ``d_sums`` for the composite backward, the reference patches go up and
+    only the loss terms come back (in float32 throughout; the numpy functions are the reference)."""
+
+    def __init__(self, gpu: GpuContext, patch_size: int, dssim_weight: float = DSSIM_WEIGHT,
+                 min_alpha: float = 0.5) -> None:
+        import slangpy as spy
+
+        if patch_size <= 2 * SSIM_PAD + 1:
+            raise ValueError(f"patches must be larger than {2 * SSIM_PAD + 1} pixels for SSIM")
+        self.gpu, self.size = gpu, patch_size
+        self.dssim_weight, self.min_alpha = dssim_weight, min_alpha
+        self.module = gpu.load_module("image_loss")
+        # the Gaussian's weights exactly as scipy's filter uses them: the filtered unit impulse at the centre
+        window = _blur_matrix(2 * SSIM_PAD + 1, "constant")[:, SSIM_PAD]
+        self._window = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(window, np.float32))
+        self._totals = spy.Tensor.zeros(gpu.device, shape=(len(DEVICE_TERMS),), dtype="float")
+        self._patches = 0
+
+    def _allocate(self, patches: int) -> None:
+        """Buffers for ``patches`` patches (kept while the batch keeps its size, as in training)."""
+        import slangpy as spy
+
+        device, pixels = self.gpu.device, patches * self.size**2
+        self._reference = spy.Tensor.zeros(device, shape=(pixels * _GBUFFER,), dtype="float")
+        self._adjoints = spy.Tensor.zeros(device, shape=(pixels * _ADJOINTS,), dtype="float")
+        self._shares = spy.Tensor.zeros(device, shape=(pixels * len(DEVICE_TERMS),), dtype="float")
+        self._patch_sums = spy.Tensor.zeros(device, shape=(patches * len(DEVICE_TERMS),), dtype="float")
+        self._patches = patches
+
+    def __call__(self, batch: RayBatch, reference: np.ndarray, image_weight: float = 1.0,
+                 normal_weight: float = 0.0, depth_weight: float = 0.0,
+                 depth_scale_mm: float = 1.0) -> dict[str, float]:
+        """The loss of the batch's first P·size² rays (patch after patch, rows of ``size``) against
+        ``reference`` (P, size, size, 8: RGBA, unit normal, depth in mm), ∂loss/∂sums written to
+        ``batch.d_sums``. Returns ``loss``, ``l1``, ``dssim`` and, where a geometry weight is not zero,
+        ``normal`` and ``depth``, as the numpy functions do."""
+        import slangpy as spy
+
+        reference = np.ascontiguousarray(reference, np.float32)
+        patches, size = len(reference), self.size
+        if reference.shape != (patches, size, size, _GBUFFER):
+            raise ValueError(f"reference patches of shape {reference.shape}, expected (P, {size}, {size}, 8)")
+        pixels = patches * size * size
+        if batch.sums.shape[0] < pixels * _GBUFFER:
+            raise ValueError(f"the batch holds fewer than the {pixels} rays of {patches} patches")
+        if patches != self._patches:
+            self._allocate(patches)
+        self._reference.copy_from_numpy(reference.reshape(-1))
+        buffers = {
+            "sums": batch.sums.storage.device_address,
+            "reference": self._reference.storage.device_address,
+            "window": self._window.storage.device_address,
+            "adjoints": self._adjoints.storage.device_address,
+            "shares": self._shares.storage.device_address,
+            "patchSums": self._patch_sums.storage.device_address,
+            "totals": self._totals.storage.device_address,
+            "gradient": batch.d_sums.storage.device_address,
+            "size": size,
+            "radius": SSIM_PAD,
+            "patches": patches,
+        }
+        inner = size - 2 * SSIM_PAD
+        c1, c2 = SSIM_K1**2, SSIM_K2**2  # data range 1
+        settings = {
+            "imageWeight": image_weight, "dssimWeight": self.dssim_weight, "normalWeight": normal_weight,
+            "depthWeight": depth_weight, "depthScale": depth_scale_mm, "minAlpha": self.min_alpha,
+            "c1": c1, "c2": c2, "l1Mean": 1.0 / (pixels * 4), "ssimMean": 1.0 / (patches * inner * inner * 4),
+        }
+        self.module.imageLossPixel(spy.grid((pixels,)), buffers, settings)
+        self.module.imageLossPatchSums(spy.grid((patches * len(DEVICE_TERMS),)), buffers)
+        self.module.imageLossGradient(spy.grid((pixels,)), buffers, settings)
+        totals = dict(zip(DEVICE_TERMS, np.asarray(self._totals.to_numpy(), np.float64), strict=True))
+
+        l1 = float(totals["l1"] / (pixels * 4))
+        dssim = float((1.0 - totals["ssim"] * settings["ssimMean"]) / 2.0)
+        terms = {"l1": l1, "dssim": dssim}
+        loss = image_weight * ((1.0 - self.dssim_weight) * l1 + self.dssim_weight * dssim)
+        if normal_weight or depth_weight:
+            count = max(float(totals["mask"]), 1.0)
+            terms["normal"] = float(totals["normal"] / (3 * count)) if normal_weight else 0.0
+            terms["depth"] = float(totals["depth"] / (count * depth_scale_mm)) if depth_weight else 0.0
+            loss += normal_weight * terms["normal"] + depth_weight * terms["depth"]
+        return {"loss": float(loss), **terms}

@@ -269,12 +269,18 @@ class DiffRenderer:
 
     def composite_backward(self, batch: RayBatch, d_sums: np.ndarray) -> None:
         """First half of :meth:`backward`: ∂L/∂(every stored sample value), in ``batch.grads``."""
-        import slangpy as spy
-
         n = self.ray_count
         padded = np.zeros((batch.capacity, OUTPUTS), np.float32)
         padded[:n] = np.asarray(d_sums, np.float32).reshape(n, OUTPUTS)
         batch.d_sums.copy_from_numpy(padded.reshape(-1))
+        self.composite_backward_on_device(batch)
+
+    def composite_backward_on_device(self, batch: RayBatch) -> None:
+        """:meth:`composite_backward` with ∂L/∂sums already in ``batch.d_sums`` (written there by a loss
+        kernel: nothing goes through the host)."""
+        import slangpy as spy
+
+        n = self.ray_count
         self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
                                                 batch.sums.storage.device_address,
                                                 batch.d_sums.storage.device_address)

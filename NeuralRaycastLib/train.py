@@ -38,9 +38,9 @@ from .field import NeuralField
 from .field_scene import FieldScene, boundary_occupancy, field_occupancy
 from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from .gpu import GpuContext, PassClock
-from .image_loss import albedo_consistency_and_gradient, geometry_loss_and_gradient, patch_loss_and_gradient
+from .image_loss import DeviceImageLoss, albedo_consistency_and_gradient
 from .metrics import psnr, ssim
-from .neural_render import OUTPUTS, WAVE, DiffRenderer
+from .neural_render import WAVE, DiffRenderer
 from .patches import PatchSampler, pack_cameras
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews
@@ -213,6 +213,7 @@ class Trainer:
         targets = np.stack([np.concatenate([image.rgba, image.normal, image.depth[..., None]], axis=-1)
                             for image in views.images])  # the G-buffer, channel for channel as OUTPUTS
         self.sampler = PatchSampler(targets, views.training, config.patch_size, seed=config.seed)
+        self.image_loss = DeviceImageLoss(gpu, config.patch_size)
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
         self.log = TrainLog()
 
@@ -229,21 +230,14 @@ class Trainer:
         clock.lap("rays")
         self.renderer.forward(batch, timings)
         clock.lap("forward")
-        sums = self.renderer.sums(batch).reshape(len(rows), c.patch_size, c.patch_size, OUTPUTS)
-        targets = self.sampler.reference_patches(rows)
-        loss, terms, d_rgba = patch_loss_and_gradient(sums[..., :4], targets[..., :4])
-        if not np.isfinite(loss):
+        terms = self.image_loss(batch, self.sampler.reference_patches(rows), c.image_weight,
+                                c.normal_weight if geometry else 0.0, c.depth_weight if geometry else 0.0,
+                                c.depth_scale_mm)
+        clock.lap("image loss")
+        if not np.isfinite(terms["loss"]):
             return {"loss": float("nan")}
-        gradient = np.zeros_like(sums, dtype=np.float64)
-        gradient[..., :4] = c.image_weight * d_rgba
-        loss *= c.image_weight
-        if geometry and (c.normal_weight or c.depth_weight):
-            extra, extra_terms, d_sums = geometry_loss_and_gradient(sums, targets, c.normal_weight, c.depth_weight,
-                                                                    c.depth_scale_mm)
-            loss, gradient = loss + extra, gradient + d_sums
-            terms.update(extra_terms)
-        clock.lap("image loss (host)")
-        self.renderer.composite_backward(batch, gradient.reshape(-1, OUTPUTS))
+        loss = terms.pop("loss")
+        self.renderer.composite_backward_on_device(batch)
         clock.lap("composite backward")
         if c.albedo_consistency_weight:
             segments = self.renderer.segment_albedo(batch)

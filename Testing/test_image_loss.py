@@ -109,3 +109,120 @@ def test_albedo_consistency_gradient_and_zero_when_uniform():
         assert gradient[index] == pytest.approx(numeric, rel=1e-5, abs=1e-10)
     uniform = np.broadcast_to(rng.random((1, 3, 3)), albedo.shape)
     assert albedo_consistency_and_gradient(uniform, weight)[0] == pytest.approx(0.0, abs=1e-15)
+
+
+# The same loss on the device (shaders/image_loss.slang), in float32 -----------------------------------------
+
+def _rendered_batch(seed: int, patches: int, size: int):
+    """Rendered sums and reference G-buffers, (P, size, size, 8), with pixels on either side of the alpha
+    threshold in both pictures and a block of zero-length normals."""
+    rng = np.random.default_rng(seed)
+    shape = (patches, size, size)
+    normals = rng.normal(size=(*shape, 3))
+    normals /= np.linalg.norm(normals, axis=-1, keepdims=True)
+    targets = np.concatenate([rng.random((*shape, 3)), rng.uniform(0.2, 1.0, (*shape, 1)), normals,
+                              rng.uniform(20, 30, (*shape, 1))], axis=-1)
+    alpha = rng.uniform(0.2, 1.0, shape)
+    vectors = alpha[..., None] * rng.normal(size=(*shape, 3))
+    vectors[0, 3:7, 4:9] = 0.0
+    colours = np.clip(targets[..., :3] + rng.normal(0, 0.2, (*shape, 3)), 0.02, 0.98)
+    depths = alpha * (targets[..., 7] + rng.normal(0, 3, shape))
+    sums = np.concatenate([colours, alpha[..., None], vectors, depths[..., None]], axis=-1)
+    return sums.astype(np.float32), targets
+
+
+def _device_evaluator(gpu, patches: int, size: int, **weights):
+    """The device loss of sums (P, size, size, 8) against fixed targets: sums -> (terms, ∂loss/∂sums)."""
+    from NeuralRaycastLib.image_loss import DeviceImageLoss
+    from NeuralRaycastLib.neural_render import OUTPUTS, RayBatch
+
+    rays = patches * size * size
+    batch = RayBatch(gpu, rays + 40, max_samples=2, structures=1)  # more room than rays, as in training
+    loss = DeviceImageLoss(gpu, size)
+
+    def evaluate(sums: np.ndarray, targets: np.ndarray):
+        padded = np.zeros((batch.capacity, OUTPUTS), np.float32)
+        padded[:rays] = sums.reshape(rays, OUTPUTS)
+        batch.sums.copy_from_numpy(padded.reshape(-1))
+        terms = loss(batch, targets, **weights)
+        return terms, np.asarray(batch.d_sums.to_numpy(), np.float64)[: rays * OUTPUTS].reshape(sums.shape)
+
+    return evaluate
+
+
+GEOMETRY = {"image_weight": 0.9, "normal_weight": 0.7, "depth_weight": 0.3, "depth_scale_mm": 2.0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", [{}, GEOMETRY], ids=["image", "image+geometry"])
+def test_device_loss_and_gradient_are_the_numpy_ones(gpu, weights):
+    from NeuralRaycastLib.image_loss import geometry_loss_and_gradient
+
+    sums, targets = _rendered_batch(8, patches=3, size=13)
+    alpha = sums[..., 3]
+    both = (alpha > 0.5) & (targets[..., 3] > 0.5)
+    assert both.any() and not both.all() and (alpha > 0.5).any() and (targets[..., 3] > 0.5).any()
+
+    terms, gradient = _device_evaluator(gpu, 3, 13, **weights)(sums, targets)
+    image_weight = weights.get("image_weight", 1.0)
+    loss, expected, d_rgba = patch_loss_and_gradient(sums[..., :4], targets[..., :4])
+    loss *= image_weight
+    reference = np.zeros(sums.shape)
+    reference[..., :4] = image_weight * d_rgba
+    if weights:
+        extra, extra_terms, d_sums = geometry_loss_and_gradient(sums, targets, weights["normal_weight"],
+                                                                weights["depth_weight"], weights["depth_scale_mm"])
+        loss, reference = loss + extra, reference + d_sums
+        expected.update(extra_terms)
+        assert extra_terms["normal"] > 0 and extra_terms["depth"] > 0
+    assert terms == pytest.approx({"loss": loss, **expected}, rel=1e-5, abs=1e-7)
+    assert list(terms) == ["loss", *expected]
+    for channel in range(sums.shape[-1]):  # each its own scale
+        scale = np.abs(reference[..., channel]).max()
+        np.testing.assert_allclose(gradient[..., channel], reference[..., channel], rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=f"channel {channel}")
+    if not weights:
+        assert np.all(gradient[..., 4:] == 0)
+    else:
+        assert np.all(gradient[..., 4:][~both] == 0) and np.abs(gradient[..., 4:]).min(axis=(0, 1, 2)).max() == 0
+
+
+@pytest.mark.gpu
+def test_device_gradient_matches_finite_differences_of_the_device_loss(gpu):
+    """Central differences of the float32 loss on pixels where every term has a gradient, at steps where
+    the float64 reference is smooth (no kink of |·| or of the alpha threshold within the step: its own
+    central difference agrees with its gradient) and for derivatives the float32 loss resolves over the
+    step (its rounding moves it by about 1e-7)."""
+    from NeuralRaycastLib.image_loss import geometry_loss_and_gradient
+
+    sums, targets = _rendered_batch(9, patches=2, size=12)
+    evaluate = _device_evaluator(gpu, 2, 12, **GEOMETRY)
+    _terms, gradient = evaluate(sums, targets)
+
+    def reference(x: np.ndarray) -> tuple[float, np.ndarray]:
+        loss, _terms, d_rgba = patch_loss_and_gradient(x[..., :4], targets[..., :4])
+        extra, _terms, d_sums = geometry_loss_and_gradient(x, targets, 0.7, 0.3, 2.0)
+        d_sums[..., :4] += 0.9 * d_rgba
+        return 0.9 * loss + extra, d_sums
+
+    expected = reference(sums)[1]
+    every_term = (sums[..., 3] > 0.5) & (targets[..., 3] > 0.5) & (np.abs(sums[..., 4:7]).max(axis=-1) > 0)
+    pixels = np.argwhere(every_term)
+    rng = np.random.default_rng(10)
+    steps = np.array([1e-2] * 7 + [5e-2], np.float32)  # depth sums are tens of mm
+    checked = []
+    for pick in range(400):
+        channel = pick % sums.shape[-1]
+        index = (*pixels[rng.integers(len(pixels))], channel)
+        if abs(expected[index]) < 1e-4 or sum(i[-1] == channel for i in checked) >= 3:
+            continue
+        plus, minus = sums.copy(), sums.copy()
+        plus[index] += steps[channel]
+        minus[index] -= steps[channel]
+        h = float(plus[index]) - float(minus[index])
+        if abs((reference(plus)[0] - reference(minus)[0]) / h - expected[index]) > 1e-3 * abs(expected[index]):
+            continue
+        numeric = (evaluate(plus, targets)[0]["loss"] - evaluate(minus, targets)[0]["loss"]) / h
+        assert numeric == pytest.approx(gradient[index], rel=5e-3, abs=2e-6), index
+        checked.append(index)
+    assert len(checked) == 3 * sums.shape[-1], checked

@@ -13,7 +13,11 @@ from field_reference import tiny_config
 from NeuralRaycastLib.evaluate import geometry_metrics
 from NeuralRaycastLib.field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, FieldLayout, NeuralField
 from NeuralRaycastLib.fit import Adam, FitConfig, SdfFitter, learning_rate_factor
-from NeuralRaycastLib.image_loss import albedo_consistency_and_gradient
+from NeuralRaycastLib.image_loss import (
+    albedo_consistency_and_gradient,
+    geometry_loss_and_gradient,
+    patch_loss_and_gradient,
+)
 from NeuralRaycastLib.neural_render import OUTPUTS
 from NeuralRaycastLib.reference_views import render_reference_views
 from NeuralRaycastLib.sample.phantom import Phantom
@@ -203,7 +207,8 @@ def test_albedo_consistency_makes_each_structure_uniform(gpu, phantom_views):
 
 
 def test_normal_and_depth_terms_descend(gpu, phantom_views):
-    """L_norm and L_depth reach the geometry: a small step against their gradient lowers them."""
+    """L_norm and L_depth reach the geometry: a small step against their gradient lowers them. The step's
+    loss, computed on the device, is the numpy definition's on the rendered patches and their references."""
     trainer = fitted_trainer(gpu, phantom_views, image_weight=0.0, normal_weight=1.0, depth_weight=1.0,
                              depth_scale_mm=SPACING)
     rows = trainer.sampler.sample(4)
@@ -212,6 +217,16 @@ def test_normal_and_depth_terms_descend(gpu, phantom_views):
     field.zero_gradients()
     terms = trainer.image_step(geometry=True, rows=rows)
     assert terms["normal"] > 0 and terms["depth"] > 0
+
+    size = trainer.config.patch_size
+    batch = trainer.renderer.batch(len(rows) * size**2)
+    sums = trainer.renderer.sums(batch).reshape(len(rows), size, size, OUTPUTS)
+    targets = trainer.sampler.reference_patches(rows)
+    loss, expected, gradient = geometry_loss_and_gradient(sums, targets, 1.0, 1.0, SPACING)
+    expected.update(patch_loss_and_gradient(sums[..., :4], targets[..., :4])[1])
+    assert terms == pytest.approx({"loss": loss, **expected}, rel=1e-4, abs=1e-7)
+    d_sums = np.asarray(batch.d_sums.to_numpy())[: sums.size].reshape(sums.shape)
+    np.testing.assert_allclose(d_sums, gradient, rtol=1e-4, atol=1e-5 * np.abs(gradient).max())
     gradient = field.gradients()
     assert np.abs(gradient[field.layout.groups() != GROUP_APPEARANCE]).max() > 0
     field.set_parameters(start - 1e-3 * gradient / np.abs(gradient).max())
@@ -247,7 +262,7 @@ def test_step_profile_names_every_phase_and_leaves_the_field_as_it_was(gpu, phan
     trainer = fitted_trainer(gpu, phantom_views)
     before = trainer.field.parameters()
     phases = trainer.profile_steps(joint=True, steps=2)
-    for name in ("rays", "distances", "work lists", "normals and appearance", "composite", "image loss (host)",
+    for name in ("rays", "distances", "work lists", "normals and appearance", "composite", "image loss",
                  "composite backward", "scene backward", "SDF and Eikonal terms", "Adam"):
         assert phases[name] > 0, name
     np.testing.assert_array_equal(trainer.field.parameters(), before)
