@@ -164,6 +164,24 @@ def test_stencil_encoding_equals_the_encoding_of_each_point(field, layout, param
         params, gradient)
 
 
+@pytest.mark.parametrize("h", [0.4, 3.0], ids=["stencil-inside-cells", "stencil-across-cells"])
+def test_shading_geometry_equals_the_normals_and_geometry_apart(field, layout, params, points, h):
+    """A shaded point's normals, distances and features come from one stencil encoding: the same values and
+    table gradients as distanceGradients and geometry (checked above) evaluated apart."""
+    w = list(np.random.default_rng(12).normal(size=STRUCTURES + layout.config.network.geometry_features
+                                              + 3 * STRUCTURES))
+    values, gradients = {}, {}
+    for together in (True, False):
+        values[together] = np.asarray(field.module.shadingValue(field.shader_struct(), f32(points), h, w, together,
+                                                                _result="numpy"))
+        _, gradients[together] = device_backward(field, field.module.shadingBackward, f32(points), h, w, together)
+    np.testing.assert_allclose(values[True], values[False], rtol=1e-5, atol=1e-6 * np.abs(values[False]).max())
+    table = slice(0, layout.geometry_offset)
+    assert np.abs(gradients[True][table]).max() > 0
+    np.testing.assert_allclose(gradients[True], gradients[False], rtol=1e-4,
+                               atol=1e-5 * np.abs(gradients[False]).max())
+
+
 def test_hash_encoding_active_levels(field, layout, params, points):
     """Coarse-to-fine: levels from activeLevels on contribute nothing."""
     encoded = layout.config.encoding.levels * layout.config.encoding.features
