@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import __version__
@@ -23,6 +26,34 @@ USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundErr
 
 def _print_json(data) -> None:
     print(json.dumps(data, indent=2))
+
+
+def _writes_to_descriptor_1(stream) -> bool:
+    try:
+        return stream.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured, embedded)
+        return False
+
+
+@contextlib.contextmanager
+def _native_output_to_stderr() -> Iterator[None]:
+    """While a ``--json`` command runs, file descriptor 1 points at standard error, so what native libraries
+    print there (the shader compiler's warnings) cannot break the JSON a script reads; Python's
+    ``sys.stdout``, which prints the JSON, keeps writing to the real standard output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    original = sys.stdout
+    if _writes_to_descriptor_1(original):
+        sys.stdout = os.fdopen(os.dup(saved), "w")
+    try:
+        yield
+    finally:
+        if sys.stdout is not original:
+            sys.stdout.close()
+            sys.stdout = original
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -351,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        return args.run(args)
+        if not getattr(args, "json", False):
+            return args.run(args)
+        with _native_output_to_stderr():
+            return args.run(args)
     except USER_ERRORS as error:
         if args.verbose:
             logging.exception("failed")

@@ -186,3 +186,24 @@ def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_
         gpu = SimpleNamespace(report=SimpleNamespace(software=software))
         warmup.warm_up(gpu, "study", RunSettings("standard"), jobs=1)
     assert calls == [("processes", 1), *[("here", part) for part in warmup.PARTS]]
+
+
+def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
+    """Scripts parse `--json` output: what native libraries write to file descriptor 1 meanwhile (the shader
+    compiler's warnings do) goes to standard error instead."""
+    import os
+
+    import NeuralRaycastLib.cli as cli
+
+    def noisy_info(args):
+        os.write(1, b"warning[E41035]: from native code\n")
+        cli._print_json({"device": "checked"})
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_info", noisy_info)
+    assert main(["info", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out) == {"device": "checked"}
+    assert "from native code" in err
+    print("after")  # standard output is back
+    assert capfd.readouterr().out == "after\n"
