@@ -20,10 +20,10 @@ import numpy as np
 from scipy import ndimage
 
 from .metrics import SSIM_K1, SSIM_K2, SSIM_SIGMA, SSIM_TRUNCATE
+from .neural_render import OUTPUTS, RayBatch  # OUTPUTS: floats per pixel of the rendered sums and references
 
 if TYPE_CHECKING:
     from .gpu import GpuContext
-    from .neural_render import RayBatch
 
 DSSIM_WEIGHT = 0.2
 SSIM_PAD = int(SSIM_TRUNCATE * SSIM_SIGMA + 0.5)  # the window's radius; SSIM's mean leaves out this border
@@ -156,7 +156,6 @@ def albedo_consistency_and_gradient(albedo: np.ndarray, weight: np.ndarray) -> t
 #: edges, the pixels opaque in both pictures, and the normal and depth terms' sums over those pixels.
 DEVICE_TERMS = ("l1", "ssim", "mask", "normal", "depth")
 _ADJOINTS = 12  # floats per pixel between the shader's passes
-_GBUFFER = 8  # floats per pixel of sums and references, as neural_render.OUTPUTS
 
 
 class DeviceImageLoss:
@@ -185,7 +184,7 @@ class DeviceImageLoss:
         import slangpy as spy
 
         device, pixels = self.gpu.device, patches * self.size**2
-        self._reference = spy.Tensor.zeros(device, shape=(pixels * _GBUFFER,), dtype="float")
+        self._reference = spy.Tensor.zeros(device, shape=(pixels * OUTPUTS,), dtype="float")
         self._adjoints = spy.Tensor.zeros(device, shape=(pixels * _ADJOINTS,), dtype="float")
         self._shares = spy.Tensor.zeros(device, shape=(pixels * len(DEVICE_TERMS),), dtype="float")
         self._patch_sums = spy.Tensor.zeros(device, shape=(patches * len(DEVICE_TERMS),), dtype="float")
@@ -202,10 +201,10 @@ class DeviceImageLoss:
 
         reference = np.ascontiguousarray(reference, np.float32)
         patches, size = len(reference), self.size
-        if reference.shape != (patches, size, size, _GBUFFER):
+        if reference.shape != (patches, size, size, OUTPUTS):
             raise ValueError(f"reference patches of shape {reference.shape}, expected (P, {size}, {size}, 8)")
         pixels = patches * size * size
-        if batch.sums.shape[0] < pixels * _GBUFFER:
+        if batch.sums.shape[0] < pixels * OUTPUTS:
             raise ValueError(f"the batch holds fewer than the {pixels} rays of {patches} patches")
         if patches != self._patches:
             self._allocate(patches)
@@ -235,7 +234,7 @@ class DeviceImageLoss:
         self.module.imageLossGradient(spy.grid((pixels,)), buffers, settings)
         totals = dict(zip(DEVICE_TERMS, np.asarray(self._totals.to_numpy(), np.float64), strict=True))
 
-        l1 = float(totals["l1"] / (pixels * 4))
+        l1 = float(totals["l1"] * settings["l1Mean"])
         dssim = float((1.0 - totals["ssim"] * settings["ssimMean"]) / 2.0)
         terms = {"l1": l1, "dssim": dssim}
         loss = image_weight * ((1.0 - self.dssim_weight) * l1 + self.dssim_weight * dssim)
