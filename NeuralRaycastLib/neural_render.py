@@ -26,7 +26,7 @@ import numpy as np
 
 from .camera import Camera
 from .gpu import GpuContext, PassClock
-from .render import RenderedImage
+from .render import RenderedImage, unpack_pixels
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
 VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
@@ -176,6 +176,7 @@ class DiffRenderer:
         self.composite_module = gpu.load_module("composite")
         self.lists_module = gpu.load_module("segment_lists")
         self._batch: RayBatch | None = None
+        self._frame: Any = None  # a whole view's sums on the device (render)
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
         self.ray_count = 0
@@ -229,9 +230,10 @@ class DiffRenderer:
         return batch
 
     # passes -------------------------------------------------------------------------------------------
-    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None) -> None:
+    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None) -> None:
         """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
-        ``timings``: add each pass's seconds there (waiting for the device after each; for profiling)."""
+        ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
+        ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame)."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
@@ -254,7 +256,7 @@ class DiffRenderer:
                                                   self.mesh_shadows.struct, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
         self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
-                                           batch.sums.storage.device_address)
+                                           batch.sums.storage.device_address if sums_at is None else sums_at)
         clock.lap("composite")
 
     def sums(self, batch: RayBatch) -> np.ndarray:
@@ -317,24 +319,35 @@ class DiffRenderer:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]
 
     # whole images -------------------------------------------------------------------------------------
-    def camera_bands(self, camera: Camera, rays_per_pass: int = 1 << 16,
-                     timings: dict[str, float] | None = None) -> Iterator[tuple[int, int, RayBatch]]:
+    def camera_bands(self, camera: Camera, rays_per_pass: int = 1 << 16, timings: dict[str, float] | None = None,
+                     frame: Any = None) -> Iterator[tuple[int, int, RayBatch]]:
         """A view's rays in bands of rows, so memory stays bounded: (first row, rows, batch) after its
-        :meth:`forward` (``timings``: see there)."""
+        :meth:`forward` (``timings``: see there). With ``frame`` (a device tensor of the view's sums) each
+        band's sums go to their rows of it."""
         rows_per_pass = max(1, rays_per_pass // camera.width)
         for first in range(0, camera.height, rows_per_pass):
             rows = min(rows_per_pass, camera.height - first)
             batch = self.camera_rays(camera, first, rows)
-            self.forward(batch, timings)
+            at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4
+            self.forward(batch, timings, sums_at=at)
             yield first, rows, batch
 
     def render(self, camera: Camera, rays_per_pass: int = 1 << 16,
                timings: dict[str, float] | None = None) -> RenderedImage:
-        """One view (``timings``: see :meth:`forward`)."""
-        sums = np.zeros((camera.height, camera.width, OUTPUTS), np.float32)
-        for first, rows, batch in self.camera_bands(camera, rays_per_pass, timings):
-            sums[first:first + rows] = self.sums(batch).reshape(rows, camera.width, OUTPUTS)
-        return finish_pixels(sums)
+        """One view (``timings``: see :meth:`forward`). The bands' sums stay on the device, where the
+        G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view."""
+        import slangpy as spy
+
+        pixels = camera.height * camera.width
+        if self._frame is None or self._frame.shape[0] < pixels * OUTPUTS:
+            self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
+        for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
+            pass
+        clock = PassClock(self.gpu, timings)
+        pixel_results = self.composite_module.finishPixel(spy.grid((pixels,)), self._frame.storage.device_address,
+                                                          _result="tensor")
+        clock.lap("G-buffer")
+        return unpack_pixels(pixel_results, camera.height, camera.width)
 
 
 @dataclass
@@ -342,16 +355,3 @@ class SegmentAlbedo:
     slots: np.ndarray  # (N,) slot (ray · max_samples + sample) where each segment starts
     albedo: np.ndarray  # (N, K, 3)
     weight: np.ndarray  # (N, K) optical depth of each structure over the segment
-
-
-def finish_pixels(sums: np.ndarray) -> RenderedImage:
-    """The G-buffer from per-ray sums (…, OUTPUTS): premultiplied RGBA, unit normal, depth (as the
-    reference renderer reports them)."""
-    sums = np.asarray(sums, np.float32)
-    rgba = sums[..., 0:4].copy()
-    normal = sums[..., 4:7]
-    length = np.linalg.norm(normal, axis=-1, keepdims=True)
-    normal = np.where(length > 0, normal / np.maximum(length, 1e-30), 0.0).astype(np.float32)
-    alpha = sums[..., 3]
-    depth = np.where(alpha > 0, sums[..., 7] / np.maximum(alpha, 1e-30), 0.0).astype(np.float32)
-    return RenderedImage(rgba, depth, normal)

@@ -150,6 +150,26 @@ def test_faint_segments_left_out_change_no_8_bit_colour(gpu):
     assert 0 < difference.max() < 1 / 255
 
 
+def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
+    """render() keeps the bands' sums on the device and makes the G-buffer there: the same as each ray's sums
+    finished on the host (colour and opacity as they are, unit normal, depth over opacity, 0 where empty)."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    band = 7 * camera.width  # 24 rows: three bands of 7 and one of 3
+    sums = np.zeros((camera.height, camera.width, 8))
+    for first, rows, batch in renderer.camera_bands(camera, band):
+        sums[first:first + rows] = renderer.sums(batch).reshape(rows, camera.width, 8)
+    image = renderer.render(camera, band)
+    alpha = sums[..., 3]
+    assert (alpha == 0).any() and (alpha > 0.5).any()
+    np.testing.assert_allclose(image.rgba, sums[..., :4], atol=1e-6)
+    length = np.linalg.norm(sums[..., 4:7], axis=-1, keepdims=True)
+    np.testing.assert_allclose(image.normal, np.where(length > 0, sums[..., 4:7] / np.maximum(length, 1e-30), 0.0),
+                               atol=1e-5)
+    np.testing.assert_allclose(image.depth, np.where(alpha > 0, sums[..., 7] / np.maximum(alpha, 1e-30), 0.0),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_forward_pass_matches_the_reference_renderer(gpu):
     """Rendering the same spheres through the boundary-map renderer gives the same picture, and skipping
     unoccupied cells changes nothing."""
@@ -243,5 +263,6 @@ def test_profiled_render_gives_the_same_picture_and_each_pass_time(gpu):
     timings: dict[str, float] = {}
     profiled = renderer.render(camera, timings=timings)
     np.testing.assert_array_equal(profiled.rgba, plain.rgba)
-    assert list(timings) == ["place samples", "distances", "work lists", "normals and appearance", "composite"]
+    assert list(timings) == ["place samples", "distances", "work lists", "normals and appearance", "composite",
+                            "G-buffer"]
     assert all(seconds > 0 for seconds in timings.values())
