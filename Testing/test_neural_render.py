@@ -192,13 +192,17 @@ def test_forward_pass_matches_the_reference_renderer(gpu):
 
     occupancy = Occupancy.from_distances(both, BOX, cell_mm=4.0, band_mm=8.0)
     assert 0.05 < occupancy.fraction < 0.9  # the corners of the box are skipped
-    for grid in (None, occupancy):
+    finer = Occupancy.from_distances(both, BOX, cell_mm=2.0, band_mm=8.0)  # hugs the surfaces closer
+    samples = []
+    for grid in (None, occupancy, finer):
         renderer, _scene = sphere_renderer(gpu, SPHERES, grid)
         neural = renderer.render(camera)
         assert reference.rgba[..., 3].max() > 0.5
         np.testing.assert_allclose(neural.rgba, reference.rgba, atol=0.005)
         hit = reference.rgba[..., 3] > 0.5
         np.testing.assert_allclose(neural.depth[hit], reference.depth[hit], atol=0.1)
+        samples.append(sum(int(renderer.sample_counts(batch).sum()) for *_rows, batch in renderer.camera_bands(camera)))
+    assert samples[2] < 0.9 * samples[1] < 0.9 * samples[0], samples
 
     # Hybrid shadows: the same meshes shadow both renderers' key light in the same way.
     shadows = hybrid_shadows(gpu, prepared, reference_style)
