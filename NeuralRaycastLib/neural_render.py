@@ -328,7 +328,7 @@ class DiffRenderer:
         for first in range(0, camera.height, rows_per_pass):
             rows = min(rows_per_pass, camera.height - first)
             batch = self.camera_rays(camera, first, rows)
-            at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4
+            at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
             self.forward(batch, timings, sums_at=at)
             yield first, rows, batch
 
@@ -342,7 +342,7 @@ class DiffRenderer:
         if self._frame is None or self._frame.shape[0] < pixels * OUTPUTS:
             self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
         for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
-            pass
+            pass  # each band's forward pass writes its rows of the frame
         clock = PassClock(self.gpu, timings)
         pixel_results = self.composite_module.finishPixel(spy.grid((pixels,)), self._frame.storage.device_address,
                                                           _result="tensor")
