@@ -296,7 +296,8 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         renderer.render(camera, timings=passes)  # with mesh shadows: where a frame's time goes
         rows.append(BenchRow("train", f"neural render {width}² passes", sum(passes.values()) * 1e3, "ms",
                              "; ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in passes.items())
-                             + f"; mean {mean_samples(renderer, camera):.1f} samples/ray (waits after each pass)"))
+                             + "; per ray {:.1f} samples, {:.2f} shaded segments (waits after each pass)".format(
+                                 *work_per_ray(renderer, camera))))
         renderer.set_mesh_shadows(None)
         volumetric = reference.render(camera, shadows=True)
         seconds, repeats = timed(lambda c=camera: reference.render(c, shadows=True), budget, repeats_max)
@@ -306,10 +307,15 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     return rows
 
 
-def mean_samples(renderer, camera) -> float:
-    """Mean number of samples the renderer places on a camera's rays (over the whole picture)."""
-    total = sum(int(renderer.sample_counts(batch).sum()) for _first, _rows, batch in renderer.camera_bands(camera))
-    return total / (camera.width * camera.height)
+def work_per_ray(renderer, camera) -> tuple[float, float]:
+    """Mean samples placed and segments shaded per ray of a camera's picture (what the distance and the
+    normals-and-appearance passes scale with)."""
+    samples = shaded = 0
+    for _first, _rows, batch in renderer.camera_bands(camera):
+        samples += int(renderer.sample_counts(batch).sum())
+        shaded += batch.lists.shaded
+    pixels = camera.width * camera.height
+    return samples / pixels, shaded / pixels
 
 
 def surface_errors(vertices, faces, exact) -> np.ndarray:
