@@ -17,7 +17,6 @@ import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import ndimage
 
 from .metrics import SSIM_K1, SSIM_K2, SSIM_SIGMA, SSIM_TRUNCATE
 from .neural_render import OUTPUTS, RayBatch  # OUTPUTS: floats per pixel of the rendered sums and references
@@ -29,10 +28,20 @@ DSSIM_WEIGHT = 0.2
 SSIM_PAD = int(SSIM_TRUNCATE * SSIM_SIGMA + 0.5)  # the window's radius; SSIM's mean leaves out this border
 
 
+def gaussian_window() -> np.ndarray:
+    """SSIM's Gaussian weights, 2·SSIM_PAD + 1 of them: scipy's 1-D Gaussian filter kernel (normalised
+    exp(-x²/2σ²)), computed without loading scipy."""
+    x = np.arange(-SSIM_PAD, SSIM_PAD + 1, dtype=np.float64)
+    weights = np.exp(-0.5 * (x / SSIM_SIGMA) ** 2)
+    return weights / weights.sum()
+
+
 @functools.lru_cache(maxsize=16)
 def _blur_matrix(size: int, mode: str) -> np.ndarray:
     """SSIM's Gaussian filter along an axis of ``size`` pixels as a matrix (column j: the filtered unit
     impulse at j), with scipy's boundary ``mode``."""
+    from scipy import ndimage
+
     matrix = ndimage.gaussian_filter1d(np.eye(size), SSIM_SIGMA, axis=0, truncate=SSIM_TRUNCATE, mode=mode)
     matrix.setflags(write=False)
     return matrix
@@ -173,8 +182,7 @@ class DeviceImageLoss:
         self.gpu, self.size = gpu, patch_size
         self.dssim_weight, self.min_alpha = dssim_weight, min_alpha
         self.module = gpu.load_module("image_loss")
-        # the Gaussian's weights exactly as scipy's filter uses them: the filtered unit impulse at the centre
-        window = _blur_matrix(2 * SSIM_PAD + 1, "constant")[:, SSIM_PAD]
+        window = gaussian_window()
         self._window = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(window, np.float32))
         self._totals = spy.Tensor.zeros(gpu.device, shape=(len(DEVICE_TERMS),), dtype="float")
         self._patches = 0

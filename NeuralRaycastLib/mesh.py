@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy import ndimage
 
 from .structures import Structure
 
@@ -96,6 +95,8 @@ def sdf_normals(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> n
     Central differences of half a voxel in index space, mapped to RAS by the inverse transpose of the
     affine (the same rule as ``VolumeStack.gradient`` in shaders/volume.slang).
     """
+    from scipy import ndimage
+
     ras_to_ijk = np.linalg.inv(np.asarray(affine, np.float64))
     ijk = points @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3]
     gradient = np.empty_like(ijk)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from scipy import ndimage
 
 SSIM_SIGMA = 1.5
 SSIM_TRUNCATE = 3.5
@@ -37,6 +36,7 @@ def ssim_map(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> np.ndarra
     a, b = _as_float(a), _as_float(b)
     if a.shape != b.shape:
         raise ValueError(f"images differ in shape: {a.shape} vs {b.shape}")
+    from scipy import ndimage  # on first use: importing this module stays cheap
 
     def blur(x: np.ndarray) -> np.ndarray:
         return ndimage.gaussian_filter(x, sigma=(SSIM_SIGMA, SSIM_SIGMA, 0), truncate=SSIM_TRUNCATE, mode="reflect")

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from scipy import ndimage
 
 from .paths import cache_dir
 from .structures import BRAIN, Structure, make_structures
-from .study import Study, StudyError
+from .study import Study, StudyError, map_in_threads
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +84,7 @@ def normalise_channel(image: np.ndarray, mask: np.ndarray, out: np.ndarray | Non
 
 def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None) -> np.ndarray:
     """The brain (skull-stripped data) or head: Otsu threshold, closed, holes filled, largest component."""
+    from scipy import ndimage
     from skimage.filters import threshold_otsu
 
     combined = None
@@ -121,6 +121,8 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     curved surface inwards by about σ²/R (on the phantom at 2 mm: 0.2 mm for the whole tumour, 0.25 mm
     for the core). ``smooth_surface=False`` gives the unsmoothed transform.
     """
+    from scipy import ndimage
+
     spacing = np.asarray(spacing, dtype=np.float64)
     half = 0.5 * float(spacing.min())
     if not inside.any() or inside.all():
@@ -162,6 +164,8 @@ def derived_probability(boundary_whole_tumor: np.ndarray, width_mm: float) -> np
 
 def occupancy_grid(mask: np.ndarray, block: int = OCCUPANCY_BLOCK) -> np.ndarray:
     """Blocks of ``block``³ voxels that touch the (one-voxel dilated) mask."""
+    from scipy import ndimage
+
     dilated = ndimage.binary_dilation(mask, iterations=1)
     pad = [(0, (-n) % block) for n in dilated.shape]
     padded = np.pad(dilated, pad)
@@ -178,28 +182,29 @@ def mask_bounds(mask: np.ndarray, affine: np.ndarray, margin_mm: float = 2.0) ->
     return np.stack([ras.min(axis=0) - margin_mm, ras.max(axis=0) + margin_mm])
 
 
-def _hash_array(digest, array: np.ndarray) -> None:
-    """Add an array's type, shape and voxels to ``digest`` without copying it (NIfTI data is usually in
-    Fortran order, whose transpose is C-contiguous)."""
+def _array_digest(array: np.ndarray | None) -> bytes:
+    """SHA-256 of an array's type, shape and voxels, without copying it (NIfTI data is usually in Fortran
+    order, whose transpose is C-contiguous); of "-" for a missing one."""
+    if array is None:
+        return hashlib.sha256(b"-").digest()
+    digest = hashlib.sha256()
     if array.flags.f_contiguous and not array.flags.c_contiguous:
         array = array.T
         digest.update(b"F")
     array = np.ascontiguousarray(array)
     digest.update(f"{array.dtype.str}{array.shape}".encode())
     digest.update(memoryview(array).cast("B"))
+    return digest.digest()
 
 
 def _cache_key(study: Study, structures: list[Structure]) -> str:
+    """A digest of everything preparing reads; the arrays are hashed in threads, one each."""
+    arrays = [np.asarray(study.affine, np.float64), *study.channels.values()]
+    arrays += [study.labels, study.probability, study.brain_mask]
     digest = hashlib.sha256(f"v{PREPROCESS_VERSION}".encode())
-    _hash_array(digest, np.asarray(study.affine, np.float64))
-    for name, image in study.channels.items():
-        digest.update(name.encode())
-        _hash_array(digest, image)
-    for optional in (study.labels, study.probability, study.brain_mask):
-        if optional is None:
-            digest.update(b"-")
-        else:
-            _hash_array(digest, optional)
+    digest.update(repr(list(study.channels)).encode())
+    for part in map_in_threads(_array_digest, arrays):
+        digest.update(part)
     digest.update(repr([(s.name, s.labels) for s in structures]).encode())
     return digest.hexdigest()[:32]
 
@@ -224,6 +229,17 @@ def _load_cached(path: Path, shape: tuple[int, ...], count: int) -> dict[str, np
     return cached
 
 
+def _float32_in_threads(stack: np.ndarray) -> np.ndarray:
+    """A float32 copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the cache)."""
+    out = np.empty(stack.shape, np.float32)
+
+    def convert(index: int) -> None:
+        out[index] = stack[index]
+
+    map_in_threads(convert, range(len(stack)))
+    return out
+
+
 def prepare(
     study: Study,
     use_cache: bool = True,
@@ -239,7 +255,7 @@ def prepare(
 
     if cached is not None:
         report("boundary maps loaded from cache", 1.0)
-        boundary = cached["boundary"].astype(np.float32)
+        boundary = _float32_in_threads(cached["boundary"])
         mask = cached["mask"].astype(bool)
         probability = cached["probability"].astype(np.float32)
         occupancy = cached["occupancy"].astype(bool) if "occupancy" in cached else occupancy_grid(mask)
@@ -274,8 +290,8 @@ def prepare(
         report("boundary maps ready", 1.0)
 
     channels = np.empty((len(study.channels), *study.shape), np.float32)
-    for index, image in enumerate(study.channels.values()):
-        normalise_channel(image, mask, out=channels[index])
+    map_in_threads(lambda pair: normalise_channel(pair[1], mask, out=channels[pair[0]]),
+                   list(enumerate(study.channels.values())))
     return PreparedStudy(
         study=study,
         channels=channels,

@@ -226,3 +226,17 @@ def test_device_gradient_matches_finite_differences_of_the_device_loss(gpu):
         assert numeric == pytest.approx(gradient[index], rel=5e-3, abs=2e-6), index
         checked.append(index)
     assert len(checked) == 3 * sums.shape[-1], checked
+
+
+def test_device_loss_window_is_scipys_gaussian():
+    """The device SSIM's window (made without scipy, so a run's start need not load it) is the kernel the
+    numpy reference filters with: scipy's Gaussian filter of a unit impulse."""
+    from scipy import ndimage
+
+    from NeuralRaycastLib.image_loss import SSIM_PAD, gaussian_window
+    from NeuralRaycastLib.metrics import SSIM_SIGMA, SSIM_TRUNCATE
+
+    impulse = np.zeros(2 * SSIM_PAD + 1)
+    impulse[SSIM_PAD] = 1.0
+    expected = ndimage.gaussian_filter1d(impulse, SSIM_SIGMA, truncate=SSIM_TRUNCATE, mode="constant")
+    np.testing.assert_allclose(gaussian_window(), expected, rtol=1e-12, atol=1e-15)

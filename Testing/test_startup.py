@@ -21,3 +21,16 @@ def test_start_up_milestones_in_a_fresh_process(tmp_path, gpu):
 def test_a_failing_probe_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="start-up probe failed"):
         timed_start(tmp_path / "no-such-study")
+
+
+def test_importing_the_cli_and_training_does_not_load_scipy():
+    """scipy takes about a quarter second to import on a 2-core CPU: the CLI, the pipeline and training
+    load it where they use it (preparing a new study, occupancy from the boundary maps, meshes, metrics),
+    not when they are imported (``--help``, the start of every command)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import NeuralRaycastLib.cli, NeuralRaycastLib.pipeline, NeuralRaycastLib.train, "
+            "NeuralRaycastLib.startup; print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

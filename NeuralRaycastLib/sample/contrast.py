@@ -7,7 +7,6 @@ synthetic channels look plausible, nothing more.
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
 CHANNELS = ("t1", "t1ce", "t2", "flair")
 
@@ -28,6 +27,8 @@ TUMOUR_CONTRAST = {
 
 def smooth_noise(shape: tuple[int, ...], sigma_voxels: float, rng: np.random.Generator) -> np.ndarray:
     """Gaussian-smoothed white noise, two standard deviations mapped to ±1 and clipped to [-1, 1]."""
+    from scipy import ndimage
+
     noise = ndimage.gaussian_filter(rng.standard_normal(shape), sigma=max(sigma_voxels, 0.5))
     spread = 2.0 * float(noise.std()) or 1.0
     return np.clip(noise / spread, -1.0, 1.0)

@@ -22,7 +22,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-from scipy import ndimage
 
 from ..paths import cache_dir
 from .contrast import CHANNELS, TISSUE_CONTRAST, TUMOUR_CONTRAST, rician_noise, smooth_noise
@@ -90,6 +89,7 @@ def template_wheel() -> Path:
 def read_template(spacing: float | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """ICBM152 T1, GM and WM maps in RAS orientation, optionally resampled: ({t1, gm, wm}, affine)."""
     import nibabel as nib
+    from scipy import ndimage
 
     with zipfile.ZipFile(template_wheel()) as archive:
         images = {
@@ -112,6 +112,8 @@ def _warp_radially(
     volumes: dict[str, np.ndarray], centre_vox: np.ndarray, spacing: float, radius: float, amount: float
 ) -> dict[str, np.ndarray]:
     """Mass effect: tissue at distance r from the centre comes from r - amount·exp(-(r / 1.6 radius)²)."""
+    from scipy import ndimage
+
     shape = next(iter(volumes.values())).shape
     grid = np.stack(np.meshgrid(*[np.arange(n, dtype=np.float32) for n in shape], indexing="ij"))
     offset = (grid - centre_vox[:, None, None, None]) * spacing
@@ -125,6 +127,8 @@ def _warp_radially(
 
 def synthesise_case(spacing: float | None = None, seed: int = 0):
     """Build the sample case: (channels {t1, t1ce, t2, flair}: float32, labels int16, affine)."""
+    from scipy import ndimage  # here, not at the top: the CLI imports this module for its error class
+
     rng = np.random.default_rng(seed)
     volumes, affine = read_template(spacing)
     voxel = float(np.linalg.norm(affine[:3, :3], axis=0).min())
