@@ -12,11 +12,11 @@ Geometry, per structure k:
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
 from .field import NeuralField
 from .mesh import extract_surface, resample_sdf
 from .preprocess import PreparedStudy, structure_mask
+from .study import sample_at
 
 
 def learned_distances(field: NeuralField, prepared: PreparedStudy) -> np.ndarray:
@@ -27,13 +27,6 @@ def learned_distances(field: NeuralField, prepared: PreparedStudy) -> np.ndarray
 def dice(a: np.ndarray, b: np.ndarray) -> float:
     total = int(a.sum()) + int(b.sum())
     return 1.0 if total == 0 else 2.0 * int(np.logical_and(a, b).sum()) / total
-
-
-def sample_at(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """A voxel volume trilinearly at RAS points (N, 3) (edge values outside)."""
-    ras_to_ijk = np.linalg.inv(affine)
-    ijk = points @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3]
-    return ndimage.map_coordinates(volume, ijk.T, order=1, mode="nearest")
 
 
 def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, dict[str, float]]:

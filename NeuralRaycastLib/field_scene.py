@@ -28,6 +28,7 @@ from .gpu import GpuContext
 from .neural_render import WAVE, Occupancy, WorkLists
 from .preprocess import PreparedStudy
 from .render import volume_stack
+from .study import sample_at
 from .style import BAND_WIDTHS
 
 
@@ -83,10 +84,8 @@ class FieldScene:
 
 def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:
     """Where the boundary maps put a surface (the occupancy before anything is learnt)."""
-    from .evaluate import sample_at
-
     def distances(points: np.ndarray) -> np.ndarray:
-        return np.stack([sample_at(b, prepared.affine, points) for b in prepared.boundary], axis=1)
+        return sample_at(prepared.boundary, prepared.affine, points).T
 
     return Occupancy.from_distances(distances, box, cell_mm, BAND_WIDTHS * epsilon_mm)
 

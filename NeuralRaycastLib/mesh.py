@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .structures import Structure
+from .study import interpolate_ijk
 
 EXPORT_FORMATS = ("vtp", "stl", "obj", "ply")
 
@@ -95,17 +96,13 @@ def sdf_normals(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> n
     Central differences of half a voxel in index space, mapped to RAS by the inverse transpose of the
     affine (the same rule as ``VolumeStack.gradient`` in shaders/volume.slang).
     """
-    from scipy import ndimage
-
     ras_to_ijk = np.linalg.inv(np.asarray(affine, np.float64))
     ijk = points @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3]
     gradient = np.empty_like(ijk)
     for axis in range(3):
         step = np.zeros(3)
         step[axis] = 0.5
-        ahead = ndimage.map_coordinates(volume, (ijk + step).T, order=1, mode="nearest")
-        behind = ndimage.map_coordinates(volume, (ijk - step).T, order=1, mode="nearest")
-        gradient[:, axis] = ahead - behind
+        gradient[:, axis] = interpolate_ijk(volume, ijk + step) - interpolate_ijk(volume, ijk - step)
     gradient = gradient @ ras_to_ijk[:3, :3]  # d/dRAS = (d ijk / d RAS)^T d/d ijk
     length = np.linalg.norm(gradient, axis=-1, keepdims=True)
     return np.where(length > 1e-12, gradient / np.maximum(length, 1e-12), np.array([0.0, 0.0, 1.0]))

@@ -135,6 +135,33 @@ def grid_corners_bounds(affine: np.ndarray, shape: tuple[int, ...]) -> np.ndarra
     return np.stack([corners.min(axis=0), corners.max(axis=0)])
 
 
+def interpolate_ijk(volume: np.ndarray, ijk: np.ndarray) -> np.ndarray:
+    """Trilinear interpolation of a volume (I, J, K), or of a stack of them (S, I, J, K), at voxel
+    coordinates (N, 3); outside the grid the edge values continue. Shape (N,) or (S, N).
+
+    The same numbers as ``scipy.ndimage.map_coordinates(order=1, mode="nearest")``, in numpy alone (so
+    starting a training run does not load scipy) and one gather per corner for a whole stack."""
+    shape = np.array(volume.shape[-3:])
+    ijk = np.clip(np.asarray(ijk, np.float64), 0, shape - 1)
+    base = np.minimum(np.floor(ijk).astype(np.intp), np.maximum(shape - 2, 0))
+    fraction = ijk - base
+    flat = volume.reshape(*volume.shape[:-3], -1)
+    strides = np.array([shape[1] * shape[2], shape[2], 1])
+    result = np.zeros((*volume.shape[:-3], len(ijk)))
+    for corner in np.ndindex(2, 2, 2):
+        offset = np.array(corner)
+        index = np.minimum(base + offset, shape - 1) @ strides
+        weight = np.prod(np.where(offset, fraction, 1.0 - fraction), axis=1)
+        result += weight * np.take(flat, index, axis=-1)
+    return result
+
+
+def sample_at(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """A volume (or a stack of them, see :func:`interpolate_ijk`) trilinearly at RAS points (N, 3)."""
+    ras_to_ijk = np.linalg.inv(np.asarray(affine, np.float64))
+    return interpolate_ijk(volume, np.asarray(points) @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # validation
 

@@ -25,8 +25,8 @@ def test_a_failing_probe_says_why(tmp_path):
 
 def test_importing_the_cli_and_training_does_not_load_scipy():
     """scipy takes about a quarter second to import on a 2-core CPU: the CLI, the pipeline and training
-    load it where they use it (preparing a new study, occupancy from the boundary maps, meshes, metrics),
-    not when they are imported (``--help``, the start of every command)."""
+    load it where they use it (preparing a new study, meshes, metrics), not when they are imported
+    (``--help``, the start of every command)."""
     import subprocess
     import sys
 
@@ -34,3 +34,18 @@ def test_importing_the_cli_and_training_does_not_load_scipy():
             "NeuralRaycastLib.startup; print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_first_occupancy_grid_does_not_load_scipy():
+    """A trainer's first occupancy grid comes from the boundary maps (a study read from the cache): numpy
+    interpolates them, so a second run does not wait for scipy."""
+    import subprocess
+    import sys
+
+    code = ("import sys, types, numpy as np; from NeuralRaycastLib.field_scene import boundary_occupancy; "
+            "x = np.linspace(-8, 8, 17); d = np.sqrt(np.add.outer(np.add.outer(x**2, x**2), x**2)) - 5; "
+            "p = types.SimpleNamespace(boundary=np.stack([d, d - 1]), affine=np.diag([1.0, 1, 1, 1])); "
+            "p.affine[:3, 3] = -8; o = boundary_occupancy(p, np.array([[-8.0] * 3, [8.0] * 3]), 2.0, 0.5); "
+            "print(0 < o.fraction < 1, sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True []", done.stdout

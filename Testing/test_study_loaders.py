@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import save_nifti
 
-from NeuralRaycastLib.study import Study, StudyError, load_study
+from NeuralRaycastLib.study import Study, StudyError, interpolate_ijk, load_study, sample_at
 
 
 def test_brats_folder_loads_channels_labels_and_default_structures(tiny_brats):
@@ -272,3 +272,20 @@ def test_array_shape_mismatch_and_bad_affine():
         Study.from_arrays({"t1": image}, np.zeros((4, 4)))
     with pytest.raises(StudyError, match="no image channels"):
         Study.from_arrays({}, np.eye(4))
+
+
+@pytest.mark.parametrize("shape", [(6, 7, 5), (1, 4, 3), (2, 1, 1)])
+def test_trilinear_sampling_matches_scipy_inside_and_beyond_the_grid(shape):
+    """The numpy sampler used for occupancy, normals and surface distances gives scipy's numbers, edge
+    values continuing outside the grid, for one volume and for a stack of them."""
+    from scipy import ndimage
+
+    rng = np.random.default_rng(3)
+    stack = rng.standard_normal((3, *shape)).astype(np.float32)
+    ijk = rng.uniform(-2.0, np.array(shape) + 1.0, (500, 3))
+    expected = np.stack([ndimage.map_coordinates(v, ijk.T, order=1, mode="nearest") for v in stack])
+    np.testing.assert_allclose(interpolate_ijk(stack, ijk), expected, atol=1e-5)
+    np.testing.assert_allclose(interpolate_ijk(stack[1], ijk), expected[1], atol=1e-5)
+    affine = np.array([[0.0, 0, 2, 10], [1.5, 0, 0, -4], [0, -1, 0, 3], [0, 0, 0, 1]])
+    points = ijk @ affine[:3, :3].T + affine[:3, 3]
+    np.testing.assert_allclose(sample_at(stack, affine, points), expected, atol=1e-5)
