@@ -76,8 +76,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def _prepare(study_path: str, use_cache: bool):
     from .preprocess import prepare
     from .study import load_study
+    from .study_cache import load_study_cached
 
-    study = load_study(study_path)
+    study = load_study_cached(study_path) if use_cache else load_study(study_path)
     return prepare(study, use_cache=use_cache, progress=ConsoleProgress("prepare"))
 
 
@@ -114,9 +115,9 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
     from .pipeline import CancelOnInterrupt, RunSettings, train_run
-    from .study import load_study
+    from .study_cache import load_study_cached
 
-    study = load_study(args.study)  # a bad study fails at once, before the device opens
+    study = load_study_cached(args.study)  # a bad study fails at once, before the device opens
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                       views=args.views, size=args.size, shadows=args.shadows or None)

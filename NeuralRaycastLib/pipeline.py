@@ -26,7 +26,8 @@ from .neural_render import DiffRenderer
 from .preprocess import PreparedStudy, prepare
 from .reference_views import ReferenceViews, render_reference_views, save_reference_views
 from .render import RenderedImage
-from .study import Study, downsample_study, load_study
+from .study import Study, downsample_study
+from .study_cache import load_study_cached
 from .train import PRESETS, TrainConfig, Trainer, TrainLog, field_renderer, learned_mesh_shadows, preset
 
 Progress = Callable[[str, float], None]
@@ -55,7 +56,7 @@ class RunSettings:
 
 
 def prepare_for_run(study_path: str | Path, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
-    return prepare_study_for_run(load_study(study_path), settings, progress)
+    return prepare_study_for_run(load_study_cached(study_path), settings, progress)
 
 
 def prepare_study_for_run(study: Study, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
@@ -135,7 +136,7 @@ def train_run(
     """Prepare the study file, render its reference views, train a field through all stages, save the run.
 
     ``study`` is the file's content where the caller has read it already."""
-    prepared = prepare_study_for_run(study or load_study(study_path), settings, progress)
+    prepared = prepare_study_for_run(study or load_study_cached(study_path), settings, progress)
     return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
 
 

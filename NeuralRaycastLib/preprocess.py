@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .array_cache import read_entry, write_entry
 from .paths import cache_dir
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
-
-log = logging.getLogger(__name__)
 
 #: Bump when anything below changes what is cached.
 PREPROCESS_VERSION = 6
@@ -209,19 +207,18 @@ def _cache_key(study: Study, structures: list[Structure]) -> str:
     return digest.hexdigest()[:32]
 
 
-CACHED_ARRAYS = ("boundary", "mask", "probability")
-CACHED_IF_PRESENT = ("occupancy", "bounds")  # not in cache files written by earlier versions: derived then
+CACHED_ARRAYS = ("boundary", "mask", "probability", "occupancy", "bounds")
+
+
+#: Prepared studies kept in the cache (the sample at 1 mm takes about 115 MB).
+CACHE_ENTRIES = 8
 
 
 def _load_cached(path: Path, shape: tuple[int, ...], count: int) -> dict[str, np.ndarray] | None:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            cached = {key: data[key] for key in data.files if key in CACHED_ARRAYS + CACHED_IF_PRESENT}
-    except FileNotFoundError:
+    entry = read_entry(path)
+    if entry is None:
         return None
-    except Exception as error:  # a damaged cache file is recomputed, never trusted
-        log.warning("ignoring unreadable cache file %s (%s)", path, error)
-        return None
+    cached = entry[0]
     if any(key not in cached for key in CACHED_ARRAYS):
         return None
     if cached["boundary"].shape != (count, *shape) or cached["mask"].shape != shape:
@@ -250,7 +247,7 @@ def prepare(
     report = progress or (lambda message, fraction: None)
     structures = make_structures(study.structures, include_brain=True, colors=study.colors)
     key = _cache_key(study, structures)
-    path = (cache_root or cache_dir() / "prepared") / f"{key}.npz"
+    path = (cache_root or cache_dir() / "prepared") / key
     cached = _load_cached(path, study.shape, len(structures)) if use_cache else None
 
     if cached is not None:
@@ -258,8 +255,7 @@ def prepare(
         boundary = _float32_in_threads(cached["boundary"])
         mask = cached["mask"].astype(bool)
         probability = cached["probability"].astype(np.float32)
-        occupancy = cached["occupancy"].astype(bool) if "occupancy" in cached else occupancy_grid(mask)
-        bounds = cached["bounds"] if "bounds" in cached else mask_bounds(mask, study.affine)
+        occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
     else:
         report("brain mask", 0.0)
         if study.brain_mask is None:
@@ -276,17 +272,9 @@ def prepare(
         probability = probability.astype(np.float16).astype(np.float32)
         occupancy, bounds = occupancy_grid(mask), mask_bounds(mask, study.affine)
         if use_cache:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = path.with_suffix(".partial.npz")
-            np.savez(
-                temporary,
-                boundary=boundary.astype(np.float16),
-                mask=mask,
-                probability=probability.astype(np.float16),
-                occupancy=occupancy,
-                bounds=bounds,
-            )
-            temporary.replace(path)  # atomic: a crash never leaves a half-written cache entry
+            write_entry(path, {"boundary": boundary.astype(np.float16), "mask": mask,
+                               "probability": probability.astype(np.float16), "occupancy": occupancy,
+                               "bounds": bounds}, keep=CACHE_ENTRIES)
         report("boundary maps ready", 1.0)
 
     channels = np.empty((len(study.channels), *study.shape), np.float32)

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import uuid
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from .array_cache import read_entry, write_entry
 from .camera import Camera, orbit_cameras, split_views
 from .gpu import GpuContext
 from .metrics import contact_sheet, depth_picture, normal_picture, save_png
@@ -26,8 +24,6 @@ from .paths import cache_dir, shader_dir
 from .preprocess import PreparedStudy
 from .render import ReferenceRenderer, RenderedImage
 from .style import RenderStyle
-
-log = logging.getLogger(__name__)
 
 #: Bump when what a cached set of views holds changes.
 VIEW_CACHE_VERSION = 1
@@ -64,7 +60,7 @@ def render_reference_views(
     path = None
     if prepared.key:
         key = view_cache_key(gpu, prepared, style, cameras, shadows)
-        path = (cache_root or cache_dir() / "views") / f"{key}.npz"
+        path = (cache_root or cache_dir() / "views") / key
         images = _load_views(path, count, width, height)
         if images is not None:
             report("views loaded from cache", 1.0)
@@ -95,36 +91,23 @@ def view_cache_key(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle,
 
 def _load_views(path: Path, count: int, width: int, height: int) -> list[RenderedImage] | None:
     """The cached views at ``path``, or None (absent, unreadable or of another size: render again)."""
-    if not path.exists():
+    entry = read_entry(path)
+    if entry is None:
         return None
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            rgba, depth, normal = data["rgba"], data["depth"], data["normal"]
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-        log.warning("ignoring unreadable cached views %s: %s", path, error)
+    arrays = entry[0]
+    if not {"rgba", "depth", "normal"} <= set(arrays):
         return None
+    rgba, depth, normal = arrays["rgba"], arrays["depth"], arrays["normal"]
     if rgba.shape != (count, height, width, 4) or depth.shape != (count, height, width) \
             or normal.shape != (count, height, width, 3):
         return None
-    path.touch()  # recently used
     return [RenderedImage(rgba[i], depth[i], normal[i]) for i in range(count)]
 
 
 def _store_views(path: Path, images: list[RenderedImage]) -> None:
-    """Write the views atomically (a crash, or another run writing the same entry, never leaves a
-    half-written one); keep the newest entries."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f"{path.stem}.{uuid.uuid4().hex}.partial.npz")
-        np.savez(temporary, rgba=np.stack([i.rgba for i in images]), depth=np.stack([i.depth for i in images]),
-                 normal=np.stack([i.normal for i in images]))
-        temporary.replace(path)
-        entries = [e for e in path.parent.glob("*.npz") if not e.name.endswith(".partial.npz")]
-        entries.sort(key=lambda e: e.stat().st_mtime, reverse=True)
-        for stale in entries[VIEW_CACHE_ENTRIES:]:
-            stale.unlink(missing_ok=True)
-    except OSError as error:  # a full or read-only disk costs the next run a re-render, nothing more
-        log.warning("could not keep the reference views in %s: %s", path.parent, error)
+    """Keep the views (atomically; the newest entries stay)."""
+    write_entry(path, {"rgba": np.stack([i.rgba for i in images]), "depth": np.stack([i.depth for i in images]),
+                       "normal": np.stack([i.normal for i in images])}, keep=VIEW_CACHE_ENTRIES)
 
 
 def save_reference_views(views: ReferenceViews, folder: str | Path) -> Path:
