@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import __version__
 from .gpu import CHOICES, DEVICE_ENV, GpuUnavailableError, open_device
+from .paths import CACHE_FOLDERS
 from .progress import ConsoleProgress
 from .sample import CASES
 from .sample.icbm import SampleDataError
@@ -249,6 +250,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """List the cache's folders (what each keeps, entries, size), or clear some of them."""
+    from .paths import CACHE_ENV, cache_dir, cache_folder, clear_cache, folder_bytes
+
+    if args.clear:
+        names = list(CACHE_FOLDERS) if "all" in args.clear else list(dict.fromkeys(args.clear))
+        freed = clear_cache(names)
+        if args.json:
+            _print_json({"cleared": names, "freed_bytes": freed})
+        else:
+            print(f"cleared {', '.join(names)} in {cache_dir()}: {_megabytes(freed)} freed")
+        return 0
+    folders = []
+    for name, holds in CACHE_FOLDERS.items():
+        size, entries = folder_bytes(cache_folder(name))
+        folders.append({"name": name, "path": str(cache_folder(name)), "bytes": size, "entries": entries,
+                        "holds": holds})
+    total = sum(f["bytes"] for f in folders)
+    if args.json:
+        _print_json({"cache": str(cache_dir()), "folders": folders, "total_bytes": total})
+        return 0
+    print(f"cache {cache_dir()} (${CACHE_ENV} moves it)")
+    for f in folders:
+        noun = "entry" if f["entries"] == 1 else "entries"
+        print(f"  {f['name']:<10}{_megabytes(f['bytes']):>12}  {f['entries']:>3} {noun:<7}  {f['holds']}")
+    print(f"  {'total':<10}{_megabytes(total):>12}")
+    print("clear with: neuralraycast cache --clear NAME ... (or all)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuralraycast",
@@ -266,6 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
     device_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_info)
+
+    p = sub.add_parser("cache", help="list the cache's folders and their sizes, or clear some of them")
+    p.add_argument("--clear", nargs="+", metavar="NAME", choices=[*CACHE_FOLDERS, "all"],
+                   help=f"remove these folders ({', '.join(CACHE_FOLDERS)}, or all); each is filled again "
+                        "when needed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_cache)
 
     p = sub.add_parser("sample", help="write a sample study (BraTS names + manifest.json) into FOLDER")
     p.add_argument("folder", help="output folder")

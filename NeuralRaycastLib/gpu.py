@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .paths import cache_dir, shader_dir
+from .paths import cache_folder, shader_dir
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
 BACKENDS = ("cuda", "vulkan")
@@ -98,7 +98,7 @@ def requested_backend(choice: str | None = None) -> str:
 
 
 def shader_cache_path(backend: str) -> Path:
-    return cache_dir() / "shaders" / backend
+    return cache_folder("shaders") / backend
 
 
 # Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a
@@ -107,7 +107,7 @@ def shader_cache_path(backend: str) -> Path:
 # imports. It needs the folder of Slang's standard modules among the include paths, or `import slang.neural`
 # fails to resolve; a slangpy without that folder gets no module cache.
 def module_cache_path(backend: str) -> Path:
-    return cache_dir() / "modules" / backend
+    return cache_folder("modules") / backend
 
 
 def _standard_module_dirs() -> list[str]:

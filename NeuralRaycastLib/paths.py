@@ -1,4 +1,5 @@
-"""Where NeuralRaycast keeps things on disk: the user cache and the Slang shader folder.
+"""Where NeuralRaycast keeps things on disk: the user cache (its folders, their sizes, clearing them) and the
+Slang shader folder.
 
 One place so the CLI, the Slicer module and the tests agree on every location.
 """
@@ -18,6 +19,46 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_ENV]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")
     return Path(base).expanduser() / "neuralraycast"
+
+
+#: The cache's folders and what each keeps (``neuralraycast cache`` lists and clears them); all are
+#: filled again when needed, at the cost given.
+CACHE_FOLDERS = {
+    "shaders": "compiled kernels, per backend (compiled again: minutes)",
+    "modules": "Slang's parsed modules, per backend (parsed again: seconds)",
+    "studies": "studies as read from their NIfTI files (read again: about a second)",
+    "prepared": "boundary maps and what else preparing derives (computed again: seconds to a minute)",
+    "views": "the reference views runs train on (rendered again: seconds on a GPU, minutes on a CPU)",
+    "samples": "the sample cases as written (written again: seconds)",
+    "downloads": "the sample's pinned, checksummed source data (fetched again from the package registry)",
+}
+
+
+def cache_folder(name: str) -> Path:
+    """One of :data:`CACHE_FOLDERS` in the user cache directory."""
+    if name not in CACHE_FOLDERS:
+        raise ValueError(f"unknown cache folder '{name}' (known: {', '.join(CACHE_FOLDERS)})")
+    return cache_dir() / name
+
+
+def folder_bytes(folder: Path) -> tuple[int, int]:
+    """Bytes of the files under ``folder`` and its entries (the files and folders directly in it)."""
+    if not folder.is_dir():
+        return 0, 0
+    total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    return total, sum(1 for _ in folder.iterdir())
+
+
+def clear_cache(names: list[str]) -> int:
+    """Remove the named cache folders; the bytes freed."""
+    import shutil
+
+    freed = 0
+    for name in names:
+        folder = cache_folder(name)
+        freed += folder_bytes(folder)[0]
+        shutil.rmtree(folder, ignore_errors=True)
+    return freed
 
 
 def shader_dir() -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .array_cache import read_entry, write_entry
-from .paths import cache_dir
+from .paths import cache_folder
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -247,7 +247,7 @@ def prepare(
     report = progress or (lambda message, fraction: None)
     structures = make_structures(study.structures, include_brain=True, colors=study.colors)
     key = _cache_key(study, structures)
-    path = (cache_root or cache_dir() / "prepared") / key
+    path = (cache_root or cache_folder("prepared")) / key
     cached = _load_cached(path, study.shape, len(structures)) if use_cache else None
 
     if cached is not None:

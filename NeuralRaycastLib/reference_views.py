@@ -20,7 +20,7 @@ from .array_cache import read_entry, write_entry
 from .camera import Camera, orbit_cameras, split_views
 from .gpu import GpuContext
 from .metrics import contact_sheet, depth_picture, normal_picture, save_png
-from .paths import cache_dir, shader_dir
+from .paths import cache_folder, shader_dir
 from .preprocess import PreparedStudy
 from .render import ReferenceRenderer, RenderedImage
 from .style import RenderStyle
@@ -60,7 +60,7 @@ def render_reference_views(
     path = None
     if prepared.key:
         key = view_cache_key(gpu, prepared, style, cameras, shadows)
-        path = (cache_root or cache_dir() / "views") / key
+        path = (cache_root or cache_folder("views")) / key
         images = _load_views(path, count, width, height)
         if images is not None:
             report("views loaded from cache", 1.0)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .array_cache import read_entry, write_entry
-from .paths import cache_dir
+from .paths import cache_folder
 from .study import MANIFEST, NIFTI_SUFFIXES, Study, load_study
 
 #: Bump when what an entry holds changes.
@@ -31,7 +31,7 @@ def load_study_cached(path: str | Path, cache_root: Path | None = None) -> Study
     if not path.exists():
         return load_study(path)  # its error names the path
     path = path.resolve()
-    entry = (cache_root or cache_dir() / "studies") / _entry_name(path)
+    entry = (cache_root or cache_folder("studies")) / _entry_name(path)
     cached = read_entry(entry)
     if cached is not None and (study := _from_entry(*cached)) is not None:
         return study

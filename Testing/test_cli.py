@@ -11,8 +11,8 @@ import pytest
 from NeuralRaycastLib.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["info", "sample", "prepare", "render-reference", "fit", "render", "mesh",
-                                     "bench", "warmup", "demo"])
+@pytest.mark.parametrize("command", ["info", "cache", "sample", "prepare", "render-reference", "fit", "render",
+                                     "mesh", "bench", "warmup", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -207,3 +207,34 @@ def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
     assert "from native code" in err
     print("after")  # standard output is back
     assert capfd.readouterr().out == "after\n"
+
+
+def test_cache_lists_its_folders_and_clears_only_those_named(tmp_path, monkeypatch, capsys):
+    """Users see what the cache holds and free the space of the folders they name; others stay."""
+    from NeuralRaycastLib.paths import CACHE_ENV, CACHE_FOLDERS
+    from NeuralRaycastLib.study_cache import load_study_cached
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0
+    load_study_cached(capsys.readouterr().out.strip())  # one study entry
+    (tmp_path / "cache" / "views" / "a").mkdir(parents=True)
+    (tmp_path / "cache" / "views" / "a" / "rgba.npy").write_bytes(b"x" * 1000)
+
+    assert main(["cache", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    folders = {f["name"]: f for f in listed["folders"]}
+    assert list(folders) == list(CACHE_FOLDERS) and listed["cache"] == str(tmp_path / "cache")
+    assert folders["studies"]["entries"] == 1 and folders["studies"]["bytes"] > 10_000
+    assert (folders["views"]["entries"], folders["views"]["bytes"]) == (1, 1000)
+    assert listed["total_bytes"] == sum(f["bytes"] for f in folders.values())
+
+    assert main(["cache", "--clear", "views"]) == 0
+    assert capsys.readouterr().out.startswith("cleared views in ")
+    assert not (tmp_path / "cache" / "views").exists()
+    assert (tmp_path / "cache" / "studies").is_dir()
+    assert main(["cache", "--clear", "all", "--json"]) == 0
+    left = sum(f["bytes"] for name, f in folders.items() if name != "views")
+    assert json.loads(capsys.readouterr().out)["freed_bytes"] == left
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
+    assert main(["cache"]) == 0
+    assert "total" in capsys.readouterr().out

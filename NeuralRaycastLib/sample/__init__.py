@@ -84,9 +84,9 @@ def fixture_case():
 
 def cached_sample(case: str = "icbm", spacing: float | None = None, seed: int = 0, progress=None) -> Path:
     """A sample study kept in the cache folder (written on first use): the path of its manifest."""
-    from ..paths import cache_dir
+    from ..paths import cache_folder
 
-    folder = cache_dir() / "samples" / f"{case}-{spacing or 'native'}-seed{seed}-v{SAMPLE_VERSION}"
+    folder = cache_folder("samples") / f"{case}-{spacing or 'native'}-seed{seed}-v{SAMPLE_VERSION}"
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         # Complete folders only: each process writes its own copy and moves it in whole, so neither an

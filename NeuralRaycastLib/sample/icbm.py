@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..paths import cache_dir
+from ..paths import cache_folder
 from .contrast import CHANNELS, TISSUE_CONTRAST, TUMOUR_CONTRAST, rician_noise, smooth_noise
 
 NILEARN_VERSION = "0.14.1"
@@ -59,7 +59,7 @@ def template_wheel() -> Path:
     if os.environ.get(WHEEL_ENV):
         candidates = [Path(os.environ[WHEEL_ENV])]
     else:
-        candidates = [cache_dir() / "downloads" / NILEARN_WHEEL]
+        candidates = [cache_folder("downloads") / NILEARN_WHEEL]
     for path in candidates:
         if path.is_file() and _sha256(path) == NILEARN_SHA256:
             return path
