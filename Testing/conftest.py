@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nibabel as nib
@@ -40,6 +41,26 @@ def phantom_study_dir(tmp_path_factory) -> Path:
     from NeuralRaycastLib.sample import write_sample
 
     return write_sample(tmp_path_factory.mktemp("phantom"), "phantom", spacing=2.0).parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_data_caches(tmp_path_factory):
+    """The tests' studies, prepared maps and reference views go to a cache of their own, so a test run
+    never pushes a user's entries out of theirs (nor reads them); the compiled kernels, samples and
+    downloads are shared, so kernels compile once per machine for both."""
+    from NeuralRaycastLib.paths import CACHE_ENV, cache_dir
+
+    user, own = cache_dir(), tmp_path_factory.mktemp("cache")
+    for name in ("shaders", "modules", "samples", "downloads"):
+        (user / name).mkdir(parents=True, exist_ok=True)
+        (own / name).symlink_to(user / name, target_is_directory=True)
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(own)
+    yield own
+    if previous is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = previous
 
 
 @pytest.fixture(scope="session")
