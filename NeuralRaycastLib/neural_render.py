@@ -48,9 +48,12 @@ class TrainableScene(Protocol):
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
-#: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not shaded. On the
-#: sample case this leaves out about 40 % of the non-empty segments and at most 0.003 of a pixel's opacity.
+#: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
+#: the sample case this leaves out about 40 % of the non-empty segments and at most 0.003 of a pixel's opacity.
 MIN_SEGMENT_WEIGHT = 1e-4
+#: A composited segment adding less than this is not shaded: it takes the surface values of a shaded
+#: segment of the same crossing (shaders/segment_lists.slang), while its opacity counts in full.
+SHADE_WEIGHT = 1e-3
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,11 @@ class DiffRenderer:
         normal_step_mm: float,
         max_samples: int = 256,
         min_weight: float = MIN_SEGMENT_WEIGHT,
+        shade_weight: float = SHADE_WEIGHT,
     ) -> None:
         self.gpu, self.scene = gpu, scene
-        self.min_weight = min_weight  # 0: shade every non-empty segment (exact; for gradient checks)
+        self.min_weight = min_weight  # 0: composite every non-empty segment
+        self.shade_weight = shade_weight  # at most min_weight: shade every composited segment (exact)
         self.shading = {"look": look, "lighting": lighting, "settings": settings}
         self.look, self.settings = look, settings
         self.normal_step_mm = normal_step_mm
@@ -244,7 +249,7 @@ class DiffRenderer:
         clock.lap("distances")
         batch.list_counts.copy_from_numpy(np.zeros(2, np.int32))
         self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings,
-                                       self.min_weight)
+                                       self.min_weight, self.shade_weight)
         batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
         clock.lap("work lists")
         if batch.lists.shaded:
