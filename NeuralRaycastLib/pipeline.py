@@ -204,7 +204,8 @@ def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> Tr
 def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, settings: RunSettings) -> DiffRenderer:
     """The renderer of a trained field as it was trained: with shadows from its own learned meshes if the
     run's references had shadows."""
-    renderer = field_renderer(gpu, prepared, field, preset(settings.preset).max_samples)
+    config = preset(settings.preset)
+    renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.occupancy_cell_mm)
     if settings.shadows:
         from .style import RenderStyle
 
