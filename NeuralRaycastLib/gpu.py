@@ -164,7 +164,9 @@ def _cuda_compute_capability(driver) -> int | None:
 def _open(backend: str):
     import slangpy as spy
 
-    defines: dict[str, str] = {}
+    # The CUDA compute capability (shaders/params.slang), 0 on other backends: always defined, so the
+    # shader compiler has no undefined name in `#if` to warn about.
+    defines = {"NEURALRAYCAST_CUDA_SM": "0"}
     if backend == "cuda":
         if (driver := _cuda_driver()) is None:
             raise RuntimeError("no NVIDIA driver (CUDA driver library not found)")
