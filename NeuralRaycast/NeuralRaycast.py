@@ -212,6 +212,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.loadButton.connect("clicked(bool)", self.onLoadButton)
         self.ui.renderButton.connect("clicked(bool)", self.onRenderButton)
         self.ui.modelsButton.connect("clicked(bool)", self.onModelsButton)
+        self.ui.clearCacheButton.connect("clicked(bool)", self.onClearCacheButton)
         self._resetProgress()
 
         self.initializeParameterNode()
@@ -385,6 +386,13 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         with slicer.util.tryWithErrorDisplay(_("Failed to create the models."), waitCursor=True):
             self.logic.createModels(self._parameterNode.meshSmoothing)
 
+    def onClearCacheButton(self) -> None:
+        with slicer.util.tryWithErrorDisplay(_("Failed to clear the cached data."), waitCursor=True):
+            self.logic.ensureDependencies()
+            freed = self.logic.clearCachedData()
+            message = _("Cached data cleared: {megabytes} MB freed.").format(megabytes=f"{freed / 1e6:,.0f}")
+            slicer.util.infoDisplay(message, windowTitle=_("Neural Raycast"))
+
     def _renderThreeDView(self) -> None:
         """Render the trained field from the first 3D view's camera and show it in the red slice view."""
         threeDView = slicer.app.layoutManager().threeDWidget(0).threeDView()
@@ -424,6 +432,14 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     def getParameterNode(self):
         return NeuralRaycastParameterNode(super().getParameterNode())
+
+    @staticmethod
+    def clearCachedData() -> int:
+        """Delete the cached studies, prepared boundary maps and reference views (made again when needed;
+        compiled kernels and downloads are kept); the bytes freed."""
+        from NeuralRaycastLib.paths import DATA_CACHE_FOLDERS, clear_cache
+
+        return clear_cache(list(DATA_CACHE_FOLDERS))
 
     # -- dependencies ---------------------------------------------------------------------------------
 

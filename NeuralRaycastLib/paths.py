@@ -33,6 +33,9 @@ CACHE_FOLDERS = {
     "downloads": "the sample's pinned, checksummed source data (fetched again from the package registry)",
 }
 
+#: The folders of data derived from studies (the rest: kernels and the sample's sources).
+DATA_CACHE_FOLDERS = ("studies", "prepared", "views")
+
 
 def cache_folder(name: str) -> Path:
     """One of :data:`CACHE_FOLDERS` in the user cache directory."""

@@ -286,3 +286,17 @@ def test_default_run_folder_is_outside_temporary_space(module):
     folder = pathlib.Path(module.NeuralRaycastLogic.defaultRunFolder("Case 7: T1/FLAIR"))
     assert folder.parent == pathlib.Path.home() / "NeuralRaycast" / "runs"
     assert re.fullmatch(r"Case_7_T1_FLAIR-\d{8}-\d{6}", folder.name)
+
+
+def test_clearing_cached_data_keeps_the_compiled_kernels(module, tmp_path, monkeypatch):
+    """"Clear cached data" frees the studies, boundary maps and reference views a second training on the same
+    data would reuse; the compiled kernels stay."""
+    from NeuralRaycastLib.paths import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    for name in ("studies", "prepared", "views", "shaders"):
+        (tmp_path / name / "entry").mkdir(parents=True)
+        (tmp_path / name / "entry" / "array.npy").write_bytes(b"x" * 100)
+    assert module.NeuralRaycastLogic.clearCachedData() == 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shaders"]
+    assert module.NeuralRaycastLogic.clearCachedData() == 0  # nothing left to clear is no error
