@@ -55,9 +55,10 @@ def _listing(path: Path) -> list[str]:
 def _stamps(paths: list[Path]) -> dict[str, list[int]] | None:
     """Size and modification time (ns) of each file; None if one is missing."""
     try:
-        return {str(p): [p.stat().st_size, p.stat().st_mtime_ns] for p in paths}
+        stats = {str(p): p.stat() for p in paths}
     except OSError:
         return None
+    return {name: [stat.st_size, stat.st_mtime_ns] for name, stat in stats.items()}
 
 
 def _arrays(study: Study) -> dict[str, np.ndarray]:
