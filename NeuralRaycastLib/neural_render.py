@@ -6,8 +6,9 @@ A batch of rays goes through a few small kernels rather than one large one:
 1. rays from a camera or from training patches (shaders/ray_samples.slang),
 2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid),
 3. the scene's distances at every sample (one thread per sample; shaders/diff_scene.slang),
-4. work lists of the segments that are not empty and of the samples at their ends
-   (shaders/segment_lists.slang), then normals and appearance on the first list (one thread per entry),
+4. work lists of the shaded segments and of the samples at the ends of every composited one (a faint
+   segment borrows a shaded neighbour's surface values; shaders/segment_lists.slang), then normals and
+   appearance on the first list (one thread per entry),
 5. compositing front to back into per-ray sums (shaders/composite.slang),
 6. backward: compositing's gradient per stored value, then the scene's backward pass over both lists.
 
@@ -58,7 +59,7 @@ SHADE_WEIGHT = 1e-3
 
 @dataclass(frozen=True)
 class WorkLists:
-    """Entries in a batch's work lists: shaded segments and the samples at their ends."""
+    """Entries in a batch's work lists: shaded segments, and the samples at the ends of composited ones."""
 
     shaded: int
     touched: int
@@ -302,8 +303,9 @@ class DiffRenderer:
             self.scene.backward_appearance(batch.lists, batch.struct)
 
     def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
-        """The albedo of every composited segment of the last :meth:`forward` (the shaded work list) with
-        its optical depth per structure (how much of it is seen), for losses on the albedo itself."""
+        """The albedo of every shaded segment of the last :meth:`forward` (the shaded work list; the faint
+        segments that borrow from them hold no albedo of their own) with its optical depth per structure (how
+        much of it is seen), for losses on the albedo itself."""
         k = self.scene.structures
         slots = np.asarray(batch.shaded_slots.to_numpy())[: batch.lists.shaded].astype(np.int64)
         values = np.asarray(batch.values.to_numpy()).reshape(-1, VALUES_PER_STRUCTURE * k)
