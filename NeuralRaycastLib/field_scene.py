@@ -25,7 +25,7 @@ import numpy as np
 
 from .field import NeuralField
 from .gpu import GpuContext
-from .neural_render import WAVE, Occupancy, WorkLists
+from .neural_render import Occupancy, WorkLists
 from .preprocess import PreparedStudy
 from .render import volume_stack
 from .study import sample_at
@@ -54,8 +54,6 @@ class FieldScene:
 
     def distances(self, grid: Any, buffers: dict) -> None:
         if self.cooperative:
-            if buffers["maxSamples"] % WAVE:
-                raise ValueError(f"tensor-core kernels need max_samples in multiples of {WAVE}")
             self.field.upload_tiled_geometry()
         self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
 

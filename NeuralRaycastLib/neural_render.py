@@ -4,8 +4,8 @@ rendered with the image formation model of the reference renderer, forward and b
 A batch of rays goes through a few small kernels rather than one large one:
 
 1. rays from a camera or from training patches (shaders/ray_samples.slang),
-2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid),
-3. the scene's distances at every sample (one thread per sample; shaders/diff_scene.slang),
+2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid), listed,
+3. the scene's distances at every sample (one thread per entry of that list; shaders/diff_scene.slang),
 4. work lists of the shaded segments and of the samples at the ends of every composited one (a faint
    segment borrows a shaded neighbour's surface values; shaders/segment_lists.slang), then normals and
    appearance on the first list (one thread per entry),
@@ -27,16 +27,16 @@ import numpy as np
 
 from .camera import Camera
 from .gpu import GpuContext, PassClock
-from .render import RenderedImage, unpack_pixels
+from .render import RenderedImage, image_from_planes
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
-VALUES_PER_STRUCTURE = 8  # shaders/sample_buffers.slang
+SURFACE_VALUES_PER_STRUCTURE = 7  # shaders/sample_buffers.slang: normal xyz, albedo rgb, specular
 
 
 class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
-    of shaders/diff_scene.slang instantiated for the scene). ``distances`` runs on a (rays, max_samples)
-    grid; ``surface`` and ``backward`` on whole waves of the work lists (:class:`WorkLists`). A scene
+    of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
+    (``distances``: the sampled slots; ``surface`` and ``backward``: the lists of :class:`WorkLists`). A scene
     whose appearance can train alone also has ``backward_appearance(lists, buffers)``."""
 
     structures: int
@@ -49,6 +49,11 @@ class TrainableScene(Protocol):
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
+#: Device memory the rays of one band of a rendered view may take (a GPU; a CPU device): fewer, larger
+#: bands mean fewer passes and waits.
+BAND_BYTES = (2 << 30, 1 << 30)
+#: Shaded segments per ray a batch makes room for at first (their surface values; more when needed).
+SHADED_PER_RAY = 16
 #: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
 #: the sample case this leaves out about 40 % of the non-empty segments and at most 0.003 of a pixel's opacity.
 MIN_SEGMENT_WEIGHT = 1e-4
@@ -59,10 +64,12 @@ SHADE_WEIGHT = 1e-3
 
 @dataclass(frozen=True)
 class WorkLists:
-    """Entries in a batch's work lists: shaded segments, and the samples at the ends of composited ones."""
+    """Entries in a batch's work lists: shaded segments, the samples at the ends of composited ones, and
+    every placed sample."""
 
     shaded: int
     touched: int
+    sampled: int = 0
 
     @staticmethod
     def launch(entries: int) -> Any:
@@ -119,40 +126,86 @@ class Occupancy:
 
 
 class RayBatch:
-    """Device buffers for up to ``capacity`` rays with ``max_samples`` samples each."""
+    """Device buffers for up to ``capacity`` rays with ``max_samples`` samples each: per sample its distances,
+    per shaded segment its surface values (room for more is made once a batch's lists are counted), and
+    their gradients once a backward pass asks for them."""
 
     def __init__(self, gpu: GpuContext, capacity: int, max_samples: int, structures: int) -> None:
         import slangpy as spy
 
         device = gpu.device
         slots = capacity * max_samples
+        self.device = device
         self.capacity, self.max_samples, self.structures = capacity, max_samples, structures
         self.rays = spy.Tensor.zeros(device, shape=(capacity * 6,), dtype="float")
         self.samples = spy.Tensor.zeros(device, shape=(slots * 2,), dtype="float")
         self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
-        self.values = spy.Tensor.zeros(device, shape=(slots * VALUES_PER_STRUCTURE * structures,), dtype="float")
-        self.grads = spy.Tensor.zeros_like(self.values)
+        self.distances = spy.Tensor.zeros(device, shape=(slots * structures,), dtype="float")
+        self.surface_entry = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
         self.visibility = spy.Tensor.zeros(device, shape=(slots,), dtype="float")
         self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
         self.d_sums = spy.Tensor.zeros_like(self.sums)
         self.shaded_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
         self.touched_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.list_counts = spy.Tensor.zeros(device, shape=(2,), dtype="int")
-        self.lists = WorkLists(0, 0)
+        self.sampled_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.list_counts = spy.Tensor.zeros(device, shape=(3,), dtype="int")
+        self.lists = WorkLists(0, 0, 0)
+        self.surface_capacity = 0
+        self.surface = self.surface_grads = self.distance_grads = None
         self.struct = {
             "rays": self.rays.storage.device_address,
             "samples": self.samples.storage.device_address,
             "counts": self.counts.storage.device_address,
-            "values": self.values.storage.device_address,
-            "grads": self.grads.storage.device_address,
+            "distances": self.distances.storage.device_address,
+            "distanceGrads": 0,
+            "surface": 0,
+            "surfaceGrads": 0,
+            "surfaceEntry": self.surface_entry.storage.device_address,
             "visibility": self.visibility.storage.device_address,
             "shadows": 0,
             "maxSamples": max_samples,
             "structures": structures,
             "shadedSlots": self.shaded_slots.storage.device_address,
             "touchedSlots": self.touched_slots.storage.device_address,
+            "sampledSlots": self.sampled_slots.storage.device_address,
             "listCounts": self.list_counts.storage.device_address,
         }
+        self.reserve_surfaces(capacity * SHADED_PER_RAY)
+
+    @staticmethod
+    def bytes_per_ray(max_samples: int, structures: int) -> int:
+        """Device memory a ray takes in a rendering batch (no gradients): per sample its t and link,
+        distances, visibility, surface entry and three list entries; its first shaded segments' values."""
+        return 4 * (max_samples * (7 + structures) + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures)
+
+    @property
+    def surface_width(self) -> int:
+        return SURFACE_VALUES_PER_STRUCTURE * self.structures
+
+    def reserve_surfaces(self, entries: int) -> None:
+        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments."""
+        import slangpy as spy
+
+        if entries <= self.surface_capacity:
+            return
+        self.surface_capacity = max(entries, self.surface_capacity + self.surface_capacity // 4)
+        shape = (self.surface_capacity * self.surface_width,)
+        self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+        self.struct["surface"] = self.surface.storage.device_address
+        if self.surface_grads is not None:
+            self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+            self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+
+    def keep_gradients(self) -> None:
+        """Buffers for ∂L/∂(sample values), which a rendering-only batch does without."""
+        import slangpy as spy
+
+        if self.distance_grads is not None:
+            return
+        self.distance_grads = spy.Tensor.zeros_like(self.distances)
+        self.surface_grads = spy.Tensor.zeros_like(self.surface)
+        self.struct["distanceGrads"] = self.distance_grads.storage.device_address
+        self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
 
 
 class DiffRenderer:
@@ -183,6 +236,7 @@ class DiffRenderer:
         self.lists_module = gpu.load_module("segment_lists")
         self._batch: RayBatch | None = None
         self._frame: Any = None  # a whole view's sums on the device (render)
+        self._planes: Any = None  # and its G-buffer
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
         self.ray_count = 0
@@ -244,14 +298,17 @@ class DiffRenderer:
 
         clock = PassClock(self.gpu, timings)
         n = self.ray_count
+        self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
         clock.lap("place samples")
-        self.scene.distances(spy.grid((n, self.max_samples)), batch.struct)
+        # over every slot the rays may have: waves past the sampled list's end leave at once, and the list's
+        # length is not read back until the next pass needs it
+        self.scene.distances(WorkLists.launch(n * self.max_samples), batch.struct)
         clock.lap("distances")
-        batch.list_counts.copy_from_numpy(np.zeros(2, np.int32))
         self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings,
                                        self.min_weight, self.shade_weight)
         batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
+        batch.reserve_surfaces(batch.lists.shaded)
         clock.lap("work lists")
         if batch.lists.shaded:
             self.scene.surface(batch.lists, batch.struct, self.normal_step_mm)
@@ -276,7 +333,7 @@ class DiffRenderer:
         self.scene_backward(batch, geometry)
 
     def composite_backward(self, batch: RayBatch, d_sums: np.ndarray) -> None:
-        """First half of :meth:`backward`: ∂L/∂(every stored sample value), in ``batch.grads``."""
+        """First half of :meth:`backward`: ∂L/∂(every stored sample value), in the batch's gradient buffers."""
         n = self.ray_count
         padded = np.zeros((batch.capacity, OUTPUTS), np.float32)
         padded[:n] = np.asarray(d_sums, np.float32).reshape(n, OUTPUTS)
@@ -289,6 +346,7 @@ class DiffRenderer:
         import slangpy as spy
 
         n = self.ray_count
+        batch.keep_gradients()
         self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
                                                 batch.sums.storage.device_address,
                                                 batch.d_sums.storage.device_address)
@@ -306,31 +364,39 @@ class DiffRenderer:
         """The albedo of every shaded segment of the last :meth:`forward` (the shaded work list; the faint
         segments that borrow from them hold no albedo of their own) with its optical depth per structure (how
         much of it is seen), for losses on the albedo itself."""
-        k = self.scene.structures
-        slots = np.asarray(batch.shaded_slots.to_numpy())[: batch.lists.shaded].astype(np.int64)
-        values = np.asarray(batch.values.to_numpy()).reshape(-1, VALUES_PER_STRUCTURE * k)
-        ends = np.stack([values[slots, :k], values[slots + 1, :k]]).astype(np.float64)
+        k, shaded = self.scene.structures, batch.lists.shaded
+        slots = np.asarray(batch.shaded_slots.to_numpy())[:shaded].astype(np.int64)
+        distances = np.asarray(batch.distances.to_numpy()).reshape(-1, k)
+        surface = np.asarray(batch.surface.to_numpy()).reshape(-1, batch.surface_width)[:shaded]
+        ends = np.stack([distances[slots], distances[slots + 1]]).astype(np.float64)
         inside = 1.0 / (1.0 + np.exp(np.clip(ends / self.epsilon, -60.0, 60.0)))
         weight = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[1] - inside[0])
-        return SegmentAlbedo(slots, values[slots, 4 * k:7 * k].reshape(-1, k, 3), weight)
+        return SegmentAlbedo(slots, surface[:, 3 * k:6 * k].reshape(-1, k, 3), weight)
 
     def add_albedo_gradient(self, batch: RayBatch, segments: SegmentAlbedo, d_albedo: np.ndarray) -> None:
-        """Add ∂L/∂albedo of those segments to ``batch.grads`` (between the two halves of the backward)."""
+        """Add ∂L/∂albedo of those segments to the batch's surface gradients (between the two halves of the
+        backward)."""
         k = self.scene.structures
-        width = VALUES_PER_STRUCTURE * k
-        grads = np.asarray(batch.grads.to_numpy()).reshape(-1, width).copy()
-        grads[segments.slots, 4 * k:7 * k] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k)
-        batch.grads.copy_from_numpy(grads.reshape(-1))
+        grads = np.asarray(batch.surface_grads.to_numpy()).reshape(-1, batch.surface_width).copy()
+        grads[:len(segments.slots), 3 * k:6 * k] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k)
+        batch.surface_grads.copy_from_numpy(grads.reshape(-1))
 
     def sample_counts(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.counts.to_numpy())[: self.ray_count]
 
     # whole images -------------------------------------------------------------------------------------
-    def camera_bands(self, camera: Camera, rays_per_pass: int = 1 << 16, timings: dict[str, float] | None = None,
-                     frame: Any = None) -> Iterator[tuple[int, int, RayBatch]]:
-        """A view's rays in bands of rows, so memory stays bounded: (first row, rows, batch) after its
-        :meth:`forward` (``timings``: see there). With ``frame`` (a device tensor of the view's sums) each
-        band's sums go to their rows of it."""
+    def band_rays(self) -> int:
+        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds."""
+        budget = BAND_BYTES[1] if self.gpu.report.software else BAND_BYTES[0]
+        return max(1, budget // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures))
+
+    def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
+                     timings: dict[str, float] | None = None, frame: Any = None
+                     ) -> Iterator[tuple[int, int, RayBatch]]:
+        """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`), so
+        memory stays bounded: (first row, rows, batch) after its :meth:`forward` (``timings``: see there).
+        With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows of it."""
+        rays_per_pass = rays_per_pass or self.band_rays()
         rows_per_pass = max(1, rays_per_pass // camera.width)
         for first in range(0, camera.height, rows_per_pass):
             rows = min(rows_per_pass, camera.height - first)
@@ -339,26 +405,29 @@ class DiffRenderer:
             self.forward(batch, timings, sums_at=at)
             yield first, rows, batch
 
-    def render(self, camera: Camera, rays_per_pass: int = 1 << 16,
+    def render(self, camera: Camera, rays_per_pass: int | None = None,
                timings: dict[str, float] | None = None) -> RenderedImage:
         """One view (``timings``: see :meth:`forward`). The bands' sums stay on the device, where the
         G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view."""
         import slangpy as spy
 
         pixels = camera.height * camera.width
-        if self._frame is None or self._frame.shape[0] < pixels * OUTPUTS:
+        if self._frame is None or self._frame.shape[0] != pixels * OUTPUTS:  # one read-back of exactly the view
             self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
+            self._planes = spy.Tensor.zeros_like(self._frame)
         for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
             pass  # each band's forward pass writes its rows of the frame
         clock = PassClock(self.gpu, timings)
-        pixel_results = self.composite_module.finishPixel(spy.grid((pixels,)), self._frame.storage.device_address,
-                                                          _result="tensor")
+        self.composite_module.finishPixel(spy.grid((pixels,)), pixels, self._frame.storage.device_address,
+                                          self._planes.storage.device_address)
         clock.lap("G-buffer")
-        return unpack_pixels(pixel_results, camera.height, camera.width)
+        planes = self._planes.to_numpy()
+        clock.lap("read-back")
+        return image_from_planes(planes, camera.height, camera.width)
 
 
 @dataclass
 class SegmentAlbedo:
-    slots: np.ndarray  # (N,) slot (ray · max_samples + sample) where each segment starts
+    slots: np.ndarray  # (N,) slot (ray · max_samples + sample) where each segment starts, in list order
     albedo: np.ndarray  # (N, K, 3)
     weight: np.ndarray  # (N, K) optical depth of each structure over the segment

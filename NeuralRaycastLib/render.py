@@ -64,10 +64,14 @@ def march_settings(prepared: PreparedStudy, style: RenderStyle) -> dict:
     }
 
 
-def unpack_pixels(tensor, height: int, width: int) -> RenderedImage:
-    """A tensor of ``PixelResult`` structs (two float4) into arrays."""
-    values = np.asarray(tensor.to_numpy()).view(np.float32).reshape(height, width, 8)
-    return RenderedImage(values[..., 0:4].copy(), values[..., 7].copy(), values[..., 4:7].copy())
+def image_from_planes(planes: np.ndarray, height: int, width: int) -> RenderedImage:
+    """A frame's G-buffer written as planes (RGBA, normal, depth; shaders/composite.slang's finishPixel):
+    the image's arrays are views of the one read-back array, not copies."""
+    pixels = height * width
+    planes = np.asarray(planes, np.float32).reshape(-1)
+    return RenderedImage(planes[:4 * pixels].reshape(height, width, 4),
+                         planes[7 * pixels:8 * pixels].reshape(height, width),
+                         planes[4 * pixels:7 * pixels].reshape(height, width, 3))
 
 
 class ReferenceRenderer:
@@ -99,13 +103,14 @@ class ReferenceRenderer:
             march_settings(self.prepared, style),
         )
         grid = spy.grid((camera.height, camera.width))
+        planes = spy.Tensor.empty(self.gpu.device, shape=(camera.height * camera.width * 8,), dtype="float")
         if mesh_shadows is None:
-            result = self.module.renderReference(grid, self.scene, *arguments, _result="tensor")
+            self.module.renderReference(grid, self.scene, *arguments, planes.storage.device_address)
         else:
             shadow_struct = {"bvh": mesh_shadows.struct, "settings": mesh_shadows.settings}
-            result = self.module.renderReferenceMeshShadows(grid, self.scene, shadow_struct, *arguments,
-                                                            _result="tensor")
-        return unpack_pixels(result, camera.height, camera.width)
+            self.module.renderReferenceMeshShadows(grid, self.scene, shadow_struct, *arguments,
+                                                   planes.storage.device_address)
+        return image_from_planes(planes.to_numpy(), camera.height, camera.width)
 
 
 def hybrid_shadows(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle, boundary: np.ndarray | None = None,

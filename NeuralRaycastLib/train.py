@@ -40,7 +40,7 @@ from .fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from .gpu import GpuContext, PassClock
 from .image_loss import DeviceImageLoss, albedo_consistency_and_gradient
 from .metrics import psnr, ssim
-from .neural_render import WAVE, DiffRenderer
+from .neural_render import DiffRenderer
 from .patches import PatchSampler, pack_cameras
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews
@@ -164,8 +164,6 @@ def field_renderer(
     epsilon = float(settings["epsilon"])
     occupancy = (boundary_occupancy(prepared, box, occupancy_cell_mm, epsilon) if from_boundary
                  else field_occupancy(field, box, occupancy_cell_mm, epsilon))
-    if field.cooperative:  # tensor-core kernels take whole waves of a ray's samples; the cap may only grow
-        max_samples = -(-max_samples // WAVE) * WAVE
     renderer = DiffRenderer(gpu, FieldScene(gpu, field, prepared),
                             style.shader_look(prepared.structures, prepared.channel_names), style.shader_lighting(),
                             settings, occupancy, normal_step_mm=field.default_step_mm(), max_samples=max_samples)

@@ -100,7 +100,7 @@ def _segment_depths(renderer, batch) -> tuple[np.ndarray, np.ndarray]:
     n, m, k = renderer.ray_count, renderer.max_samples, renderer.scene.structures
     counts = renderer.sample_counts(batch)
     samples = batch.samples.to_numpy().reshape(-1, m, 2)[:n]
-    distance = batch.values.to_numpy().reshape(-1, m, 8 * k)[:n, :, :k].astype(np.float64)
+    distance = batch.distances.to_numpy().reshape(-1, m, k)[:n].astype(np.float64)
     inside = 1.0 / (1.0 + np.exp(np.clip(distance / renderer.epsilon, -60, 60)))
     depth = (np.asarray(renderer.look["opticalDepth"][:k]) * np.abs(np.diff(inside, axis=1))).sum(axis=-1)
     linked = (samples[:, :-1, 1] != 0) & (np.arange(1, m)[None, :] < counts[:, None])
@@ -318,5 +318,5 @@ def test_profiled_render_gives_the_same_picture_and_each_pass_time(gpu):
     profiled = renderer.render(camera, timings=timings)
     np.testing.assert_array_equal(profiled.rgba, plain.rgba)
     assert list(timings) == ["place samples", "distances", "work lists", "normals and appearance", "composite",
-                            "G-buffer"]
+                            "G-buffer", "read-back"]
     assert all(seconds > 0 for seconds in timings.values())
