@@ -301,9 +301,11 @@ class DiffRenderer:
         self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
         clock.lap("place samples")
-        # over every slot the rays may have: waves past the sampled list's end leave at once, and the list's
-        # length is not read back until the next pass needs it
-        self.scene.distances(WorkLists.launch(n * self.max_samples), batch.struct)
+        # exactly the listed samples: waves past the list's end would leave at once, but launching a ray's
+        # every possible slot halved the speed of this pass at 1024² on an H100 (tensor cores; BENCHMARKS.md)
+        sampled = int(batch.list_counts.to_numpy()[2])
+        if sampled:
+            self.scene.distances(WorkLists.launch(sampled), batch.struct)
         clock.lap("distances")
         self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings,
                                        self.min_weight, self.shade_weight)
