@@ -9,7 +9,14 @@ from conftest import analytic_prepared
 
 from NeuralRaycastLib.camera import Camera, orbit_cameras
 from NeuralRaycastLib.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.neural_render import MIN_SEGMENT_WEIGHT, SHADE_WEIGHT, DiffRenderer, Occupancy, WorkLists
+from NeuralRaycastLib.neural_render import (
+    MIN_SEGMENT_WEIGHT,
+    SHADE_WEIGHT,
+    DiffRenderer,
+    Occupancy,
+    RayBatch,
+    WorkLists,
+)
 from NeuralRaycastLib.patches import PatchSampler, pack_cameras
 from NeuralRaycastLib.render import ReferenceRenderer, hybrid_shadows
 from NeuralRaycastLib.sample.phantom import sphere_sdf
@@ -121,8 +128,9 @@ def test_work_lists_hold_the_segments_compositing_reads(gpu, min_weight, shade_w
     the composited segments before it) until the transmittance has run out (here an opaque sphere ends
     most rays). It is shaded where it adds more than the shade weight, and every run of composited
     segments has a shaded one (its heaviest, where none adds that much); the others borrow. The touched
-    list holds exactly the samples at the ends of the composited segments, and the marks compositing
-    reads are these."""
+    list holds exactly the samples at the ends of the composited segments, the sampled list every placed
+    sample (each ray's in order), each shaded segment finds its surface record through its slot, and the
+    marks compositing reads are these."""
     opaque = RenderStyle({"a": StructureStyle(0.99999), "b": StructureStyle(0.8)}, Lighting())
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 24, 20)
     renderer, _scene = sphere_renderer(gpu, SPHERES, style=opaque, min_weight=min_weight, shade_weight=shade_weight)
@@ -136,6 +144,12 @@ def test_work_lists_hold_the_segments_compositing_reads(gpu, min_weight, shade_w
     composited = np.flatnonzero((marks == 2.0) | (marks == 3.0))
     assert set(np.flatnonzero(marks == 2.0)) == set(listed)
     assert set(touched) == set(composited) | {s + 1 for s in composited}
+    counts = renderer.sample_counts(batch)
+    sampled = batch.sampled_slots.to_numpy()[: batch.lists.sampled]
+    placed = np.concatenate([r * renderer.max_samples + np.arange(c) for r, c in enumerate(counts)])
+    assert batch.lists.sampled == counts.sum() > 0 and set(sampled) == set(placed)
+    assert np.all(np.diff(sampled)[np.diff(sampled // renderer.max_samples) == 0] == 1)
+    np.testing.assert_array_equal(batch.surface_entry.to_numpy()[listed], np.arange(len(listed)))
 
     # weights recomputed here in float64 differ from the shader's float32 ones (insideness near 1 cancels)
     tolerance = 1e-3
@@ -218,6 +232,32 @@ def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
                                atol=1e-5)
     np.testing.assert_allclose(image.depth, np.where(alpha > 0, sums[..., 7] / np.maximum(alpha, 1e-30), 0.0),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkeypatch):
+    """A view renders in bands whose sample buffers fit BAND_BYTES (the same picture as in one band), and a
+    rendering batch holds no gradient buffers until a backward pass asks for them."""
+    from NeuralRaycastLib import neural_render
+
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    whole = renderer.render(camera, camera.width * camera.height)
+    budget = 5 * camera.width * RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
+    monkeypatch.setattr(neural_render, "BAND_BYTES", (budget, budget))
+    renderer._batch = None
+    banded = renderer.render(camera)
+    batch = renderer._batch
+    assert batch.capacity == 5 * camera.width and batch.distance_grads is None and batch.surface_grads is None
+    per_slot = sum(t.storage.size for t in (batch.rays, batch.samples, batch.counts, batch.distances,
+                                            batch.surface_entry, batch.visibility, batch.shaded_slots,
+                                            batch.touched_slots, batch.sampled_slots))
+    assert per_slot <= budget  # the shaded segments' records grow with their count (here over 16 per ray)
+    assert batch.surface.storage.size >= 4 * batch.surface_width * batch.lists.shaded > 0
+    np.testing.assert_array_equal(banded.rgba, whole.rgba)
+    band = renderer.camera_rays(camera, 0, 5)
+    renderer.forward(band)
+    renderer.backward(band, np.ones((5 * camera.width, 8)))
+    assert batch.distance_grads is not None and batch.surface_grads is not None
 
 
 def test_forward_pass_matches_the_reference_renderer(gpu):
