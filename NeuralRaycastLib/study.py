@@ -144,15 +144,20 @@ def interpolate_ijk(volume: np.ndarray, ijk: np.ndarray) -> np.ndarray:
     shape = np.array(volume.shape[-3:])
     ijk = np.clip(np.asarray(ijk, np.float64), 0, shape - 1)
     base = np.minimum(np.floor(ijk).astype(np.intp), np.maximum(shape - 2, 0))
-    fraction = ijk - base
+    upper = ijk - base  # the weights of the upper corners per axis; 1 - upper those of the lower ones
+    lower = 1.0 - upper
     flat = volume.reshape(*volume.shape[:-3], -1)
     strides = np.array([shape[1] * shape[2], shape[2], 1])
+    steps = np.where(shape > 1, strides, 0)  # a one-voxel axis has no upper corner
+    first = base @ strides
     result = np.zeros((*volume.shape[:-3], len(ijk)))
-    for corner in np.ndindex(2, 2, 2):
-        offset = np.array(corner)
-        index = np.minimum(base + offset, shape - 1) @ strides
-        weight = np.prod(np.where(offset, fraction, 1.0 - fraction), axis=1)
-        result += weight * np.take(flat, index, axis=-1)
+    for a in (0, 1):
+        wa = (upper if a else lower)[:, 0]
+        for b in (0, 1):
+            wab = wa * (upper if b else lower)[:, 1]
+            for c in (0, 1):
+                index = first + (a * steps[0] + b * steps[1] + c * steps[2])
+                result += (wab * (upper if c else lower)[:, 2]) * np.take(flat, index, axis=-1)
     return result
 
 
