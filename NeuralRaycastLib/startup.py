@@ -4,7 +4,9 @@ process (what a user starting a second run waits for, with the shader and study 
 ``python -m NeuralRaycastLib.startup STUDY SPAWNED [--preset P] [--device D]`` goes through a run's start
 (imports, device, study, reference views, field and trainer, one SDF-fit step, one joint step) and prints
 one JSON object: seconds since ``SPAWNED`` (the parent's ``time.time()`` just before it started this
-process) at each milestone. ``bench --suite startup`` runs it twice and reports the second run.
+process) at each milestone. ``bench --suite startup`` runs it twice and reports the second run, then
+times the same start twice in its own process (:func:`start_in_process`: a second run in Slicer, where the
+device stays open and the kernels stay loaded).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,17 +39,43 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
     def mark(name: str) -> None:
         times[name] = time.time() - spawned
 
-    from .field import FieldLayout, NeuralField
-    from .fit import SdfFitter
     from .gpu import open_device
-    from .pipeline import RunSettings, prepare_for_run, reference_views_for_run
-    from .reference_views import save_reference_views
-    from .train import Trainer, preset
+    from .pipeline import RunSettings
 
+    _import_training()
     mark("imports")
     gpu = open_device(device)
     mark("device open")
     settings = RunSettings.for_device(gpu, preset_name)
+    _start_training(gpu, study, settings, mark)
+    return {"preset": settings.preset, "views": settings.views, "size": settings.size, "seconds": times}
+
+
+def start_in_process(gpu, study: str | Path, preset_name: str | None = None) -> dict[str, float]:
+    """The same start in a process that already has the device open (a second run in Slicer or in a Python
+    session, where the kernels are loaded too once a first run has started): seconds at each milestone
+    after the imports and the device."""
+    from .pipeline import RunSettings
+
+    start = time.perf_counter()
+    times: dict[str, float] = {}
+    _start_training(gpu, study, RunSettings.for_device(gpu, preset_name),
+                    lambda name: times.__setitem__(name, time.perf_counter() - start))
+    return times
+
+
+def _import_training() -> None:
+    from . import field, fit, pipeline, reference_views, train  # noqa: F401
+
+
+def _start_training(gpu, study: str | Path, settings, mark: Callable[[str], None]) -> None:
+    """Study, reference views, field and trainer, one SDF-fit step and one joint step, as ``fit`` starts."""
+    from .field import FieldLayout, NeuralField
+    from .fit import SdfFitter
+    from .pipeline import prepare_for_run, reference_views_for_run
+    from .reference_views import save_reference_views
+    from .train import Trainer, preset
+
     prepared = prepare_for_run(study, settings)
     mark("study prepared")
     views = reference_views_for_run(gpu, prepared, settings)
@@ -66,7 +95,6 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
         gpu.device.wait()
         mark("first joint step")
         saved.result()
-    return {"preset": settings.preset, "views": settings.views, "size": settings.size, "seconds": times}
 
 
 def timed_start(study: str | Path, preset_name: str | None = None, device: str | None = None) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from NeuralRaycastLib.startup import MILESTONES, timed_start
+from NeuralRaycastLib.startup import MILESTONES, start_in_process, timed_start
 
 
 @pytest.mark.gpu
@@ -16,6 +16,19 @@ def test_start_up_milestones_in_a_fresh_process(tmp_path, gpu):
     seconds = [result["seconds"][name] for name in MILESTONES]
     assert result["preset"] == "quick"
     assert seconds[0] > 0 and all(a <= b for a, b in zip(seconds, seconds[1:], strict=False)), seconds
+
+
+@pytest.mark.gpu
+def test_start_up_milestones_in_a_process_with_the_device_open(tmp_path, gpu):
+    """A second run in the same process (as in Slicer) goes through the same start, device and imports
+    excepted."""
+    from NeuralRaycastLib.sample import write_sample
+
+    study = write_sample(tmp_path / "s", "fixture")
+    seconds = start_in_process(gpu, study, "quick")
+    assert list(seconds) == list(MILESTONES[2:])
+    values = list(seconds.values())
+    assert values[0] > 0 and all(a <= b for a, b in zip(values, values[1:], strict=False)), seconds
 
 
 def test_a_failing_probe_says_why(tmp_path):
