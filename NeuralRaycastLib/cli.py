@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import __version__
-from .gpu import CHOICES, DEVICE_ENV, GpuUnavailableError, open_device
+from .gpu import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device
 from .paths import CACHE_FOLDERS
 from .progress import ConsoleProgress
 from .sample import CASES
@@ -21,8 +21,8 @@ from .study import StudyError
 from .train import PRESETS, TrainingError
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
-USER_ERRORS = (StudyError, GpuUnavailableError, SampleDataError, FileNotFoundError, FileExistsError, ValueError,
-               TrainingError)
+USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, FileNotFoundError, FileExistsError,
+               ValueError, TrainingError)
 
 
 def _print_json(data) -> None:

@@ -14,6 +14,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,24 @@ INSTALL_HINT = (
 
 class GpuUnavailableError(RuntimeError):
     """No slangpy device could be opened; the message says what was tried and what to install."""
+
+
+class GpuMemoryError(RuntimeError):
+    """The device could not hold the buffers some work needs; the message says which and how large."""
+
+
+@contextmanager
+def device_memory(what: str) -> Iterator[None]:
+    """Allocations on the device for ``what``: a buffer the device could not create (out of memory, or
+    larger than one buffer may be) raises :class:`GpuMemoryError` naming it, instead of the driver's message
+    alone."""
+    try:
+        yield
+    except RuntimeError as error:
+        message = str(error)
+        if isinstance(error, GpuMemoryError) or not ("createBuffer" in message or "memory" in message.lower()):
+            raise
+        raise GpuMemoryError(f"the GPU could not hold {what} ({message.splitlines()[0][-120:]})") from error
 
 
 @dataclass

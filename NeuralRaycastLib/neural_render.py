@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .camera import Camera
-from .gpu import GpuContext, PassClock
+from .gpu import GpuContext, GpuMemoryError, PassClock, device_memory
 from .render import RenderedImage, image_from_planes
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
@@ -188,13 +188,15 @@ class RayBatch:
 
         if entries <= self.surface_capacity:
             return
-        self.surface_capacity = max(entries, self.surface_capacity + self.surface_capacity // 4)
-        shape = (self.surface_capacity * self.surface_width,)
-        self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
-        self.struct["surface"] = self.surface.storage.device_address
-        if self.surface_grads is not None:
-            self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
-            self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+        capacity = max(entries, self.surface_capacity + self.surface_capacity // 4)
+        shape = (capacity * self.surface_width,)
+        with device_memory(f"the surface values of {capacity:,} shaded segments"):
+            self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+            self.struct["surface"] = self.surface.storage.device_address
+            if self.surface_grads is not None:
+                self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+                self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+        self.surface_capacity = capacity
 
     def keep_gradients(self) -> None:
         """Buffers for ∂L/∂(sample values), which a rendering-only batch does without."""
@@ -235,6 +237,7 @@ class DiffRenderer:
         self.composite_module = gpu.load_module("composite")
         self.lists_module = gpu.load_module("segment_lists")
         self._batch: RayBatch | None = None
+        self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
         self._frame: Any = None  # a whole view's sums on the device (render)
         self._planes: Any = None  # and its G-buffer
         self.mesh_shadows = None
@@ -262,8 +265,13 @@ class DiffRenderer:
             self._shadow_module = self.gpu.load_module("segment_shadows")
 
     def batch(self, rays: int) -> RayBatch:
+        """Buffers for ``rays`` rays (the last batch if it is large enough; GpuMemoryError if the device cannot
+        hold them)."""
         if self._batch is None or self._batch.capacity < rays:
-            self._batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
+            self._batch = None  # free the smaller one first
+            megabytes = rays * RayBatch.bytes_per_ray(self.max_samples, self.scene.structures) / 2**20
+            with device_memory(f"the sample buffers of {rays:,} rays ({megabytes:,.0f} MB)"):
+                self._batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
         return self._batch
 
     # rays ---------------------------------------------------------------------------------------------
@@ -388,24 +396,37 @@ class DiffRenderer:
 
     # whole images -------------------------------------------------------------------------------------
     def band_rays(self) -> int:
-        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds."""
+        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds, or as a band that fitted
+        when a larger one did not (:meth:`camera_bands`)."""
         budget = BAND_BYTES[1] if self.gpu.report.software else BAND_BYTES[0]
-        return max(1, budget // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures))
+        return min(self._band_limit, max(1, budget // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)))
 
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
                      timings: dict[str, float] | None = None, frame: Any = None
                      ) -> Iterator[tuple[int, int, RayBatch]]:
         """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`), so
         memory stays bounded: (first row, rows, batch) after its :meth:`forward` (``timings``: see there).
-        With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows of it."""
+        With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows of it. A band
+        the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
         rays_per_pass = rays_per_pass or self.band_rays()
         rows_per_pass = max(1, rays_per_pass // camera.width)
-        for first in range(0, camera.height, rows_per_pass):
+        first = 0
+        while first < camera.height:
             rows = min(rows_per_pass, camera.height - first)
-            batch = self.camera_rays(camera, first, rows)
             at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
-            self.forward(batch, timings, sums_at=at)
+            try:
+                batch = self.camera_rays(camera, first, rows)
+                self.forward(batch, timings, sums_at=at)
+            except GpuMemoryError:
+                if rows == 1:
+                    raise
+                # the device could not hold this band: half as many rows, for this view and the next ones
+                self._batch = None
+                rows_per_pass = max(1, rows // 2)
+                self._band_limit = rows_per_pass * camera.width
+                continue
             yield first, rows, batch
+            first += rows
 
     def render(self, camera: Camera, rays_per_pass: int | None = None,
                timings: dict[str, float] | None = None) -> RenderedImage:
@@ -415,8 +436,10 @@ class DiffRenderer:
 
         pixels = camera.height * camera.width
         if self._frame is None or self._frame.shape[0] != pixels * OUTPUTS:  # one read-back of exactly the view
-            self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
-            self._planes = spy.Tensor.zeros_like(self._frame)
+            self._frame = self._planes = None
+            with device_memory(f"a {camera.width} × {camera.height} frame"):
+                self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
+                self._planes = spy.Tensor.zeros_like(self._frame)
         for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
             pass  # each band's forward pass writes its rows of the frame
         clock = PassClock(self.gpu, timings)

@@ -95,3 +95,18 @@ def test_slangpy_is_loaded_without_torch_where_torch_is_installed(tmp_path):
                                               "open_device().load_module('device_check')")
     assert not ours["torch_loaded_with_slangpy"]
     assert ours["torch_importable_after"]
+
+
+def test_a_buffer_the_device_cannot_create_is_named_in_the_error():
+    """A failed buffer creation becomes GpuMemoryError naming what was being allocated (the CLI prints it as
+    one line); other errors pass through as they are."""
+    from NeuralRaycastLib.cli import USER_ERRORS
+    from NeuralRaycastLib.gpu import GpuMemoryError, device_memory
+
+    failed = "m_device->rhi_device()->createBuffer(rhi_desc) failed with error: -2147467259"
+    with pytest.raises(GpuMemoryError, match=r"could not hold the frame \(.*createBuffer"), device_memory("the frame"):
+        raise RuntimeError(failed)
+    with pytest.raises(RuntimeError, match="unrelated") as caught, device_memory("the frame"):
+        raise RuntimeError("unrelated")
+    assert not isinstance(caught.value, GpuMemoryError)
+    assert issubclass(GpuMemoryError, USER_ERRORS)

@@ -260,6 +260,32 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
     assert batch.distance_grads is not None and batch.surface_grads is not None
 
 
+def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):
+    """Out of device memory for a band, a view renders in smaller bands (the same picture) and later views
+    start there; where not even one row fits, GpuMemoryError says what could not be held."""
+    from NeuralRaycastLib.gpu import GpuMemoryError
+
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    expected = renderer.render(camera)
+    original = RayBatch.__init__
+    limit = {"rays": 5 * camera.width}
+
+    def small_device(self, gpu, capacity, *args):
+        if capacity > limit["rays"]:
+            raise RuntimeError("createBuffer(rhi_desc) failed with error: out of memory (simulated)")
+        original(self, gpu, capacity, *args)
+
+    monkeypatch.setattr(RayBatch, "__init__", small_device)
+    renderer._batch = None
+    np.testing.assert_array_equal(renderer.render(camera).rgba, expected.rgba)
+    assert renderer.band_rays() <= limit["rays"]
+    limit["rays"] = camera.width // 2
+    renderer._batch = None
+    with pytest.raises(GpuMemoryError, match="sample buffers of 32 rays"):
+        renderer.render(camera)
+
+
 def test_forward_pass_matches_the_reference_renderer(gpu):
     """Rendering the same spheres through the boundary-map renderer gives the same picture, and skipping
     unoccupied cells changes nothing."""
