@@ -80,12 +80,26 @@ class FieldScene:
         self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
 
 
+#: The last few boundary occupancies of this process, by study and grid: a second run in the same process
+#: (Slicer, a Python session) starts without computing its study's again.
+_BOUNDARY_OCCUPANCIES: dict[tuple, Occupancy] = {}
+
+
 def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:
     """Where the boundary maps put a surface (the occupancy before anything is learnt)."""
     def distances(points: np.ndarray) -> np.ndarray:
         return sample_at(prepared.boundary, prepared.affine, points).T
 
-    return Occupancy.from_distances(distances, box, cell_mm, BAND_WIDTHS * epsilon_mm)
+    study = getattr(prepared, "key", "")  # a digest of what the study was prepared from ("" if unknown)
+    key = (study, np.asarray(box, np.float64).tobytes(), float(cell_mm), float(epsilon_mm))
+    occupancy = _BOUNDARY_OCCUPANCIES.get(key) if study else None
+    if occupancy is None:
+        occupancy = Occupancy.from_distances(distances, box, cell_mm, BAND_WIDTHS * epsilon_mm)
+        if study:
+            if len(_BOUNDARY_OCCUPANCIES) >= 4:  # the oldest goes
+                del _BOUNDARY_OCCUPANCIES[next(iter(_BOUNDARY_OCCUPANCIES))]
+            _BOUNDARY_OCCUPANCIES[key] = occupancy
+    return Occupancy(occupancy.cells.copy(), occupancy.origin.copy(), occupancy.cell_mm)
 
 
 def field_occupancy(field: NeuralField, box: np.ndarray, cell_mm: float, epsilon_mm: float,

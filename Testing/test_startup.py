@@ -62,3 +62,32 @@ def test_the_first_occupancy_grid_does_not_load_scipy():
             "print(0 < o.fraction < 1, sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True []", done.stdout
+
+
+def test_a_second_run_in_the_process_reuses_its_studys_first_occupancy_grid(monkeypatch):
+    """The boundary occupancy of a prepared study (by its digest, box and cells) is computed once per process:
+    the same grid again, a copy the caller may change; another cell size or study is computed afresh."""
+    import types
+
+    import numpy as np
+
+    from NeuralRaycastLib import field_scene
+
+    x = np.linspace(-8, 8, 17)
+    d = np.sqrt(np.add.outer(np.add.outer(x**2, x**2), x**2)) - 5
+    affine = np.diag([1.0, 1, 1, 1])
+    affine[:3, 3] = -8
+    box = np.array([[-8.0] * 3, [8.0] * 3])
+    calls = []
+    original = field_scene.Occupancy.from_distances
+    monkeypatch.setattr(field_scene.Occupancy, "from_distances",
+                        lambda *a, **k: calls.append(a[2]) or original(*a, **k))
+    monkeypatch.setattr(field_scene, "_BOUNDARY_OCCUPANCIES", {})
+    study = types.SimpleNamespace(boundary=np.stack([d, d - 1]), affine=affine, key="study-a")
+    first = field_scene.boundary_occupancy(study, box, 2.0, 0.5)
+    first.cells[:] = False
+    again = field_scene.boundary_occupancy(study, box, 2.0, 0.5)
+    assert calls == [2.0] and 0 < again.fraction < 1
+    field_scene.boundary_occupancy(study, box, 4.0, 0.5)
+    field_scene.boundary_occupancy(types.SimpleNamespace(boundary=study.boundary, affine=affine, key=""), box, 2.0, 0.5)
+    assert calls == [2.0, 4.0, 2.0]
