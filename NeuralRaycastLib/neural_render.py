@@ -27,7 +27,7 @@ import numpy as np
 
 from .camera import Camera
 from .gpu import GpuContext, GpuMemoryError, PassClock, device_memory
-from .render import RenderedImage, image_from_planes
+from .render import PLANE_FLOATS, RenderedImage, image_from_planes
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
 SURFACE_VALUES_PER_STRUCTURE = 7  # shaders/sample_buffers.slang: normal xyz, albedo rgb, specular
@@ -439,7 +439,7 @@ class DiffRenderer:
             self._frame = self._planes = None
             with device_memory(f"a {camera.width} × {camera.height} frame"):
                 self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
-                self._planes = spy.Tensor.zeros_like(self._frame)
+                self._planes = spy.Tensor.zeros(self.gpu.device, shape=(pixels * PLANE_FLOATS,), dtype="float")
         for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
             pass  # each band's forward pass writes its rows of the frame
         clock = PassClock(self.gpu, timings)

@@ -64,6 +64,11 @@ def march_settings(prepared: PreparedStudy, style: RenderStyle) -> dict:
     }
 
 
+#: Floats per pixel of a frame written as planes (shaders/image_formation.slang's storePixel): RGBA, normal,
+#: depth.
+PLANE_FLOATS = 8
+
+
 def image_from_planes(planes: np.ndarray, height: int, width: int) -> RenderedImage:
     """A frame's G-buffer written as planes (RGBA, normal, depth; shaders/composite.slang's finishPixel):
     the image's arrays are views of the one read-back array, not copies."""
@@ -103,7 +108,7 @@ class ReferenceRenderer:
             march_settings(self.prepared, style),
         )
         grid = spy.grid((camera.height, camera.width))
-        planes = spy.Tensor.empty(self.gpu.device, shape=(camera.height * camera.width * 8,), dtype="float")
+        planes = spy.Tensor.empty(self.gpu.device, shape=(camera.height * camera.width * PLANE_FLOATS,), dtype="float")
         if mesh_shadows is None:
             self.module.renderReference(grid, self.scene, *arguments, planes.storage.device_address)
         else:
