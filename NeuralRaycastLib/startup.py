@@ -20,6 +20,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the imports themselves are what the probe times)
+    from .gpu import GpuContext
+    from .pipeline import RunSettings
 
 MILESTONES = (
     "imports",
@@ -51,7 +56,7 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
     return {"preset": settings.preset, "views": settings.views, "size": settings.size, "seconds": times}
 
 
-def start_in_process(gpu, study: str | Path, preset_name: str | None = None) -> dict[str, float]:
+def start_in_process(gpu: GpuContext, study: str | Path, preset_name: str | None = None) -> dict[str, float]:
     """The same start in a process that already has the device open (a second run in Slicer or in a Python
     session, where the kernels are loaded too once a first run has started): seconds at each milestone
     after the imports and the device."""
@@ -68,7 +73,7 @@ def _import_training() -> None:
     from . import field, fit, pipeline, reference_views, train  # noqa: F401
 
 
-def _start_training(gpu, study: str | Path, settings, mark: Callable[[str], None]) -> None:
+def _start_training(gpu: GpuContext, study: str | Path, settings: RunSettings, mark: Callable[[str], None]) -> None:
     """Study, reference views, field and trainer, one SDF-fit step and one joint step, as ``fit`` starts."""
     from .field import FieldLayout, NeuralField
     from .fit import SdfFitter
