@@ -121,6 +121,15 @@ def shader_cache_path(backend: str) -> Path:
     return cache_folder("shaders") / backend
 
 
+#: Size of the compiled-kernel database (LMDB; its file grows only as entries are written). slangpy's default is
+#: 128 MiB, and once an entry does not fit, slangpy 0.43 can neither make room (deleting from a full LMDB map
+#: fails: MDB_MAP_FULL) nor store it: every later run compiles that kernel again, minutes for the tensor-core
+#: ones. On an H100 machine the render and fit kernels compiled by a warm-up were compiled again by the next
+#: one while the small reference-renderer kernels were found; this 2-core machine's Vulkan cache held 86 MB.
+#: slangpy evicts the least recently used entries as the database nears this size.
+SHADER_CACHE_BYTES = 2 << 30
+
+
 # Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a
 # second instead of parsing slangpy's and our modules again (about 3 s of a start on a 2-core CPU; on an H100
 # machine opening the device went from 2.7 to 0.7 s). Slang checks each cached module against its sources and
@@ -209,6 +218,7 @@ def _open(backend: str):
             "defines": defines,
         },
         shader_cache_path=str(cache),
+        shader_cache_size=SHADER_CACHE_BYTES,
         **modules,
     )
     # A device can open and still fail on its first dispatch (old Mesa, broken driver): prove it works.
