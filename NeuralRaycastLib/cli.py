@@ -405,8 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=PRESETS, default=None,
                    help="preset to warm up for (default: quick on a software device, else standard)")
     p.add_argument("--jobs", type=int, default=0,
-                   help="compile the kernels in this many processes at once (default: two on a GPU machine "
-                        "with the cores for it, the SDF fit beside the render parts; one on a software device)")
+                   help="compile the kernels in this many processes at once (default: up to three on a GPU "
+                        "machine, the SDF fit, forward passes and joint backward side by side; one on a "
+                        "software device)")
     p.set_defaults(run=cmd_warmup)
 
     p = sub.add_parser("demo", help="the main job on the built-in sample case: train, render, mesh, report.html")

@@ -1,14 +1,16 @@
 """Compile ahead: every kernel a run uses, into the persistent shader cache, so later runs start at once.
 
-A run's kernels fall into three parts: the SDF fit (stage 1), the rendering stages' forward passes with the
-appearance backward (stage 2) and evaluation renders, and the joint backward (stage 3). One step of each part
-is run on tiny views with a fresh field: what is compiled is exactly what training calls. Slang and the GPU
-compiler work on one kernel at a time in a process, so on a machine with cores to spare the parts compile in
-parallel processes (``jobs``); the shader cache is a database that several processes may fill at once. The
-joint backward also runs the forward kernels, so its process starts once the forward part's has ended
-(:data:`AFTER`) and finds them cached. On a GPU each part gets a process of its own even one at a time: on an
-H100 machine the joint backward took 205 s in a process of its own, and had not finished after 352 s in the
-process that had just compiled the other parts.
+A run's kernels fall into parts: the SDF fit (stage 1); the rendering stages' forward passes with the
+appearance backward (stage 2) and evaluation renders; the joint backward (stage 3: the scene's backward
+passes through distances, normals and appearance); and a joint step, which then only loads them. One step of
+each part is run on tiny views with a fresh field: what is compiled is exactly what training calls. The joint
+backward's kernels are compiled by a launch over an empty batch (every entry past the end of its list: nothing
+is computed), so they need no forward pass first. Slang and the GPU compiler work on one kernel at a time in
+a process, so on a machine with cores to spare the first three parts compile in parallel processes
+(``jobs``); the shader cache is a database that several processes may fill at once. The joint step's
+process starts once they have ended (:data:`AFTER`) and finds their kernels cached. On a GPU each part gets
+a process of its own even one at a time: on an H100 machine the joint backward took 205 s in a process of
+its own, and had not finished after 352 s in the process that had just compiled the other parts.
 
 ``python -m NeuralRaycastLib.warmup STUDY PART [--preset P] [--device D]`` is the worker a parallel
 warm-up starts for each part.
@@ -31,6 +33,7 @@ from typing import IO
 from .field import FieldLayout, NeuralField
 from .fit import SdfFitter
 from .gpu import GpuContext, open_device
+from .neural_render import WAVE, RayBatch, WorkLists
 from .pipeline import RunSettings, prepare_for_run
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews, render_reference_views
@@ -40,11 +43,12 @@ Progress = Callable[[str, float], None]
 PARTS = {
     "fit": "SDF fit (stage 1)",
     "appearance": "render forward, appearance backward (stage 2), evaluation renders",
-    "joint": "joint backward: distances, normals, appearance (stage 3)",
+    "backward": "joint backward: distances, normals, appearance (stage 3)",
+    "joint": "joint step (stage 3), its kernels compiled by the other parts",
 }
-#: A part started in its own process only once this other part has ended: the joint backward runs the
-#: forward kernels too, which it then finds in the shader cache instead of compiling them a second time.
-AFTER = {"joint": "appearance"}
+#: A part started in its own process only once these parts have ended: the joint step runs the kernels of all
+#: three, which it then finds in the shader cache instead of compiling them a second time.
+AFTER = {"joint": ("fit", "appearance", "backward")}
 
 
 def tiny_views(gpu: GpuContext, prepared: PreparedStudy) -> ReferenceViews:
@@ -64,6 +68,8 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     if part == "fit":
         SdfFitter(gpu, prepared, field, config.geometry).run()
         trainer.refresh_occupancy()  # the learned distances on the occupancy grid
+    elif part == "backward":
+        compile_scene_backward(trainer)
     else:
         adam, sdf = trainer.render_optimisers(2)
         if part == "appearance":
@@ -76,13 +82,24 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     gpu.device.wait()
 
 
+def compile_scene_backward(trainer: Trainer) -> None:
+    """Build the kernels of the scene's backward passes as a joint step calls them, over a new batch whose
+    work lists are empty on the device: every launched entry lies past the end of its list and does nothing
+    (a wave of them leaves at once), so no forward pass has to fill the batch first."""
+    renderer = trainer.renderer
+    batch = RayBatch(trainer.gpu, WAVE, renderer.max_samples, renderer.scene.structures)
+    batch.keep_gradients()
+    renderer.scene.backward(WorkLists(shaded=WAVE, touched=WAVE), batch.struct, renderer.normal_step_mm)
+
+
 def default_jobs(gpu: GpuContext) -> int:
-    """Parallel processes for a warm-up: two on a GPU machine with the cores for it (the SDF fit beside the
-    render parts, which run one after another: see :data:`AFTER`); one on a software device (its compiler
-    already uses every core, and each process would hold its own device)."""
+    """Parallel processes for a warm-up: on a GPU machine up to three, the SDF fit, the forward passes and the
+    joint backward side by side, where it has two cores for each (the joint step then follows: see
+    :data:`AFTER`); one on a software device (its compiler already uses every core, and each process would
+    hold its own device)."""
     if gpu.report.software:
         return 1
-    return max(1, min(2, (os.cpu_count() or 1) // 2))
+    return max(1, min(3, (os.cpu_count() or 1) // 2))
 
 
 def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
@@ -126,8 +143,9 @@ def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: s
     with ExitStack() as files:
         files.callback(lambda: [process.kill() for process, _, _ in running.values()])  # cancelled: stop them
         while waiting or running:
-            while len(running) < jobs and (ready := [p for p in waiting if AFTER.get(p) not in waiting
-                                                      and AFTER.get(p) not in running]):
+            while len(running) < jobs and (ready := [p for p in waiting
+                                                      if not any(d in waiting or d in running
+                                                                 for d in AFTER.get(p, ()))]):
                 part = ready[0]
                 waiting.remove(part)
                 command = [sys.executable, "-m", __name__, str(study_path), part, "--preset", settings.preset]

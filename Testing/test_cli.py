@@ -136,15 +136,15 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
         _parts_in_processes(tmp_path / "missing.nii.gz", RunSettings("quick"), None, 3, lambda *_: None)
 
 
-def test_the_joint_warm_up_part_waits_for_the_forward_part_and_the_fit_runs_beside_them(monkeypatch):
-    """The joint backward's process starts only once the forward part's has ended (it then finds the forward
-    kernels cached); the SDF fit compiles beside the render parts. Workers are stand-ins here: the order is
-    what is checked, with even three processes allowed."""
+def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_step_after_them(monkeypatch):
+    """The SDF fit, the forward passes and the joint backward compile in processes side by side; the joint
+    step's process starts only once all three have ended (it then finds their kernels cached). Workers are
+    stand-ins here: the order is what is checked, with even four processes allowed."""
     from NeuralRaycastLib import warmup
     from NeuralRaycastLib.pipeline import RunSettings
 
     events: list[tuple[str, str]] = []
-    polls_to_finish = {"fit": 8, "appearance": 2, "joint": 2}
+    polls_to_finish = {"fit": 8, "appearance": 2, "backward": 5, "joint": 2}
 
     class Worker:
         def __init__(self, command, **_):
@@ -164,9 +164,11 @@ def test_the_joint_warm_up_part_waits_for_the_forward_part_and_the_fit_runs_besi
 
     monkeypatch.setattr(warmup.subprocess, "Popen", Worker)
     monkeypatch.setattr(warmup.time, "sleep", lambda seconds: None)
-    seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 3, lambda *_: None)
-    assert events.index(("start", "joint")) > events.index(("end", "appearance"))
-    assert events.index(("start", "appearance")) < events.index(("end", "fit"))
+    seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 4, lambda *_: None)
+    first_end = min(index for index, (kind, _) in enumerate(events) if kind == "end")
+    assert {("start", part) for part in ("fit", "appearance", "backward")} <= set(events[:first_end])
+    assert events.index(("start", "joint")) > max(events.index(("end", part))
+                                                  for part in ("fit", "appearance", "backward"))
     assert set(warmup.PARTS.values()) <= set(seconds)
 
 
