@@ -50,6 +50,14 @@ def test_shader_cache_lives_in_the_user_cache(monkeypatch, tmp_path):
     assert gpu.module_cache_path("vulkan") == tmp_path / "modules" / "vulkan"
 
 
+def test_the_shader_cache_has_room_for_the_tensor_core_kernels(gpu):
+    """At slangpy's default size (128 MiB) the database, once full, could neither keep new kernels nor make room
+    for them, so they were compiled again in every run; the device opens it larger (BENCHMARKS.md)."""
+    from NeuralRaycastLib.gpu import SHADER_CACHE_BYTES
+
+    assert gpu.device.desc.shader_cache_size == SHADER_CACHE_BYTES >= 1 << 30
+
+
 def test_modules_with_slang_neural_load_where_parsed_modules_are_cached(gpu):
     """Slang's module cache needs its standard modules on the include path, or `import slang.neural` (the
     field's tensor-core network) fails to resolve; with the cache kept, that module loads and is cached."""
