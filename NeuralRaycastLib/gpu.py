@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .paths import cache_folder, shader_dir
+from .paths import SHADER_CACHE_BYTES, cache_folder, shader_dir
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
 BACKENDS = ("cuda", "vulkan")
@@ -119,15 +119,6 @@ def requested_backend(choice: str | None = None) -> str:
 
 def shader_cache_path(backend: str) -> Path:
     return cache_folder("shaders") / backend
-
-
-#: Size of the compiled-kernel database (LMDB; its file grows only as entries are written). slangpy's default is
-#: 128 MiB, and once an entry does not fit, slangpy 0.43 can neither make room (deleting from a full LMDB map
-#: fails: MDB_MAP_FULL) nor store it: every later run compiles that kernel again, minutes for the tensor-core
-#: ones. On an H100 machine the render and fit kernels compiled by a warm-up were compiled again by the next
-#: one while the small reference-renderer kernels were found; this 2-core machine's Vulkan cache held 86 MB.
-#: slangpy evicts the least recently used entries as the database nears this size.
-SHADER_CACHE_BYTES = 2 << 30
 
 
 # Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a

@@ -21,10 +21,18 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "neuralraycast"
 
 
+#: Size of the compiled-kernel database (LMDB; its file grows only as entries are written). slangpy's default is
+#: 128 MiB, and once an entry does not fit, slangpy 0.43 can neither make room (deleting from a full LMDB map
+#: fails: MDB_MAP_FULL) nor store it: every later run compiles that kernel again, minutes for the tensor-core
+#: ones. On an H100 machine the render and fit kernels compiled by a warm-up were compiled again by the next
+#: one while the small reference-renderer kernels were found (BENCHMARKS.md). gpu.py opens devices with it.
+#: slangpy evicts the least recently used entries as the database nears this size.
+SHADER_CACHE_BYTES = 2 << 30
+
 #: The cache's folders and what each keeps (``neuralraycast cache`` lists and clears them); all are
 #: filled again when needed, at the cost given.
 CACHE_FOLDERS = {
-    "shaders": "compiled kernels, per backend (compiled again: minutes)",
+    "shaders": f"compiled kernels, up to {SHADER_CACHE_BYTES >> 30} GiB per backend (compiled again: minutes)",
     "modules": "Slang's parsed modules, per backend (parsed again: seconds)",
     "studies": "studies as read from their NIfTI files (read again: about a second)",
     "prepared": "boundary maps and what else preparing derives (computed again: seconds to a minute)",

@@ -53,7 +53,7 @@ def test_shader_cache_lives_in_the_user_cache(monkeypatch, tmp_path):
 def test_the_shader_cache_has_room_for_the_tensor_core_kernels(gpu):
     """At slangpy's default size (128 MiB) the database, once full, could neither keep new kernels nor make room
     for them, so they were compiled again in every run; the device opens it larger (BENCHMARKS.md)."""
-    from NeuralRaycastLib.gpu import SHADER_CACHE_BYTES
+    from NeuralRaycastLib.paths import SHADER_CACHE_BYTES
 
     assert gpu.device.desc.shader_cache_size == SHADER_CACHE_BYTES >= 1 << 30
 
