@@ -71,11 +71,12 @@ def gpu():
     return open_device()
 
 
-def analytic_prepared(sdfs: dict, spacing: float, low, high, channel=None):
+def analytic_prepared(sdfs: dict, spacing: float, low, high, channel=None, channel_count: int = 1):
     """A PreparedStudy whose boundary maps are exact signed distances sampled on a grid.
 
     ``sdfs`` maps structure names to functions of RAS points (..., 3); isolates the renderer from the
-    distance transform (which has its own tests).
+    distance transform (which has its own tests). ``channel_count`` > 1 repeats the channel, scaled, under
+    the BraTS names (a field then has as many appearance inputs as one of a BraTS study).
     """
     from NeuralRaycastLib.preprocess import PreparedStudy
     from NeuralRaycastLib.sample.phantom import voxel_centres
@@ -89,11 +90,13 @@ def analytic_prepared(sdfs: dict, spacing: float, low, high, channel=None):
     points = voxel_centres(affine, shape)
     boundary = np.stack([np.asarray(f(points), np.float32) for f in sdfs.values()])
     image = np.ones(shape, np.float32) if channel is None else np.asarray(channel(points), np.float32)
-    study = Study("analytic", {"t1": image}, affine)
+    names = ["t1", "t1ce", "t2", "flair"][:channel_count] if channel_count > 1 else ["t1"]
+    channels = np.stack([image * (1.0 - 0.2 * index) for index in range(len(names))])
+    study = Study("analytic", dict(zip(names, channels, strict=True)), affine)
     structures = make_structures({name: (index + 1,) for index, name in enumerate(sdfs)}, include_brain=False)
     mask = (boundary < 0).any(axis=0)
     return PreparedStudy(
-        study=study, channels=image[None], channel_names=["t1"], structures=structures, boundary=boundary,
+        study=study, channels=channels, channel_names=names, structures=structures, boundary=boundary,
         probability=np.zeros(shape, np.float32), mask=mask, occupancy=np.ones((1, 1, 1), bool), occupancy_block=8,
         bounds=np.stack([low, high]),
     )
@@ -112,7 +115,7 @@ def sphere_trace(sdf, origin, directions, t_max=2000.0, iterations=400):
     return np.where(done & (t < t_max), t, np.inf)
 
 
-def phantom_prepared(spacing: float):
+def phantom_prepared(spacing: float, channel_count: int = 1):
     """The analytic phantom, exact boundary maps on a grid of ``spacing`` mm around its brain: (phantom, prepared)."""
     from NeuralRaycastLib.sample.phantom import Phantom
 
@@ -120,4 +123,4 @@ def phantom_prepared(spacing: float):
     low = np.asarray(phantom.brain_centre) - np.asarray(phantom.brain_half_extent) - 6.0
     high = np.asarray(phantom.brain_centre) + np.asarray(phantom.brain_half_extent) + 6.0
     sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in phantom.structure_names}
-    return phantom, analytic_prepared(sdfs, spacing, low, high)
+    return phantom, analytic_prepared(sdfs, spacing, low, high, channel_count=channel_count)
