@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from scipy import ndimage
@@ -174,6 +176,12 @@ def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_di
     np.testing.assert_array_equal(first.probability, second.probability)
     for name in ("channels", "mask", "occupancy", "bounds"):  # the cached grid and box are those derived anew
         np.testing.assert_array_equal(getattr(first, name), getattr(second, name), err_msg=name)
+    # the channels' normalisation ranges are kept with the entry (a hit skips their percentiles); unusable
+    # ranges are computed again
+    meta = json.loads((cached / "meta.json").read_text())
+    assert len(meta["channel_ranges"]) == len(study.channels)
+    (cached / "meta.json").write_text(json.dumps({**meta, "channel_ranges": [[1.0, 0.0]] * len(study.channels)}))
+    np.testing.assert_array_equal(prepare(study, cache_root=tmp_path).channels, first.channels)
     (cached / "boundary.npy").write_bytes(b"damaged")
     third = prepare(study, cache_root=tmp_path)
     np.testing.assert_array_equal(first.boundary, third.boundary)
