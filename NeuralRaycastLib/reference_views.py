@@ -23,6 +23,7 @@ from .metrics import contact_sheet, depth_picture, normal_picture, save_png
 from .paths import cache_folder, shader_dir
 from .preprocess import PreparedStudy
 from .render import ReferenceRenderer, RenderedImage
+from .study import map_in_threads
 from .style import RenderStyle
 
 #: Bump when what a cached set of views holds changes.
@@ -37,6 +38,20 @@ class ReferenceViews:
     images: list[RenderedImage]
     training: list[int]
     held_out: list[int]
+
+    def targets(self) -> np.ndarray:
+        """Every view's G-buffer as one (V, H, W, 8) float32 array: RGBA, normal xyz, depth (the renderer's
+        outputs, channel for channel). Filled one view per thread: for 24 views of 512² that is 200 MB, which
+        a stack of concatenations copied twice in one thread (0.43 s of a run's start on a 2-core CPU)."""
+        first = self.images[0]
+        out = np.empty((len(self.images), *first.depth.shape, 8), np.float32)
+
+        def fill(index: int) -> None:
+            image = self.images[index]
+            out[index, ..., :4], out[index, ..., 4:7], out[index, ..., 7] = image.rgba, image.normal, image.depth
+
+        map_in_threads(fill, range(len(self.images)))
+        return out
 
 
 def render_reference_views(

@@ -213,9 +213,7 @@ class Trainer:
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
         self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
                                        config.occupancy_cell_mm, from_boundary=True)
-        targets = np.stack([np.concatenate([image.rgba, image.normal, image.depth[..., None]], axis=-1)
-                            for image in views.images])  # the G-buffer, channel for channel as OUTPUTS
-        self.sampler = PatchSampler(targets, views.training, config.patch_size, seed=config.seed)
+        self.sampler = PatchSampler(views.targets(), views.training, config.patch_size, seed=config.seed)
         self.image_loss = DeviceImageLoss(gpu, config.patch_size)
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
         self.log = TrainLog()

@@ -19,6 +19,7 @@ from NeuralRaycastLib.image_loss import (
     patch_loss_and_gradient,
 )
 from NeuralRaycastLib.neural_render import OUTPUTS
+from NeuralRaycastLib.patches import PatchSampler
 from NeuralRaycastLib.reference_views import render_reference_views
 from NeuralRaycastLib.sample.phantom import Phantom
 from NeuralRaycastLib.train import Trainer, field_renderer, preset
@@ -42,6 +43,22 @@ def new_field(gpu, prepared) -> NeuralField:
     layout = FieldLayout.build(tiny_config(log2_table=14, coarsest_cells=8, finest_cell_mm=SPACING),
                                prepared.bounds, len(prepared.structures), 1)
     return NeuralField(gpu, layout, seed=1)
+
+
+def test_reference_patches_are_the_views_g_buffers_in_the_renderers_output_order(phantom_views):
+    """The trainer compares each rendered patch with the views' RGBA, normal and depth under it, channel for
+    channel as the renderer outputs them (ReferenceViews.targets, which fills one array in threads)."""
+    _, views = phantom_views
+    targets = views.targets()
+    assert targets.shape == (len(views.images), 40, 40, OUTPUTS) and targets.dtype == np.float32
+    sampler = PatchSampler(targets, views.training, 8, seed=0)
+    rows = sampler.sample(12)
+    assert set(rows[:, 0]) <= set(views.training)
+    for (view, x, y), patch in zip(rows, sampler.reference_patches(rows), strict=True):
+        image = views.images[view]
+        np.testing.assert_array_equal(patch[..., :4], image.rgba[y : y + 8, x : x + 8])
+        np.testing.assert_array_equal(patch[..., 4:7], image.normal[y : y + 8, x : x + 8])
+        np.testing.assert_array_equal(patch[..., 7], image.depth[y : y + 8, x : x + 8])
 
 
 def test_training_reproduces_held_out_views_and_the_segmentation(gpu, phantom_views):
