@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .camera import Camera
-from .gpu import GpuContext, GpuMemoryError, PassClock, device_memory
+from .gpu import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory
 from .render import PLANE_FLOATS, RenderedImage, image_from_planes
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
@@ -240,6 +240,7 @@ class DiffRenderer:
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
         self._frame: Any = None  # a whole view's sums on the device (render)
         self._planes: Any = None  # and its G-buffer
+        self._read_back = ReadBack(gpu)
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
         self.ray_count = 0
@@ -446,7 +447,7 @@ class DiffRenderer:
         self.composite_module.finishPixel(spy.grid((pixels,)), pixels, self._frame.storage.device_address,
                                           self._planes.storage.device_address)
         clock.lap("G-buffer")
-        planes = self._planes.to_numpy()
+        planes = self._read_back.read(self._planes)
         clock.lap("read-back")
         return image_from_planes(planes, camera.height, camera.width)
 

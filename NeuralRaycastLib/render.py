@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .camera import Camera
-from .gpu import GpuContext
+from .gpu import GpuContext, ReadBack
 from .preprocess import PreparedStudy
 from .study import grid_corners_bounds
 from .style import BAND_WIDTHS, RenderStyle
@@ -90,6 +90,7 @@ class ReferenceRenderer:
         self._channels, channels = volume_stack(gpu, prepared.channels, ras_to_ijk)
         self.scene = {"boundary": boundary, "channels": channels}
         self.module = gpu.load_module("reference_render")
+        self._read_back = ReadBack(gpu)
 
     def render(self, camera: Camera, shadows: bool | None = None, mesh_shadows=None) -> RenderedImage:
         """One view. ``shadows`` overrides the style's; ``mesh_shadows`` (a MeshShadows, see
@@ -115,7 +116,7 @@ class ReferenceRenderer:
             shadow_struct = {"bvh": mesh_shadows.struct, "settings": mesh_shadows.settings}
             self.module.renderReferenceMeshShadows(grid, self.scene, shadow_struct, *arguments,
                                                    planes.storage.device_address)
-        return image_from_planes(planes.to_numpy(), camera.height, camera.width)
+        return image_from_planes(self._read_back.read(planes), camera.height, camera.width)
 
 
 def hybrid_shadows(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle, boundary: np.ndarray | None = None,

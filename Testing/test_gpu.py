@@ -118,3 +118,21 @@ def test_a_buffer_the_device_cannot_create_is_named_in_the_error():
         raise RuntimeError("unrelated")
     assert not isinstance(caught.value, GpuMemoryError)
     assert issubclass(GpuMemoryError, USER_ERRORS)
+
+
+def test_read_back_arrays_stay_as_read_when_the_buffer_is_used_again(gpu):
+    """A renderer reads every frame through one kept host buffer; the arrays of an earlier frame (views of its
+    read-back, render.image_from_planes) must not change when the next one is read, of any size."""
+    import slangpy as spy
+
+    reader = gpu_module.ReadBack(gpu)
+    rng = np.random.default_rng(0)
+    first, second, third = (rng.random(n, dtype=np.float32) for n in (1000, 1000, 24))
+    tensor = spy.Tensor.from_numpy(gpu.device, first)
+    a = reader.read(tensor)
+    tensor.copy_from_numpy(second)
+    b = reader.read(tensor)
+    c = reader.read(spy.Tensor.from_numpy(gpu.device, third))
+    np.testing.assert_array_equal(a, first)
+    np.testing.assert_array_equal(b, second)
+    np.testing.assert_array_equal(c, third)
