@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from .gpu import GpuContext
+from .gpu import GpuContext, device_memory_in_use
 from .torch_peer import bench_torch_peer
 
 
@@ -226,7 +226,9 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=0)
     trainer = Trainer(gpu, prepared, field, views, preset(name))
+    memory = {"field and trainer made": device_memory_in_use(gpu)}
     log = trainer.run(lambda message, fraction: progress(f"train: {message}", fraction))
+    memory["training done"] = device_memory_in_use(gpu)
     scores = [row for row in log.rows if "heldout_psnr" in row]
     rows = [
         BenchRow("train", "training rays/s (render stages)", log.rays_per_second(), "1/s",
@@ -270,6 +272,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         seconds = sum(trainer.profile_steps(joint=True, patches=patches).values())
         rows.append(BenchRow("train", f"stage-3 training rays/s, {rays} rays per step", rays / seconds, "1/s",
                              f"{patches} patches; one step {seconds * 1e3:.1f} ms (sum of the phases)"))
+        memory[f"steps of {rays} rays"] = device_memory_in_use(gpu)
     config = trainer.config
     clock = time.perf_counter()
     coarse = learned_mesh_shadows(gpu, prepared, field, trainer.style, config.mesh_grid_mm)
@@ -304,7 +307,20 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         rows.append(BenchRow("train", f"reference render {width}² (volumetric shadows)", seconds * 1e3, "ms",
                              f"{repeats} runs; PSNR of the neural render with mesh shadows against it: "
                              f"{psnr(frame['mesh shadows'].rgb(), volumetric.rgb()):.2f} dB"))
-    return rows
+        memory[f"{width}² renders"] = device_memory_in_use(gpu)
+    return rows + [memory_row(memory)]
+
+
+def memory_row(samples: dict[str, int | None]) -> BenchRow:
+    """The largest of the device memory samples (bytes in use on the GPU, sampled between the bench's parts,
+    not a true peak), with every sample in the notes; NaN where the device does not tell (CUDA only)."""
+    known = {name: value for name, value in samples.items() if value is not None}
+    if not known:
+        return BenchRow("train", "GPU memory in use", float("nan"), "GiB", "not readable on this device (CUDA only)")
+    largest = max(known, key=lambda name: known[name])
+    return BenchRow("train", "GPU memory in use, largest sample", known[largest] / 2**30, "GiB",
+                    f"after {largest}; " + ", ".join(f"{name} {value / 2**30:.2f}" for name, value in known.items())
+                    + " GiB (the device's total less free, this process's context included)")
 
 
 def work_per_ray(renderer, camera) -> tuple[float, float]:

@@ -181,6 +181,32 @@ def _cuda_compute_capability(driver) -> int | None:
     return 10 * major.value + minor.value
 
 
+def device_memory_in_use(gpu: GpuContext) -> int | None:
+    """Bytes in use on the GPU a CUDA device runs on (total less free, every process's, this one's context
+    included), or None where it cannot be read (other backends, no driver)."""
+    import ctypes
+
+    import slangpy as spy
+
+    driver = _cuda_driver() if gpu.backend == "cuda" else None
+    contexts = [h.value for h in gpu.device.native_handles if h.type == spy.NativeHandleType.CUcontext] \
+        if driver is not None else []
+    if not contexts:
+        return None
+    free, total, popped = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_void_p()
+    try:
+        if driver.cuCtxPushCurrent_v2(ctypes.c_void_p(contexts[0])) != 0:
+            return None
+        try:
+            if driver.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+                return None
+        finally:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(popped))
+    except AttributeError:  # a driver without these entry points
+        return None
+    return total.value - free.value
+
+
 def _open(backend: str):
     import slangpy as spy
 

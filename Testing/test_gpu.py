@@ -137,3 +137,18 @@ def test_read_back_arrays_stay_as_read_when_the_buffer_is_used_again(gpu):
     np.testing.assert_array_equal(a, first)
     np.testing.assert_array_equal(b, second)
     np.testing.assert_array_equal(c, third)
+
+
+def test_device_memory_in_use_is_read_on_cuda_and_none_elsewhere(gpu):
+    """The bench reports the GPU memory in use (CUDA's total less free); devices that cannot tell give None."""
+    import slangpy as spy
+
+    before = gpu_module.device_memory_in_use(gpu)
+    if gpu.backend != "cuda":
+        assert before is None
+        return
+    tensor = spy.Tensor.zeros(gpu.device, shape=(64 << 20,), dtype=float)  # 256 MiB
+    gpu.device.wait()
+    after = gpu_module.device_memory_in_use(gpu)
+    assert before > 0 and after - before >= 200 << 20
+    del tensor
