@@ -202,7 +202,7 @@ def device_memory_in_use(gpu: GpuContext) -> int | None:
                 return None
         finally:
             driver.cuCtxPopCurrent_v2(ctypes.byref(popped))
-    except AttributeError:  # a driver without these entry points
+    except (AttributeError, ctypes.ArgumentError):  # a driver without these entry points, or other signatures
         return None
     return total.value - free.value
 
