@@ -126,7 +126,7 @@ def test_read_back_arrays_stay_as_read_when_the_buffer_is_used_again(gpu):
     import slangpy as spy
 
     reader = gpu_module.ReadBack(gpu)
-    reader.kept = True  # (what a software device does; a GPU reads through the tensor until measured)
+    reader.kept = True  # (what a software device does; a GPU, large reads on CUDA aside, reads the tensor)
     rng = np.random.default_rng(0)
     first, second, third = (rng.random(n, dtype=np.float32) for n in (1000, 1000, 24))
     tensor = spy.Tensor.from_numpy(gpu.device, first)
@@ -137,6 +137,24 @@ def test_read_back_arrays_stay_as_read_when_the_buffer_is_used_again(gpu):
     np.testing.assert_array_equal(a, first)
     np.testing.assert_array_equal(b, second)
     np.testing.assert_array_equal(c, third)
+
+
+def test_a_large_read_gives_the_tensors_values_in_a_new_array_each_time(gpu):
+    """A 1024² G-buffer (32 MiB) is read this device's way: on CUDA through the kept buffer's host memory,
+    copied into a new array (an earlier frame's arrays stay as read); elsewhere as in the test above."""
+    import slangpy as spy
+
+    reader = gpu_module.ReadBack(gpu)
+    rng = np.random.default_rng(1)
+    first, second = (rng.random(gpu_module.LARGE_READ_BYTES // 4, dtype=np.float32) for _ in range(2))
+    tensor = spy.Tensor.from_numpy(gpu.device, first)
+    a = reader.read(tensor)
+    tensor.copy_from_numpy(second)
+    b = reader.read(tensor)
+    np.testing.assert_array_equal(a, first)
+    np.testing.assert_array_equal(b, second)
+    if gpu.backend == "cuda":
+        assert reader._host is not None, "CUDA gave the read-back buffer no host address"
 
 
 def test_device_memory_in_use_is_read_on_cuda_and_none_elsewhere(gpu):
