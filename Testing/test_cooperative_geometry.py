@@ -106,7 +106,8 @@ def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
 def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
     """The renderer's kernels over whole waves with the geometry network on tensor cores: the same picture
     as the per-thread kernels to half precision, and nearly the same gradients for the hash table and the
-    appearance network; the geometry network gets none from the images on either path (field_scene.py)."""
+    appearance network; the geometry network gets none from the images on either path (field_scene.py).
+    With the geometry frozen (stage 2) only the appearance network gets gradients, nearly the same too."""
     from NeuralRaycastLib.camera import orbit_cameras
     from NeuralRaycastLib.neural_render import OUTPUTS
     from NeuralRaycastLib.train import field_renderer
@@ -117,7 +118,7 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
     cooperative.set_parameters(scalar.parameters())
     camera = orbit_cameras(prepared.bounds, 1, 48, 40)[0]
     d_sums = np.random.default_rng(4).normal(size=(camera.width * camera.height, OUTPUTS)).astype(np.float32)
-    pictures, gradients = [], []
+    pictures, gradients, appearance = [], [], []
     for field in (scalar, cooperative):
         renderer = field_renderer(cuda, prepared, field, 192)
         assert renderer.scene.cooperative == field.cooperative
@@ -127,6 +128,10 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
         field.zero_gradients()
         renderer.backward(batch, d_sums)
         gradients.append(field.gradients().astype(np.float64))
+        field.zero_gradients()
+        renderer.backward(batch, d_sums, geometry=False)
+        appearance.append(field.gradients().astype(np.float64))
+        field.zero_gradients()
     alpha = pictures[0][:, 3]
     assert alpha.max() > 0.5
     print(f"picture: max |difference| {np.abs(pictures[1][:, :4] - pictures[0][:, :4]).max():.4f}")
@@ -139,3 +144,11 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
         cosine = ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))
         print(f"render backward, {name}: cosine {cosine:.5f}")
         assert cosine > 0.99, name
+    for name, (start, stop) in scalar.layout.segments().items():
+        ga, gb = appearance[0][start:stop], appearance[1][start:stop]
+        if name != "appearance":
+            assert not ga.any() and not gb.any(), name
+            continue
+        cosine = ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))
+        print(f"appearance-only backward: cosine {cosine:.5f}")
+        assert cosine > 0.99
