@@ -75,12 +75,13 @@ class FieldScene:
         module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
         module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
 
-    def backward_appearance(self, lists: WorkLists, buffers: dict) -> None:
+    def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
         """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
         network runs forward for its features, on tensor cores where the field has them (the forward pass of
         the same step has put its current weights there)."""
         module = self.field.fit_module if self.cooperative else self.field.module
-        module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers)
+        module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers,
+                                       step_mm)
 
 
 #: The last few boundary occupancies of this process, by study and grid: a second run in the same process

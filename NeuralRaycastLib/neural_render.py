@@ -37,7 +37,7 @@ class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
     of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
     (``distances``: the sampled slots; ``surface`` and ``backward``: the lists of :class:`WorkLists`). A scene
-    whose appearance can train alone also has ``backward_appearance(lists, buffers)``."""
+    whose appearance can train alone also has ``backward_appearance(lists, buffers, step_mm)``."""
 
     structures: int
 
@@ -369,7 +369,7 @@ class DiffRenderer:
         if geometry:
             self.scene.backward(batch.lists, batch.struct, self.normal_step_mm)
         else:
-            self.scene.backward_appearance(batch.lists, batch.struct)
+            self.scene.backward_appearance(batch.lists, batch.struct, self.normal_step_mm)
 
     def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
         """The albedo of every shaded segment of the last :meth:`forward` (the shaded work list; the faint

@@ -166,9 +166,9 @@ def test_stencil_encoding_equals_the_encoding_of_each_point(field, layout, param
 
 @pytest.mark.parametrize("h", [0.4, 3.0], ids=["stencil-inside-cells", "stencil-across-cells"])
 def test_shading_geometry_equals_the_normals_and_geometry_apart(field, layout, params, points, h):
-    """A shaded point's normals, and its distances and features averaged over the tetrahedron's corners, come
-    from one stencil encoding of the corners: the same values and table gradients as distanceGradients and
-    geometry (checked above) evaluated apart at each corner."""
+    """A shaded point's normals, its distances averaged over the tetrahedron's corners and the first corner's
+    features come from one stencil encoding of the corners: the same values and table gradients as
+    distanceGradients and geometry (checked above) evaluated apart at each corner."""
     w = list(np.random.default_rng(12).normal(size=STRUCTURES + layout.config.network.geometry_features
                                               + 3 * STRUCTURES))
     values, gradients = {}, {}
