@@ -385,8 +385,9 @@ class PassClock:
         self.last = now
 
 
-#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack): glibc maps every fresh allocation
-#: this large page by page (32 MiB is its largest mmap threshold), which made the tensor's own read slow.
+#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack). glibc gives allocations this large
+#: (32 MiB is its largest mmap threshold) fresh mappings whose pages fault in one by one on first use, and
+#: that made the tensor's own read slow.
 LARGE_READ_BYTES = 32 << 20
 
 
