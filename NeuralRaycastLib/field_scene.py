@@ -79,9 +79,8 @@ class FieldScene:
         """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
         network runs forward for its features, on tensor cores where the field has them (the forward pass of
         the same step has put its current weights there)."""
-        module = self.field.fit_module if self.cooperative else self.field.module
-        module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers,
-                                       step_mm)
+        self.field.fit_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative),
+                                                      buffers, step_mm)
 
 
 #: The last few boundary occupancies of this process, by study and grid: a second run in the same process

@@ -419,9 +419,7 @@ class ReadBack:
         if self.gpu.backend == "cuda" and size >= LARGE_READ_BYTES and not self._unmapped:
             host = self._host_view(tensor, size)
             if host is not None:
-                values = np.empty(host.shape, np.float32)
-                np.copyto(values, host)
-                return values
+                return host.copy()  # a new array from numpy's allocator
         return np.asarray(tensor.to_numpy(), np.float32).reshape(-1)
 
     def _copy_to_kept(self, tensor: Any, size: int) -> None:
