@@ -78,7 +78,15 @@ class Adam:
         self.module = gpu.load_module("adam")
         self.m = spy.Tensor.zeros_like(field.values)
         self.v = spy.Tensor.zeros_like(field.values)
-        self.groups = spy.Tensor.from_numpy(gpu.device, field.layout.groups())
+        layout = field.layout
+        self.buffers = {  # shaders/adam.slang's AdamBuffers: the groups are contiguous in the field's buffer
+            "values": field.values.storage.device_address,
+            "grads": field.grads.storage.device_address,
+            "m": self.m.storage.device_address,
+            "v": self.v.storage.device_address,
+            "count": layout.count,
+            "groupStart": [layout.geometry_offset, layout.appearance_offset, layout.count],
+        }
         self.step_count = 0
 
     def settings(self, factor: float, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> dict:
@@ -102,10 +110,10 @@ class Adam:
     def step(self, factor: float = 1.0, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> None:
         """One update with the gradients accumulated so far; they are zeroed. ``group_scales`` multiply
         the rates of the hash table, geometry and appearance groups (0 freezes a group)."""
+        import slangpy as spy
+
         self.step_count += 1
-        self.module.adamStep(
-            self.field.values, self.field.grads, self.m, self.v, self.groups, self.settings(factor, group_scales)
-        )
+        self.module.adamStep(spy.grid((self.field.layout.count,)), self.buffers, self.settings(factor, group_scales))
 
 
 def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
