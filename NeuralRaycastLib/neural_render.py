@@ -10,7 +10,8 @@ A batch of rays goes through a few small kernels rather than one large one:
    segment borrows a shaded neighbour's surface values; shaders/segment_lists.slang), then normals and
    appearance on the first list (one thread per entry),
 5. compositing front to back into per-ray sums (shaders/composite.slang),
-6. backward: compositing's gradient per stored value, then the scene's backward pass over both lists.
+6. backward: compositing's gradient per stored value (one thread per composited segment, from what the
+   forward pass kept), then the scene's backward pass over both lists.
 
 Keeping the networks out of the ray loop keeps every kernel small (quick to compile, also on a CPU
 device) and lets all samples of a batch run in parallel; the lists keep every thread of a wave busy
@@ -30,6 +31,7 @@ from .gpu import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory
 from .render import PLANE_FLOATS, RenderedImage, image_from_planes
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
+KEPT_FLOATS = OUTPUTS + 2  # shaders/composite.slang: what the forward keeps per segment for the backward
 SURFACE_VALUES_PER_STRUCTURE = 7  # shaders/sample_buffers.slang: normal xyz, albedo rgb, specular
 
 
@@ -151,7 +153,8 @@ class RayBatch:
         self.list_counts = spy.Tensor.zeros(device, shape=(3,), dtype="int")
         self.lists = WorkLists(0, 0, 0)
         self.surface_capacity = 0
-        self.surface = self.surface_grads = self.distance_grads = None
+        self.surface = self.surface_grads = self.distance_grads = self.kept = None
+        self.kept_for_backward = False  # the last forward kept what the backward needs (and zeroed its gradients)
         self.struct = {
             "rays": self.rays.storage.device_address,
             "samples": self.samples.storage.device_address,
@@ -169,6 +172,7 @@ class RayBatch:
             "touchedSlots": self.touched_slots.storage.device_address,
             "sampledSlots": self.sampled_slots.storage.device_address,
             "listCounts": self.list_counts.storage.device_address,
+            "kept": 0,
         }
         self.reserve_surfaces(capacity * SHADED_PER_RAY)
 
@@ -199,13 +203,16 @@ class RayBatch:
         self.surface_capacity = capacity
 
     def keep_gradients(self) -> None:
-        """Buffers for ∂L/∂(sample values), which a rendering-only batch does without."""
+        """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, which a
+        rendering-only batch does without."""
         import slangpy as spy
 
         if self.distance_grads is not None:
             return
         self.distance_grads = spy.Tensor.zeros_like(self.distances)
         self.surface_grads = spy.Tensor.zeros_like(self.surface)
+        self.kept = spy.Tensor.zeros(self.device, shape=(self.capacity * self.max_samples * KEPT_FLOATS,),
+                                     dtype="float")
         self.struct["distanceGrads"] = self.distance_grads.storage.device_address
         self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
 
@@ -299,13 +306,18 @@ class DiffRenderer:
         return batch
 
     # passes -------------------------------------------------------------------------------------------
-    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None) -> None:
+    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None,
+                for_backward: bool = False) -> None:
         """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
         ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
-        ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame)."""
+        ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame).
+        ``for_backward``: compositing also keeps what :meth:`backward` needs (else the backward composites
+        the batch again first)."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
+        if for_backward:
+            batch.keep_gradients()
         n = self.ray_count
         self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
@@ -329,9 +341,15 @@ class DiffRenderer:
             self._shadow_module.segmentVisibility(WorkLists.launch(batch.lists.shaded), batch.struct, self.shading,
                                                   self.mesh_shadows.struct, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
-        self.composite_module.compositeRay(spy.grid((n,)), batch.struct, self.shading,
-                                           batch.sums.storage.device_address if sums_at is None else sums_at)
+        self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
         clock.lap("composite")
+
+    def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
+        import slangpy as spy
+
+        batch.struct["kept"] = batch.kept.storage.device_address if for_backward else 0
+        self.composite_module.compositeRay(spy.grid((self.ray_count,)), batch.struct, self.shading, sums_at)
+        batch.kept_for_backward = for_backward
 
     def sums(self, batch: RayBatch) -> np.ndarray:
         return np.asarray(batch.sums.to_numpy()).reshape(-1, OUTPUTS)[: self.ray_count]
@@ -354,13 +372,14 @@ class DiffRenderer:
     def composite_backward_on_device(self, batch: RayBatch) -> None:
         """:meth:`composite_backward` with ∂L/∂sums already in ``batch.d_sums`` (written there by a loss
         kernel: nothing goes through the host)."""
-        import slangpy as spy
-
-        n = self.ray_count
-        batch.keep_gradients()
-        self.composite_module.compositeBackward(spy.grid((n,)), batch.struct, self.shading,
-                                                batch.sums.storage.device_address,
-                                                batch.d_sums.storage.device_address)
+        if not batch.kept_for_backward:  # (and each backward adds to gradients its forward zeroed)
+            batch.keep_gradients()
+            self._composite(batch, batch.sums.storage.device_address, for_backward=True)
+        if batch.lists.touched:
+            self.composite_module.compositeSegmentBackward(WorkLists.launch(batch.lists.touched), batch.struct,
+                                                           self.shading, batch.sums.storage.device_address,
+                                                           batch.d_sums.storage.device_address)
+        batch.kept_for_backward = False
 
     def scene_backward(self, batch: RayBatch, geometry: bool = True) -> None:
         """Second half of :meth:`backward`: the sample values' gradients into the scene's parameters."""

@@ -69,10 +69,11 @@ def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None,
     return renderer, scene
 
 
-@pytest.mark.parametrize("shade_weight", [0.0, 0.05])
-def test_ray_integral_gradient_matches_finite_differences(gpu, shade_weight):
+@pytest.mark.parametrize(("shade_weight", "for_backward"), [(0.0, False), (0.05, False), (0.05, True)])
+def test_ray_integral_gradient_matches_finite_differences(gpu, shade_weight, for_backward):
     """L = Σ W · (colour, opacity, normal, depth sums) over a small image; every parameter checked, with
-    every segment shaded and with most of them taking a shaded neighbour's surface values."""
+    every segment shaded and with most of them taking a shaded neighbour's surface values; after a forward
+    pass that kept what the backward needs, or one that did not (the backward composites again)."""
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 6, 5)
     weights = np.random.default_rng(0).normal(size=(camera.height * camera.width, 8))
 
@@ -85,7 +86,7 @@ def test_ray_integral_gradient_matches_finite_differences(gpu, shade_weight):
     values = SPHERES.ravel().astype(np.float64)
     renderer, scene = sphere_renderer(gpu, values, min_weight=0.0, shade_weight=shade_weight)
     batch = renderer.camera_rays(camera)
-    renderer.forward(batch)
+    renderer.forward(batch, for_backward=for_backward)
     borrowed = int((batch.samples.to_numpy().reshape(-1, 2)[:, 1] == 3.0).sum())
     assert (borrowed > 2 * batch.lists.shaded) if shade_weight else borrowed == 0
     renderer.backward(batch, weights)
