@@ -202,19 +202,22 @@ class RayBatch:
                 self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
         self.surface_capacity = capacity
 
-    def keep_gradients(self) -> None:
-        """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, which a
-        rendering-only batch does without."""
+    def keep_gradients(self, rays: int) -> None:
+        """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
+        ``rays`` rays: a rendering-only batch does without them, and a batch made for a rendered band (far more
+        rays) holds them only for the rays trained on it."""
         import slangpy as spy
 
-        if self.distance_grads is not None:
-            return
-        self.distance_grads = spy.Tensor.zeros_like(self.distances)
-        self.surface_grads = spy.Tensor.zeros_like(self.surface)
-        self.kept = spy.Tensor.zeros(self.device, shape=(self.capacity * self.max_samples * KEPT_FLOATS,),
-                                     dtype="float")
-        self.struct["distanceGrads"] = self.distance_grads.storage.device_address
-        self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+        slots = rays * self.max_samples
+        if self.kept is None or self.kept.shape[0] < slots * KEPT_FLOATS:
+            self.distance_grads = self.kept = None  # free the smaller ones first
+            with device_memory(f"the gradient buffers of {rays:,} rays"):
+                self.distance_grads = spy.Tensor.zeros(self.device, shape=(slots * self.structures,), dtype="float")
+                self.kept = spy.Tensor.zeros(self.device, shape=(slots * KEPT_FLOATS,), dtype="float")
+            self.struct["distanceGrads"] = self.distance_grads.storage.device_address
+        if self.surface_grads is None:
+            self.surface_grads = spy.Tensor.zeros_like(self.surface)
+            self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
 
 
 class DiffRenderer:
@@ -317,7 +320,7 @@ class DiffRenderer:
 
         clock = PassClock(self.gpu, timings)
         if for_backward:
-            batch.keep_gradients()
+            batch.keep_gradients(self.ray_count)
         n = self.ray_count
         self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
@@ -373,7 +376,7 @@ class DiffRenderer:
         """:meth:`composite_backward` with ∂L/∂sums already in ``batch.d_sums`` (written there by a loss
         kernel: nothing goes through the host)."""
         if not batch.kept_for_backward:  # (and each backward adds to gradients its forward zeroed)
-            batch.keep_gradients()
+            batch.keep_gradients(self.ray_count)
             self._composite(batch, batch.sums.storage.device_address, for_backward=True)
         if batch.lists.touched:
             self.composite_module.compositeSegmentBackward(WorkLists.launch(batch.lists.touched), batch.struct,

@@ -88,7 +88,7 @@ def compile_scene_backward(trainer: Trainer) -> None:
     (a wave of them leaves at once), so no forward pass has to fill the batch first."""
     renderer = trainer.renderer
     batch = RayBatch(trainer.gpu, WAVE, renderer.max_samples, renderer.scene.structures)
-    batch.keep_gradients()
+    batch.keep_gradients(WAVE)
     renderer.scene.backward(WorkLists(shaded=WAVE, touched=WAVE), batch.struct, renderer.normal_step_mm)
 
 

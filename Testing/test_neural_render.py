@@ -237,7 +237,7 @@ def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
 
 def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkeypatch):
     """A view renders in bands whose sample buffers fit BAND_BYTES (the same picture as in one band), and a
-    rendering batch holds no gradient buffers until a backward pass asks for them."""
+    rendering batch holds no gradient buffers until a backward pass asks for them, then only for its rays."""
     from NeuralRaycastLib import neural_render
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
@@ -255,10 +255,13 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
     assert per_slot <= budget  # the shaded segments' records grow with their count (here over 16 per ray)
     assert batch.surface.storage.size >= 4 * batch.surface_width * batch.lists.shaded > 0
     np.testing.assert_array_equal(banded.rgba, whole.rgba)
-    band = renderer.camera_rays(camera, 0, 5)
+    band = renderer.camera_rays(camera, 0, 2)  # fewer rays than the batch holds, as a training step's
     renderer.forward(band)
-    renderer.backward(band, np.ones((5 * camera.width, 8)))
+    renderer.backward(band, np.ones((2 * camera.width, 8)))
     assert batch.distance_grads is not None and batch.surface_grads is not None
+    slots = 2 * camera.width * renderer.max_samples  # gradient buffers for the rays trained, not the capacity
+    assert batch.distance_grads.shape[0] == slots * renderer.scene.structures
+    assert batch.kept.shape[0] == slots * neural_render.KEPT_FLOATS
 
 
 def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):
