@@ -69,6 +69,11 @@ class TrainConfig:
     rate_geometry: float = 2e-3
     rate_appearance: float = 5e-3
     occupancy_cell_mm: float = 4.0
+    # Occupancy cells of the finished field's pictures (Trainer.use_render_occupancy, run renderers): finer than
+    # training's, so rays place fewer samples in empty space (the sample case's boundary maps: 45.0 -> 34.0
+    # samples per ray; a trained quick field: 36.1 -> 27.4, its picture the same within 58 dB). Training keeps
+    # the coarser grid, refreshed at every evaluation.
+    render_cell_mm: float = 2.0
     eval_every: int = 200
     seed: int = 0
     max_bad_steps: int = 5  # consecutive non-finite losses before giving up
@@ -301,9 +306,15 @@ class Trainer:
         self.log.mesh_seconds += time.perf_counter() - start
         self.log.mesh_extractions += 1
 
-    def refresh_occupancy(self) -> None:
-        self.renderer.set_occupancy(field_occupancy(self.field, self.renderer.box, self.config.occupancy_cell_mm,
-                                                    self.renderer.epsilon))
+    def refresh_occupancy(self, cell_mm: float | None = None) -> None:
+        """Place samples where the learned distances now put a surface (cells of ``cell_mm``, default the
+        training's)."""
+        self.renderer.set_occupancy(field_occupancy(self.field, self.renderer.box,
+                                                    cell_mm or self.config.occupancy_cell_mm, self.renderer.epsilon))
+
+    def use_render_occupancy(self) -> None:
+        """The occupancy of the finished field's pictures (``render_cell_mm``), once training is over."""
+        self.refresh_occupancy(self.config.render_cell_mm)
 
     # the whole schedule -----------------------------------------------------------------------------------
     def run(self, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None) -> TrainLog:

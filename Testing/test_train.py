@@ -79,6 +79,28 @@ def test_training_reproduces_held_out_views_and_the_segmentation(gpu, phantom_vi
         assert geometry[name]["mean_surface_distance_mm"] < SPACING, geometry
 
 
+def test_finished_fields_pictures_place_fewer_samples_on_finer_cells_and_look_the_same(gpu, phantom_views):
+    """After training, the renderer places samples on the finer occupancy cells of ``render_cell_mm``: fewer
+    samples per ray in empty space, the same picture."""
+    from NeuralRaycastLib.bench import work_per_ray
+
+    prepared, views = phantom_views
+    field = new_field(gpu, prepared)
+    config = replace(preset("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5)
+    trainer = Trainer(gpu, prepared, field, views, config)
+    SdfFitter(gpu, prepared, field, replace(config.geometry, steps=120)).run()
+    camera = views.cameras[views.held_out[0]]
+    pictures, samples = [], []
+    for switch in (trainer.refresh_occupancy, trainer.use_render_occupancy):
+        switch()
+        pictures.append(trainer.renderer.render(camera))
+        samples.append(work_per_ray(trainer.renderer, camera)[0])
+    assert trainer.renderer.occupancy.cell_mm == 2.5
+    assert samples[1] < 0.9 * samples[0], samples
+    assert pictures[0].rgba[..., 3].max() > 0.5  # something is seen
+    np.testing.assert_allclose(pictures[1].rgba, pictures[0].rgba, atol=0.01)
+
+
 def test_cancel_keeps_a_finite_state(gpu, phantom_views):
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
