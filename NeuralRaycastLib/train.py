@@ -70,10 +70,11 @@ class TrainConfig:
     rate_appearance: float = 5e-3
     occupancy_cell_mm: float = 4.0
     # Occupancy cells of the finished field's pictures (Trainer.use_render_occupancy, run renderers): finer than
-    # training's, so rays place fewer samples in empty space (the sample case's boundary maps: 45.0 -> 34.0
-    # samples per ray; a trained quick field: 36.1 -> 27.4, its picture the same within 58 dB). Training keeps
-    # the coarser grid, refreshed at every evaluation.
-    render_cell_mm: float = 2.0
+    # training's, so rays place fewer samples in empty space. Sample case at 1024² on an H200: 44.9 / 34.0 / 28.1
+    # samples per ray and distances 27.7 / 22.0 / 18.4 ms at 4 / 2 / 1 mm, the picture the same within 77 dB;
+    # the 1 mm grid takes about 1 s to make once (BENCHMARKS.md). Training keeps its coarser grid, refreshed at
+    # every evaluation.
+    render_cell_mm: float = 1.0
     eval_every: int = 200
     seed: int = 0
     max_bad_steps: int = 5  # consecutive non-finite losses before giving up
@@ -105,10 +106,11 @@ def preset(name: str, seed: int = 0) -> TrainConfig:
     """``quick`` (a CPU device: small batches), ``standard`` (a GPU), ``high`` (a GPU, longer)."""
     if name == "quick":  # 2 mm occupancy cells: on a 2-core CPU 24 % fewer samples and a better held-out
         # picture (three runs: +0.2 to +1.9 dB, SSIM +0.006 to +0.012) in the same time; 120 appearance steps
-        # rather than 60: 47.0-48.7 dB over four seeds instead of 39.6-46.4 dB, for about 11 s (BENCHMARKS.md)
+        # rather than 60: 47.0-48.7 dB over four seeds instead of 39.6-46.4 dB, for about 11 s (BENCHMARKS.md).
+        # Its pictures too on 2 mm cells: on a CPU a 1 mm grid takes 9-13 s to make.
         return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=120, joint_steps=60,
                            patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, occupancy_cell_mm=2.0,
-                           seed=seed)
+                           render_cell_mm=2.0, seed=seed)
     if name == "standard":  # sized to train the full-resolution sample in under a minute on one GPU; 64 patches
         # (16,384 rays) per step for a quarter of the steps of 16: on an H100 twice the rays/s, 26 % less training
         # time and 44.06 / 42.00 dB against 44.37 / 40.10 dB over two seeds (BENCHMARKS.md)
