@@ -285,7 +285,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                          f"{config.mesh_grid_mm:g} mm apart: {training_mesh_seconds:.2f} s, "
                          f"{len(coarse.bvh.triangle_ids)} triangles"))
     reference = ReferenceRenderer(gpu, prepared)
-    trainer.use_render_occupancy()  # the finished field's pictures, as a run renders them
+    trainer.use_picture_settings()  # the finished field's pictures, as a run renders them
     for width in (512,) if quick else (512, 1024):
         camera = orbit_cameras(prepared.bounds, 3, width, width)[1]
         budget, repeats_max = (0.5, 3) if quick else (3.0, 20)

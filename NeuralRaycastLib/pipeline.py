@@ -173,7 +173,7 @@ def train_prepared(
         saved = writer.submit(save_reference_views, views, folder / "reference")
         trainer = Trainer(gpu, prepared, field, views, config)
         log = trainer.run(progress, should_stop)
-        trainer.use_render_occupancy()
+        trainer.use_picture_settings()
         saved.result()  # a failed write surfaces here, before anything says the run is done
     save_field(folder / "model.safetensors", field, prepared,
                {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
@@ -206,7 +206,8 @@ def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, s
     """The renderer of a trained field as it was trained: with shadows from its own learned meshes if the
     run's references had shadows."""
     config = preset(settings.preset)
-    renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.render_cell_mm)
+    renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.render_cell_mm,
+                              shade_weight=config.render_shade_weight)  # as Trainer.use_picture_settings
     if settings.shadows:
         from .style import RenderStyle
 

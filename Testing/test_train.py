@@ -79,24 +79,25 @@ def test_training_reproduces_held_out_views_and_the_segmentation(gpu, phantom_vi
         assert geometry[name]["mean_surface_distance_mm"] < SPACING, geometry
 
 
-def test_finished_fields_pictures_place_fewer_samples_on_finer_cells_and_look_the_same(gpu, phantom_views):
-    """After training, the renderer places samples on the finer occupancy cells of ``render_cell_mm``: fewer
-    samples per ray in empty space, the same picture."""
+def test_finished_fields_pictures_place_and_shade_fewer_samples_and_look_the_same(gpu, phantom_views):
+    """After training, the renderer places samples on the finer occupancy cells of ``render_cell_mm`` and shades
+    down to ``render_shade_weight``: fewer samples and shaded segments per ray, the same picture."""
     from NeuralRaycastLib.bench import work_per_ray
 
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
-    config = replace(preset("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5)
+    config = replace(preset("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5, render_shade_weight=3e-3)
     trainer = Trainer(gpu, prepared, field, views, config)
     SdfFitter(gpu, prepared, field, replace(config.geometry, steps=120)).run()
     camera = views.cameras[views.held_out[0]]
-    pictures, samples = [], []
-    for switch in (trainer.refresh_occupancy, trainer.use_render_occupancy):
+    pictures, work = [], []
+    for switch in (trainer.refresh_occupancy, trainer.use_picture_settings):
         switch()
         pictures.append(trainer.renderer.render(camera))
-        samples.append(work_per_ray(trainer.renderer, camera)[0])
-    assert trainer.renderer.occupancy.cell_mm == 2.5
-    assert samples[1] < 0.9 * samples[0], samples
+        work.append(work_per_ray(trainer.renderer, camera))
+    assert trainer.renderer.occupancy.cell_mm == 2.5 and trainer.renderer.shade_weight == 3e-3
+    (samples, shaded), (fewer_samples, fewer_shaded) = work
+    assert fewer_samples < 0.9 * samples and fewer_shaded < shaded, work
     assert pictures[0].rgba[..., 3].max() > 0.5  # something is seen
     np.testing.assert_allclose(pictures[1].rgba, pictures[0].rgba, atol=0.01)
 
