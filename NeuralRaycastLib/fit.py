@@ -23,6 +23,7 @@ from .render import volume_stack
 
 Progress = Callable[[str, float], None]
 WAVE = 32  # points per wave
+STEPS_AHEAD = 4  # fit steps sent to the device before waiting for it (SdfFitter.run)
 
 
 @dataclass(frozen=True)
@@ -246,19 +247,30 @@ class SdfFitter:
         report = progress or (lambda message, fraction: None)
         result = FitResult(steps=0, seconds=0.0, points_per_second=0.0)
         timed = 0.0
+
+        def finish_device_work() -> float:
+            """Seconds spent waiting for the steps sent so far (they count in the fit's time)."""
+            start = time.perf_counter()
+            self.gpu.device.wait()
+            return time.perf_counter() - start
+
+        # Steps do not wait for the device, up to STEPS_AHEAD of them: the next one is sent while it still works
+        # on this one, and a cancel still stops within a few steps.
         while self.step_index < c.steps:
             if should_stop is not None and should_stop():
                 result.cancelled = True
                 break
+            if self.step_index % c.monitor_every == 0 or result.steps % STEPS_AHEAD == 0:
+                timed += finish_device_work()
             if self.step_index % c.monitor_every == 0:
                 loss = self.loss()
                 result.losses.append((self.step_index, loss))
                 report(f"step {self.step_index}/{c.steps} loss {loss:.4g}", self.step_index / c.steps)
             start = time.perf_counter()
             self.step()
-            self.gpu.device.wait()
             timed += time.perf_counter() - start
             result.steps += 1
+        timed += finish_device_work()
         result.losses.append((self.step_index, self.loss()))
         result.seconds = timed
         result.points_per_second = result.steps * self.batch / timed if timed > 0 else 0.0
