@@ -44,27 +44,33 @@ class PatchSampler:
             raise ValueError(f"patch size {self.size} is larger than the images ({width} x {height})")
         self.rng = np.random.default_rng(self.seed)
         last_y, last_x = height - self.size, width - self.size
-        self.foreground = []
+        corners = []
         for view in self.views:
             alpha = self.reference[view, : last_y + 1, : last_x + 1, 3]
             ys, xs = np.nonzero(alpha > 0.05)
-            self.foreground.append(np.stack([xs, ys], axis=1))
+            corners.append(np.stack([xs, ys], axis=1))
+        # every view's foreground pixels in one array (view i's from offsets[i], counts[i] of them)
+        self.counts = np.array([len(c) for c in corners], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        self.corners = np.concatenate(corners) if self.counts.sum() else np.zeros((0, 2), np.int64)
+        self._views = np.asarray(self.views, np.int32)
 
     def sample(self, count: int) -> np.ndarray:
-        """(count, 3) int32 rows of view, x0, y0."""
+        """(count, 3) int32 rows of view, x0, y0 (drawn all at once: a training step draws 64)."""
         _, height, width, _ = self.reference.shape
+        s = self.size
         picks = self.rng.integers(0, len(self.views), count)
+        foreground = (self.rng.random(count) < self.foreground_fraction) & (self.counts[picks] > 0)
+        x0 = self.rng.integers(0, width - s + 1, count)
+        y0 = self.rng.integers(0, height - s + 1, count)
+        chosen = self.offsets[picks] + (self.rng.random(count) * self.counts[picks]).astype(np.int64)
+        shown = self.corners[chosen[foreground]]
+        x0[foreground], y0[foreground] = shown[:, 0], shown[:, 1]
         rows = np.empty((count, 3), np.int32)
-        for row, pick in enumerate(picks):
-            corners = self.foreground[pick]
-            if len(corners) and self.rng.random() < self.foreground_fraction:
-                x0, y0 = corners[self.rng.integers(len(corners))]
-            else:
-                x0, y0 = self.rng.integers(0, width - self.size + 1), self.rng.integers(0, height - self.size + 1)
-            # centre the patch on the chosen pixel where it fits
-            x0 = int(np.clip(x0 - self.size // 2, 0, width - self.size))
-            y0 = int(np.clip(y0 - self.size // 2, 0, height - self.size))
-            rows[row] = self.views[pick], x0, y0
+        rows[:, 0] = self._views[picks]
+        # centre the patch on the chosen pixel where it fits
+        rows[:, 1] = np.clip(x0 - s // 2, 0, width - s)
+        rows[:, 2] = np.clip(y0 - s // 2, 0, height - s)
         return rows
 
     def reference_patches(self, rows: np.ndarray) -> np.ndarray:

@@ -61,6 +61,23 @@ def test_reference_patches_are_the_views_g_buffers_in_the_renderers_output_order
         np.testing.assert_array_equal(patch[..., 7], image.depth[y : y + 8, x : x + 8])
 
 
+def test_patches_come_from_the_training_views_mostly_where_something_is_shown():
+    """Patch corners lie inside the pictures, on training views only; about ``foreground_fraction`` of the
+    patches are centred where the reference shows something, and a view showing nothing still gets patches
+    (empty space is learnt too)."""
+    reference = np.zeros((4, 64, 48, OUTPUTS), np.float32)
+    reference[:, 20:40, 10:30, 3] = 1.0
+    reference[2, ..., 3] = 0.0  # nothing shown
+    sampler = PatchSampler(reference, [0, 2, 3], 8, foreground_fraction=0.8, seed=0)
+    rows = sampler.sample(6000)
+    assert rows.dtype == np.int32 and set(rows[:, 0]) == {0, 2, 3}
+    assert rows[:, 1].min() >= 0 and rows[:, 1].max() <= 48 - 8 and rows[:, 2].min() >= 0 and rows[:, 2].max() <= 64 - 8
+    centred = reference[rows[:, 0], rows[:, 2] + 4, rows[:, 1] + 4, 3] > 0
+    shown = rows[:, 0] != 2
+    assert 0.8 < centred[shown].mean() < 0.9  # 0.8 drawn on the foreground, some of the rest land on it too
+    assert not centred[~shown].any() and 0.25 < (~shown).mean() < 0.42
+
+
 def test_training_reproduces_held_out_views_and_the_segmentation(gpu, phantom_views):
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
