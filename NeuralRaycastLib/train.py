@@ -69,16 +69,18 @@ class TrainConfig:
     rate_geometry: float = 2e-3
     rate_appearance: float = 5e-3
     occupancy_cell_mm: float = 4.0
+    # Composited segments adding less than this to their pixel borrow a shaded neighbour's surface values while
+    # training (neural_render.SHADE_WEIGHT says more; the quick preset's is larger, see there).
+    shade_weight: float = SHADE_WEIGHT
     # Occupancy cells of the finished field's pictures (Trainer.use_picture_settings, run renderers): finer than
     # training's, so rays place fewer samples in empty space. Sample case at 1024² on an H200: 44.9 / 34.0 / 28.1
     # samples per ray and distances 27.7 / 22.0 / 18.4 ms at 4 / 2 / 1 mm, the picture the same within 77 dB;
     # the 1 mm grid takes about 1 s to make once (BENCHMARKS.md). Training keeps its coarser grid, refreshed at
     # every evaluation.
     render_cell_mm: float = 1.0
-    # Composited segments adding less than this to their pixel borrow a shaded neighbour's surface values in
-    # the finished field's pictures (training shades down to neural_render.SHADE_WEIGHT, 1e-3): a trained quick
-    # field's views shade 20 % fewer segments per ray (12.7 -> 10.1), the pictures within 63 dB of exact
-    # shading (75 dB at 1e-3; 8-bit steps are 59 dB) and as close to the references (BENCHMARKS.md).
+    # ... and in the finished field's pictures: at 3e-3 a trained quick field's views shade 20 % fewer segments
+    # per ray than at 1e-3 (12.7 -> 10.1), the pictures within 63 dB of exact shading (75 dB at 1e-3; 8-bit
+    # steps are 59 dB) and as close to the references (BENCHMARKS.md).
     render_shade_weight: float = 3e-3
     eval_every: int = 200
     seed: int = 0
@@ -112,10 +114,11 @@ def preset(name: str, seed: int = 0) -> TrainConfig:
     if name == "quick":  # 2 mm occupancy cells: on a 2-core CPU 24 % fewer samples and a better held-out
         # picture (three runs: +0.2 to +1.9 dB, SSIM +0.006 to +0.012) in the same time; 120 appearance steps
         # rather than 60: 47.0-48.7 dB over four seeds instead of 39.6-46.4 dB, for about 11 s (BENCHMARKS.md).
-        # Its pictures too on 2 mm cells: on a CPU a 1 mm grid takes 9-13 s to make.
+        # Its pictures too on 2 mm cells: on a CPU a 1 mm grid takes 9-13 s to make. Shading down to 3e-3 while
+        # training: 18-19 % more rays/s, 48.19 / 47.88 dB against 48.33 / 47.89 dB at 1e-3 over two seeds.
         return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=120, joint_steps=60,
                            patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, occupancy_cell_mm=2.0,
-                           render_cell_mm=2.0, seed=seed)
+                           shade_weight=3e-3, render_cell_mm=2.0, seed=seed)
     if name == "standard":  # sized to train the full-resolution sample in under a minute on one GPU; 64 patches
         # (16,384 rays) per step for a quarter of the steps of 16: on an H100 twice the rays/s, 26 % less training
         # time and 44.06 / 42.00 dB against 44.37 / 40.10 dB over two seeds (BENCHMARKS.md)
@@ -226,7 +229,7 @@ class Trainer:
         self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, config
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
         self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
-                                       config.occupancy_cell_mm, from_boundary=True)
+                                       config.occupancy_cell_mm, from_boundary=True, shade_weight=config.shade_weight)
         self.sampler = PatchSampler(views.targets(), views.training, config.patch_size, seed=config.seed)
         self.image_loss = DeviceImageLoss(gpu, config.patch_size)
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))

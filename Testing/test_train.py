@@ -103,7 +103,8 @@ def test_finished_fields_pictures_place_and_shade_fewer_samples_and_look_the_sam
 
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
-    config = replace(preset("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5, render_shade_weight=3e-3)
+    config = replace(preset("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5, shade_weight=1e-3,
+                     render_shade_weight=3e-3)
     trainer = Trainer(gpu, prepared, field, views, config)
     SdfFitter(gpu, prepared, field, replace(config.geometry, steps=120)).run()
     camera = views.cameras[views.held_out[0]]
