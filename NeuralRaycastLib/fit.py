@@ -260,9 +260,10 @@ class SdfFitter:
             if should_stop is not None and should_stop():
                 result.cancelled = True
                 break
-            if self.step_index % c.monitor_every == 0 or result.steps % STEPS_AHEAD == 0:
+            monitor = self.step_index % c.monitor_every == 0
+            if monitor or result.steps % STEPS_AHEAD == 0:
                 timed += finish_device_work()
-            if self.step_index % c.monitor_every == 0:
+            if monitor:
                 loss = self.loss()
                 result.losses.append((self.step_index, loss))
                 report(f"step {self.step_index}/{c.steps} loss {loss:.4g}", self.step_index / c.steps)
