@@ -26,6 +26,7 @@ MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
 COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core geometry network
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
+FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
 
 
@@ -250,22 +251,24 @@ class FieldLayout:
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, cooperative: bool = False) -> str:
+def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, cooperative: bool = False,
+                 frozen_geometry: bool = False) -> str:
     """The Slang source of a field module: the sizes as #defines, then the kernel files. ``cooperative``
-    puts the geometry network on tensor cores (for kernels where whole waves evaluate it together)."""
+    puts the geometry network on tensor cores (for kernels where whole waves evaluate it together);
+    ``frozen_geometry`` as well, its backward passes giving input gradients alone (the renderer's)."""
     lines = [f"#define {name} {value}" for name, value in layout.defines().items()]
-    lines.append(f"#define FIELD_COOPERATIVE {int(cooperative)}")
+    lines.append(f"#define FIELD_COOPERATIVE {FROZEN_GEOMETRY if frozen_geometry else int(cooperative)}")
     for part in parts:
         lines.append((shader_dir() / f"{part}.slang").read_text())
     return "\n".join(lines)
 
 
 def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS,
-                      cooperative: bool = False):
+                      cooperative: bool = False, frozen_geometry: bool = False):
     """Compile (once per process, config and device) the field kernels for this layout's sizes."""
     import slangpy as spy
 
-    source = field_source(layout, parts, cooperative)
+    source = field_source(layout, parts, cooperative, frozen_geometry)
     name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:
@@ -301,7 +304,9 @@ class NeuralField:
         self.grads = spy.Tensor.zeros_like(self.values)
         self.active_levels = len(layout.levels)
         self._tiled: dict[str, Any] | None = None
+        self._transposed: dict[str, Any] | None = None
         self._cooperative_module = None
+        self._frozen_module = None
 
     @property
     def fit_module(self):
@@ -311,6 +316,14 @@ class NeuralField:
         if self._cooperative_module is None:
             self._cooperative_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, cooperative=True)
         return self._cooperative_module
+
+    @property
+    def frozen_module(self):
+        """Tensor-core render kernels with the geometry network's weights frozen: their backward passes run
+        its transposed layers for the input gradient alone (``cooperative`` fields only)."""
+        if self._frozen_module is None:
+            self._frozen_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, frozen_geometry=True)
+        return self._frozen_module
 
     def tiled_geometry(self) -> dict[str, Any]:
         """Device buffers of the geometry network in the tensor cores' layout (values, gradients) and a
@@ -342,6 +355,26 @@ class NeuralField:
             spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self._geometry_address(self.values),
             {"values": tiled["values"].storage.device_address, "grads": tiled["grads"].storage.device_address})
 
+    def upload_transposed_geometry(self) -> None:
+        """Copy the geometry network's current weights into the tiled layout, and its transposed layers into
+        theirs (before each backward pass of ``frozen_module``)."""
+        import slangpy as spy
+
+        module = self.frozen_module
+        if self._transposed is None:
+            self._transposed = {
+                "scratch": spy.Tensor.zeros(self.gpu.device, shape=(int(module.geometryTransposedRowMajorCount()),),
+                                            dtype=float),
+                "tiled": spy.Tensor.zeros(self.gpu.device, shape=(int(module.geometryTransposedCount()),),
+                                          dtype=float),
+            }
+        self.upload_tiled_geometry()
+        grid = spy.grid((CONVERT_THREADS,))
+        scratch = self._transposed["scratch"].storage.device_address
+        module.geometryTransposed(grid, CONVERT_THREADS, self._geometry_address(self.values), scratch)
+        module.geometryTransposedToTiled(grid, CONVERT_THREADS, scratch,
+                                         self._transposed["tiled"].storage.device_address)
+
     def add_tiled_gradients(self) -> None:
         """Add the tiled copy's gradients to the field's (after a batch of the fit kernels on tensor cores)."""
         import slangpy as spy
@@ -369,9 +402,9 @@ class NeuralField:
 
     def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
-        kernels of ``fit_module`` where the geometry network runs on tensor cores. Without
-        ``geometry_network_gradients`` the per-thread geometry network's backward pass returns input gradients
-        only (its weights are left out; the tensor-core one writes them to its tiled copy regardless)."""
+        kernels of ``fit_module`` and ``frozen_module`` where the geometry network runs on tensor cores.
+        Without ``geometry_network_gradients`` the per-thread geometry network's backward pass returns input
+        gradients only (its weights are left out; on tensor cores that is ``frozen_module``'s)."""
         import slangpy as spy
 
         levels = [
@@ -385,16 +418,19 @@ class NeuralField:
             for level in self.layout.levels
         ]
         params = {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address}
-        tiled = {"values": 0, "grads": 0}
+        tiled, transposed = {"values": 0, "grads": 0}, 0
         if cooperative:
             buffers = self.tiled_geometry()
             tiled = {"values": buffers["values"].storage.device_address,
                      "grads": buffers["grads"].storage.device_address}
+            if self._transposed is not None:
+                transposed = self._transposed["tiled"].storage.device_address
         return {
             "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
             "geometryOffset": self.layout.geometry_offset,
             "tiledGeometry": tiled,
+            "tiledTransposed": transposed,
             "geometryNetworkGradients": int(geometry_network_gradients),
             "appearanceOffset": self.layout.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,

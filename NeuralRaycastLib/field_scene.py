@@ -13,9 +13,9 @@ tensor-core backward's gradient for the geometry network had a cosine of 0.25–
 per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
 the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
 every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
-scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). The per-thread backward
-does not compute that group's gradients at all (shaders/mlp.slang, a null gradient buffer); the tensor-core
-one writes them into its tiled copy, which is not read."""
+scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). Neither backward computes
+that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang), the
+tensor-core one runs the network's transposed layers (the field's ``frozen_module``)."""
 
 from __future__ import annotations
 
@@ -65,8 +65,8 @@ class FieldScene:
         """The rendered values' gradients into the hash table and the appearance network; the geometry
         network's weights take theirs from the SDF and Eikonal terms only (the module docstring says why)."""
         if self.cooperative:
-            self.field.upload_tiled_geometry()  # the tiled weight gradients it computes are not copied back
-            self._backward(self.field.fit_module, self.struct(True), lists, buffers, step_mm)
+            self.field.upload_transposed_geometry()
+            self._backward(self.field.frozen_module, self.struct(True), lists, buffers, step_mm)
         else:
             self._backward(self.field.module, self.struct(geometry_network_gradients=False), lists, buffers, step_mm)
 

@@ -97,6 +97,108 @@ def test_tensor_core_fit_reaches_the_phantom_surfaces(cuda, phantom):
     assert errors["mean_gradient_error"] <= 0.1
 
 
+FROZEN_KERNELS = """
+import params;
+import cooperative_mlp;
+typealias Net = CooperativeMlp<SIZES, TargetEnum.CUDA>;
+
+int tiledCount() { return Net.TiledCount; }
+int transposedCount() { return Net.TransposedCount; }
+int transposedRowMajorCount() { return Net.TransposedRowMajorCount; }
+void toTiled(int thread, int threads, float* rowMajor, float* tiled)
+{
+    Net.toTiled(rowMajor, tiled, uint(thread), uint(threads));
+}
+void transpose(int thread, int threads, float* rowMajor, float* scratch)
+{
+    Net.transposeRowMajor(rowMajor, scratch, uint(thread), uint(threads));
+}
+void transposedToTiled(int thread, int threads, float* scratch, float* transposed)
+{
+    Net.transposedToTiled(scratch, transposed, uint(thread), uint(threads));
+}
+// One thread per row (whole waves): the input gradient for dy, through the transposed layers (frozen) or
+// through the generated backward pass (its weight gradients going to `grads`).
+void inputGradient(int row, int frozen, float* tiled, float* grads, float* transposed, float* xs, float* dys,
+                   float* dxs)
+{
+    float x[INPUTS];
+    for (int i = 0; i < INPUTS; i++)
+        x[i] = xs[row * INPUTS + i];
+    float dy[OUTPUTS];
+    for (int o = 0; o < OUTPUTS; o++)
+        dy[o] = dys[row * OUTPUTS + o];
+    Params p = { tiled, grads };
+    var pair = diffPair(x);
+    if (frozen != 0)
+        Net.frozenBackward(p, transposed, pair, dy);
+    else
+        Net.backward(p, pair, dy);
+    for (int i = 0; i < INPUTS; i++)
+        dxs[row * INPUTS + i] = pair.d[i];
+}
+"""
+
+
+@pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
+def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
+    """The renderer's backward with the geometry weights frozen (CooperativeMlp.frozenBackward: the
+    transposed layers, no weight gradients) gives the input gradient of the network, as numpy computes it
+    in float64 from the same weights and as the generated backward pass gives it, to half precision, and
+    leaves the gradient buffer alone. Sizes: the small test field's and the default network's."""
+    import slangpy as spy
+
+    inputs, hidden, outputs, layers = sizes
+    module = spy.Module.load_from_source(cuda.device, f"frozen_{'_'.join(map(str, sizes))}",
+                                         FROZEN_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
+                                         .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
+    rng = np.random.default_rng(7)
+    shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
+    weights = [(rng.normal(size=shape) / np.sqrt(shape[1]), rng.normal(size=shape[0]) * 0.1) for shape in shapes]
+    row_major = np.concatenate([np.concatenate([w.ravel(), b]) for w, b in weights]).astype(np.float32)
+    rows = 256
+    xs = rng.normal(size=(rows, inputs)).astype(np.float32)
+    dys = rng.normal(size=(rows, outputs)).astype(np.float32)
+
+    def buffer(values):
+        return spy.Tensor.from_numpy(cuda.device, np.ascontiguousarray(values, np.float32).ravel())
+
+    def zeros(count):
+        return spy.Tensor.zeros(cuda.device, shape=(int(count),), dtype=float)
+
+    source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
+    scratch, transposed = zeros(module.transposedRowMajorCount()), zeros(module.transposedCount())
+    threads = 1024
+    module.toTiled(spy.grid((threads,)), threads, source.storage.device_address, tiled.storage.device_address)
+    module.transpose(spy.grid((threads,)), threads, source.storage.device_address, scratch.storage.device_address)
+    module.transposedToTiled(spy.grid((threads,)), threads, scratch.storage.device_address,
+                             transposed.storage.device_address)
+    x_buffer, dy_buffer = buffer(xs), buffer(dys)
+    results = []
+    for frozen in (1, 0):
+        dxs = zeros(rows * inputs)
+        module.inputGradient(spy.grid((rows,)), frozen, tiled.storage.device_address, grads.storage.device_address,
+                             transposed.storage.device_address, x_buffer.storage.device_address,
+                             dy_buffer.storage.device_address, dxs.storage.device_address)
+        results.append(dxs.to_numpy().reshape(rows, inputs).astype(np.float64))
+        if frozen:
+            assert not grads.to_numpy().any()  # no weight gradient formed
+    assert grads.to_numpy().any()  # the generated backward pass forms them
+
+    activations, h = [], xs.astype(np.float64)
+    for w, b in weights[:-1]:
+        h = np.maximum(w @ h.T + b[:, None], 0.0).T
+        activations.append(h)
+    g = dys.astype(np.float64) @ weights[-1][0]
+    for (w, _), on in zip(reversed(weights[:-1]), reversed(activations), strict=True):
+        g = (g * (on > 0)) @ w
+    for name, result in zip(("transposed layers", "generated backward"), results, strict=True):
+        relative = np.linalg.norm(result - g) / np.linalg.norm(g)
+        print(f"{sizes}, {name}: relative difference from float64 {relative:.2e}")
+        assert relative < 1e-2, name
+    assert np.linalg.norm(results[0] - results[1]) / np.linalg.norm(results[1]) < 1e-2
+
+
 def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
     monkeypatch.setenv(field_module.COOPERATIVE_ENV, "0")
     layout = FieldLayout.build(tiny_config(), phantom[1].bounds, 4, 1)
