@@ -205,6 +205,8 @@ class FieldLayout:
             "FIELD_MATERIALS": net.materials,
             "FIELD_ENCODED": enc.levels * enc.features,
             "FIELD_GEOMETRY_OUTPUTS": self.structures + net.geometry_features,
+            "FIELD_APPEARANCE_NET_INPUTS": net.geometry_features + self.appearance_inputs,
+            "FIELD_APPEARANCE_NET_OUTPUTS": self.structures * (3 + net.materials),
         }
 
     def groups(self) -> np.ndarray:
@@ -303,7 +305,8 @@ class NeuralField:
         self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
         self.grads = spy.Tensor.zeros_like(self.values)
         self.active_levels = len(layout.levels)
-        self._tiled: dict[str, Any] | None = None
+        self._tiled: dict[str, Any] | None = None  # addresses of the tiled copies (tiled_networks)
+        self._tiled_buffers: list[Any] = []
         self._transposed: dict[str, Any] | None = None
         self._cooperative_module = None
         self._frozen_module = None
@@ -325,35 +328,40 @@ class NeuralField:
             self._frozen_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, frozen_geometry=True)
         return self._frozen_module
 
-    def tiled_geometry(self) -> dict[str, Any]:
-        """Device buffers of the geometry network in the tensor cores' layout (values, gradients) and a
-        row-major scratch buffer; made on first use."""
+    def tiled_networks(self) -> dict[str, Any]:
+        """The ``TiledNetworks`` struct (shaders/sdf_fit.slang): device buffers of both networks in the tensor
+        cores' layout (values, gradients), made on first use, with a row-major scratch buffer for the
+        gradients' way back."""
         if self._tiled is None:
             import slangpy as spy
 
-            count = int(self.fit_module.geometryTiledCount())
-            rows = self.layout.appearance_offset - self.layout.geometry_offset
-            self._tiled = {
-                "values": spy.Tensor.zeros(self.gpu.device, shape=(count,), dtype=float),
-                "grads": spy.Tensor.zeros(self.gpu.device, shape=(count,), dtype=float),
-                "scratch": spy.Tensor.zeros(self.gpu.device, shape=(rows,), dtype=float),
-                "rows": rows,
-            }
+            def zeros(count: int):
+                return spy.Tensor.zeros(self.gpu.device, shape=(int(count),), dtype=float)
+
+            self._tiled_buffers = [zeros(self.fit_module.geometryTiledCount()),
+                                   zeros(self.fit_module.geometryTiledCount()),
+                                   zeros(self.fit_module.appearanceTiledCount()),
+                                   zeros(self.fit_module.appearanceTiledCount()),
+                                   zeros(self.layout.count - self.layout.geometry_offset)]
+            address = [buffer.storage.device_address for buffer in self._tiled_buffers]
+            self._tiled = {"geometry": {"values": address[0], "grads": address[1]},
+                           "appearance": {"values": address[2], "grads": address[3]}, "scratch": address[4]}
         return self._tiled
 
     def _geometry_address(self, tensor) -> int:
         """Device address of the geometry network's first parameter in a buffer of the field's layout."""
         return tensor.storage.device_address + 4 * self.layout.geometry_offset
 
-    def upload_tiled_geometry(self) -> None:
-        """Copy the geometry network's current weights into the tiled layout and zero that copy's gradients
-        (before each batch of the fit kernels on tensor cores)."""
+    def upload_tiled_networks(self) -> None:
+        """Copy both networks' current weights into the tiled layout and zero those copies' gradients (before
+        each pass of the kernels on tensor cores that reads or trains them)."""
         import slangpy as spy
 
-        tiled = self.tiled_geometry()
-        self.fit_module.geometryToTiled(
-            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self._geometry_address(self.values),
-            {"values": tiled["values"].storage.device_address, "grads": tiled["grads"].storage.device_address})
+        tiled = self.tiled_networks()
+        self.fit_module.networksToTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self.values.storage.device_address,
+            self.layout.geometry_offset, self.layout.appearance_offset,
+            {"geometry": tiled["geometry"], "appearance": tiled["appearance"]})
 
     def upload_transposed_geometry(self) -> None:
         """Copy the geometry network's current weights into the tiled layout, and its transposed layers into
@@ -368,7 +376,7 @@ class NeuralField:
                 "tiled": spy.Tensor.zeros(self.gpu.device, shape=(int(module.geometryTransposedCount()),),
                                           dtype=float),
             }
-        self.upload_tiled_geometry()
+        self.upload_tiled_networks()
         grid = spy.grid((CONVERT_THREADS,))
         scratch = self._transposed["scratch"].storage.device_address
         module.geometryTransposed(grid, CONVERT_THREADS, self._geometry_address(self.values), scratch)
@@ -376,13 +384,16 @@ class NeuralField:
                                          self._transposed["tiled"].storage.device_address)
 
     def add_tiled_gradients(self) -> None:
-        """Add the tiled copy's gradients to the field's (after a batch of the fit kernels on tensor cores)."""
+        """Add the tiled copies' gradients to the field's (after a pass of the kernels on tensor cores that
+        trains the networks)."""
         import slangpy as spy
 
-        tiled = self.tiled_geometry()
-        self.fit_module.geometryGradientsFromTiled(
-            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, tiled["grads"].storage.device_address,
-            tiled["scratch"].storage.device_address, self._geometry_address(self.grads), tiled["rows"])
+        tiled = self.tiled_networks()
+        self.fit_module.networkGradientsFromTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, {"geometry": tiled["geometry"],
+                                                            "appearance": tiled["appearance"]},
+            tiled["scratch"], self.grads.storage.device_address, self.layout.geometry_offset,
+            self.layout.appearance_offset, self.layout.count)
 
     @property
     def structures(self) -> int:
@@ -418,19 +429,19 @@ class NeuralField:
             for level in self.layout.levels
         ]
         params = {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address}
-        tiled, transposed = {"values": 0, "grads": 0}, 0
+        tiled = {"geometry": {"values": 0, "grads": 0}, "appearance": {"values": 0, "grads": 0}}
+        transposed = 0
         if cooperative:
-            buffers = self.tiled_geometry()
-            tiled = {"values": buffers["values"].storage.device_address,
-                     "grads": buffers["grads"].storage.device_address}
+            tiled = self.tiled_networks()
             if self._transposed is not None:
                 transposed = self._transposed["tiled"].storage.device_address
         return {
             "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
             "geometryOffset": self.layout.geometry_offset,
-            "tiledGeometry": tiled,
+            "tiledGeometry": tiled["geometry"],
             "tiledTransposed": transposed,
+            "tiledAppearance": tiled["appearance"],
             "geometryNetworkGradients": int(geometry_network_gradients),
             "appearanceOffset": self.layout.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,

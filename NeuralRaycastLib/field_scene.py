@@ -2,8 +2,9 @@
 distances, normals (tetrahedral differences), albedo and specular weight at sample points, fed the study's
 normalised MRI channels and P(x) as the appearance network's local inputs.
 
-Where the field is ``cooperative`` (CUDA) the forward and backward kernels run the geometry network on
-tensor cores over whole waves, from the tiled copy of its weights (uploaded before each pass).
+Where the field is ``cooperative`` (CUDA) the forward and backward kernels run both networks on tensor
+cores over whole waves, from tiled copies of their weights (uploaded at the start of each forward and
+backward pass; the appearance network's gradients go back to the field's buffer after each backward).
 
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
@@ -54,7 +55,7 @@ class FieldScene:
 
     def distances(self, grid: Any, buffers: dict) -> None:
         if self.cooperative:
-            self.field.upload_tiled_geometry()
+            self.field.upload_tiled_networks()  # the surface pass of the same forward reads them too
         self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
 
     def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
@@ -67,6 +68,7 @@ class FieldScene:
         if self.cooperative:
             self.field.upload_transposed_geometry()
             self._backward(self.field.frozen_module, self.struct(True), lists, buffers, step_mm)
+            self.field.add_tiled_gradients()
         else:
             self._backward(self.field.module, self.struct(geometry_network_gradients=False), lists, buffers, step_mm)
 
@@ -77,10 +79,14 @@ class FieldScene:
 
     def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
         """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
-        network runs forward for its features, on tensor cores where the field has them (the forward pass of
-        the same step has put its current weights there)."""
+        network runs forward for its features; on tensor cores where the field has them, as the appearance
+        network does."""
+        if self.cooperative:
+            self.field.upload_tiled_networks()  # their gradients start from zero
         self.field.fit_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative),
                                                       buffers, step_mm)
+        if self.cooperative:
+            self.field.add_tiled_gradients()
 
 
 #: The last few boundary occupancies of this process, by study and grid: a second run in the same process

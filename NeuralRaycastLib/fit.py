@@ -224,7 +224,7 @@ class SdfFitter:
         """The field for the fit kernels (with tensor cores, after copying the current weights to them)."""
         if not self.field.cooperative:
             return self.field.shader_struct()
-        self.field.upload_tiled_geometry()
+        self.field.upload_tiled_networks()
         return self.field.shader_struct(cooperative=True)
 
     def loss(self) -> float:

@@ -200,6 +200,51 @@ def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
     assert errors[0] < 1.5 * errors[1] + 1e-3  # no worse than the generated backward pass
 
 
+def test_tensor_core_appearance_matches_the_per_thread_network(cuda, phantom):
+    """The appearance network on tensor cores (CUDA) gives the per-thread network's values, parameter
+    gradients (through its tiled copy and back) and input gradients, to half precision."""
+    import slangpy as spy
+
+    prepared = phantom[1]
+    layout = FieldLayout.build(config_for(full_network=True), prepared.bounds, len(prepared.structures),
+                               len(prepared.channel_names))
+    parts = ("sdf_fit", "field_checks")
+    scalar = NeuralField(cuda, layout, seed=3, parts=parts, cooperative=False)
+    cooperative = NeuralField(cuda, layout, seed=3, parts=parts)
+    checks = field_module.load_field_module(cuda, layout, parts, cooperative=True)
+    rng = np.random.default_rng(11)
+    rows = 512
+    features = rng.normal(size=(rows, layout.config.network.geometry_features)).astype(np.float32)
+    inputs = rng.uniform(0.0, 1.0, (rows, layout.appearance_inputs)).astype(np.float32)
+    w = list(map(float, rng.normal(size=layout.structures * (3 + layout.config.network.materials))))
+    buffers = [spy.Tensor.from_numpy(cuda.device, a.ravel()) for a in (features, inputs)]
+    addresses = [b.storage.device_address for b in buffers]
+    results = []
+    for field, module in ((scalar, scalar.module), (cooperative, checks)):
+        field.zero_gradients()
+        if field.cooperative:
+            field.upload_tiled_networks()
+        struct = field.shader_struct(cooperative=field.cooperative)
+        row = []
+        for backward in (0, 1):
+            out = spy.Tensor.zeros(cuda.device, shape=(rows,), dtype=float)
+            module.appearanceRows(spy.grid((rows,)), struct, *addresses, w, backward, out.storage.device_address)
+            row.append(out.to_numpy().astype(np.float64))
+        if field.cooperative:
+            field.add_tiled_gradients()
+        results.append((*row, field.gradients().astype(np.float64)))
+    (values_a, d_a, grads_a), (values_b, d_b, grads_b) = results
+    np.testing.assert_allclose(values_b, values_a, atol=2e-2 * np.abs(values_a).max())
+    assert np.linalg.norm(d_b - d_a) / np.linalg.norm(d_a) < 5e-2
+    start = layout.appearance_offset
+    assert not grads_a[:start].any() and not grads_b[:start].any()
+    ga, gb = grads_a[start:], grads_b[start:]
+    cosine = ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))
+    print(f"appearance on tensor cores: max |value difference| {np.abs(values_b - values_a).max():.2e}, "
+          f"parameter gradients' cosine {cosine:.5f}")
+    assert cosine > 0.995
+
+
 def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
     monkeypatch.setenv(field_module.COOPERATIVE_ENV, "0")
     layout = FieldLayout.build(tiny_config(), phantom[1].bounds, 4, 1)
