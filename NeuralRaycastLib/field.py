@@ -205,8 +205,7 @@ class FieldLayout:
             "FIELD_MATERIALS": net.materials,
             "FIELD_ENCODED": enc.levels * enc.features,
             "FIELD_GEOMETRY_OUTPUTS": self.structures + net.geometry_features,
-            # padded to whole 16-wide tiles on tensor cores (shaders/neural_field.slang says why)
-            "FIELD_APPEARANCE_NET_INPUTS": -(-(net.geometry_features + self.appearance_inputs) // 16) * 16,
+            "FIELD_APPEARANCE_NET_INPUTS": net.geometry_features + self.appearance_inputs,
             "FIELD_APPEARANCE_NET_OUTPUTS": self.structures * (3 + net.materials),
         }
 
@@ -331,9 +330,8 @@ class NeuralField:
 
     def tiled_networks(self) -> dict[str, Any]:
         """Device addresses of the ``TiledNetworks`` struct's buffers (shaders/sdf_fit.slang: both networks in
-        the tensor cores' layout, values and gradients; the appearance network's parameters with its input
-        padded), made on first use, and of a row-major scratch buffer for the geometry network's gradients on
-        their way back."""
+        the tensor cores' layout, values and gradients), made on first use, and of a row-major scratch buffer
+        for the gradients' way back."""
         if self._tiled is None:
             import slangpy as spy
 
@@ -344,12 +342,10 @@ class NeuralField:
                                    zeros(self.fit_module.geometryTiledCount()),
                                    zeros(self.fit_module.appearanceTiledCount()),
                                    zeros(self.fit_module.appearanceTiledCount()),
-                                   zeros(self.fit_module.appearancePaddedCount()),
-                                   zeros(self.layout.appearance_offset - self.layout.geometry_offset)]
+                                   zeros(self.layout.count - self.layout.geometry_offset)]
             address = [buffer.storage.device_address for buffer in self._tiled_buffers]
             self._tiled = {"geometry": {"values": address[0], "grads": address[1]},
-                           "appearance": {"values": address[2], "grads": address[3]}, "padded": address[4],
-                           "scratch": address[5]}
+                           "appearance": {"values": address[2], "grads": address[3]}, "scratch": address[4]}
         return self._tiled
 
     def _geometry_address(self, tensor) -> int:
@@ -361,10 +357,11 @@ class NeuralField:
         each pass of the kernels on tensor cores that reads or trains them)."""
         import slangpy as spy
 
-        tiled, grid, values = self.tiled_networks(), spy.grid((CONVERT_THREADS,)), self.values.storage.device_address
-        networks = {name: tiled[name] for name in ("geometry", "appearance", "padded")}
-        self.fit_module.appearanceToPadded(grid, CONVERT_THREADS, values, self.layout.appearance_offset, networks)
-        self.fit_module.networksToTiled(grid, CONVERT_THREADS, values, self.layout.geometry_offset, networks)
+        tiled = self.tiled_networks()
+        self.fit_module.networksToTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self.values.storage.device_address,
+            self.layout.geometry_offset, self.layout.appearance_offset,
+            {"geometry": tiled["geometry"], "appearance": tiled["appearance"]})
 
     def upload_transposed_geometry(self) -> None:
         """Copy the geometry network's current weights into the tiled layout, and its transposed layers into
@@ -391,13 +388,12 @@ class NeuralField:
         trains the networks)."""
         import slangpy as spy
 
-        tiled, grid, grads = self.tiled_networks(), spy.grid((CONVERT_THREADS,)), self.grads.storage.device_address
-        networks = {name: tiled[name] for name in ("geometry", "appearance", "padded")}
-        start, appearance, count = self.layout.geometry_offset, self.layout.appearance_offset, self.layout.count
-        self.fit_module.networkGradientsFromTiled(grid, CONVERT_THREADS, networks, tiled["scratch"], grads, start,
-                                                  appearance - start)
-        self.fit_module.appearanceGradientsFromPadded(grid, CONVERT_THREADS, networks, grads, appearance,
-                                                      count - appearance)
+        tiled = self.tiled_networks()
+        self.fit_module.networkGradientsFromTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, {"geometry": tiled["geometry"],
+                                                            "appearance": tiled["appearance"]},
+            tiled["scratch"], self.grads.storage.device_address, self.layout.geometry_offset,
+            self.layout.appearance_offset, self.layout.count)
 
     @property
     def structures(self) -> int:

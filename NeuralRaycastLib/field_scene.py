@@ -2,9 +2,11 @@
 distances, normals (tetrahedral differences), albedo and specular weight at sample points, fed the study's
 normalised MRI channels and P(x) as the appearance network's local inputs.
 
-Where the field is ``cooperative`` (CUDA) the forward and backward kernels run both networks on tensor
-cores over whole waves, from tiled copies of their weights (uploaded at the start of each forward and
-backward pass; the appearance network's gradients go back to the field's buffer after each backward).
+Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with the geometry network on
+tensor cores, from a tiled copy of its weights uploaded at the start of each forward and backward pass. The
+appearance network runs on tensor cores in the forward passes and per thread in the backward ones
+(``NeuralField.frozen_module``): slang.neural's backward pass gave its weights wrong gradients on an H100
+(cosine 0.51-0.67 with float64, biases exact; ``Testing/test_cooperative_geometry.py``).
 
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
@@ -14,9 +16,11 @@ tensor-core backward's gradient for the geometry network had a cosine of 0.25–
 per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
 the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
 every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
-scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). Neither backward computes
-that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang), the
-tensor-core one runs the network's transposed layers (the field's ``frozen_module``)."""
+scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). (In the light of the
+appearance network's wrong weight gradients, that 0.25-0.55 may have been the same fault rather than, or as
+well as, cancellation.) Neither backward computes that group's gradients at all: the per-thread one is given
+a null gradient buffer (shaders/mlp.slang), the tensor-core one runs the network's transposed layers (the
+field's ``frozen_module``)."""
 
 from __future__ import annotations
 
@@ -68,7 +72,6 @@ class FieldScene:
         if self.cooperative:
             self.field.upload_transposed_geometry()
             self._backward(self.field.frozen_module, self.struct(True), lists, buffers, step_mm)
-            self.field.add_tiled_gradients()
         else:
             self._backward(self.field.module, self.struct(geometry_network_gradients=False), lists, buffers, step_mm)
 
@@ -78,15 +81,11 @@ class FieldScene:
         module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
 
     def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
-        """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
-        network runs forward for its features; on tensor cores where the field has them, as the appearance
-        network does."""
-        if self.cooperative:
-            self.field.upload_tiled_networks()  # their gradients start from zero
-        self.field.fit_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative),
-                                                      buffers, step_mm)
-        if self.cooperative:
-            self.field.add_tiled_gradients()
+        """The backward pass with the geometry frozen: gradients of the appearance network only (per thread).
+        The geometry network runs forward for its features, on tensor cores where the field has them (the
+        forward pass of the same step has put its current weights there)."""
+        module = self.field.frozen_module if self.cooperative else self.field.module
+        module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers, step_mm)
 
 
 #: The last few boundary occupancies of this process, by study and grid: a second run in the same process

@@ -219,62 +219,134 @@ def appearance_parameter_gradient(parameters: np.ndarray, layout: FieldLayout, f
     return np.concatenate([(d_z.T @ x).ravel(), d_z.sum(0), (d_raw.T @ h).ravel(), d_raw.sum(0)])
 
 
-def test_tensor_core_appearance_matches_the_per_thread_network(cuda, phantom):
-    """The appearance network on tensor cores (CUDA) gives the per-thread network's values and input
-    gradients to half precision, and the parameter gradients (through its tiled copy and back) that numpy
-    computes in float64, block by block (the first layer's weights of the geometry features and of the
-    local inputs, its biases, the second layer's weights and biases)."""
-    import slangpy as spy
+def gradient_cosines(exact: np.ndarray, gradient: np.ndarray, blocks: np.ndarray) -> list[float]:
+    """The cosine between two gradients over each block (blocks: an index per parameter)."""
+    return [float(exact[blocks == b] @ gradient[blocks == b]
+                  / (np.linalg.norm(exact[blocks == b]) * np.linalg.norm(gradient[blocks == b])))
+            for b in range(blocks.max() + 1)]
 
+
+def mlp_blocks(inputs: int, hidden: int, outputs: int, hidden_layers: int) -> np.ndarray:
+    """Block of every parameter of an Mlp (row-major weights, then biases, layer by layer): 2 per layer."""
+    sizes = [inputs] + [hidden] * hidden_layers + [outputs]
+    return np.concatenate([np.repeat([2 * layer, 2 * layer + 1], [sizes[layer + 1] * sizes[layer], sizes[layer + 1]])
+                           for layer in range(len(sizes) - 1)])
+
+
+@pytest.fixture(scope="module")
+def appearance_case(cuda, phantom):
+    """The default network on the phantom's layout, a per-thread field, a tensor-core one with the same
+    parameters, and rows of random geometry features and local inputs."""
     prepared = phantom[1]
     layout = FieldLayout.build(config_for(full_network=True), prepared.bounds, len(prepared.structures),
                                len(prepared.channel_names))
     parts = ("sdf_fit", "field_checks")
     scalar = NeuralField(cuda, layout, seed=3, parts=parts, cooperative=False)
     cooperative = NeuralField(cuda, layout, seed=3, parts=parts)
-    checks = field_module.load_field_module(cuda, layout, parts, cooperative=True)
     rng = np.random.default_rng(11)
     rows = 512
     features = rng.normal(size=(rows, layout.config.network.geometry_features)).astype(np.float32)
     inputs = rng.uniform(0.0, 1.0, (rows, layout.appearance_inputs)).astype(np.float32)
     w = rng.normal(size=layout.structures * (3 + layout.config.network.materials))
+    return layout, scalar, cooperative, features, inputs, w
+
+
+def appearance_rows(cuda, field, module, features, inputs, w, cooperative: bool):
+    """Values, d/dfeature[0] per row and the field's parameter gradients of field_checks's appearanceRows."""
+    import slangpy as spy
+
     buffers = [spy.Tensor.from_numpy(cuda.device, a.ravel()) for a in (features, inputs)]
-    addresses = [b.storage.device_address for b in buffers]
+    field.zero_gradients()
+    if cooperative:
+        field.upload_tiled_networks()
+    struct = field.shader_struct(cooperative=cooperative)
     results = []
-    for field, module in ((scalar, scalar.module), (cooperative, checks)):
-        field.zero_gradients()
-        if field.cooperative:
-            field.upload_tiled_networks()
-        struct = field.shader_struct(cooperative=field.cooperative)
-        row = []
-        for backward in (0, 1):
-            out = spy.Tensor.zeros(cuda.device, shape=(rows,), dtype=float)
-            module.appearanceRows(spy.grid((rows,)), struct, *addresses, list(map(float, w)), backward,
-                                  out.storage.device_address)
-            row.append(out.to_numpy().astype(np.float64))
-        if field.cooperative:
-            field.add_tiled_gradients()
-        results.append((*row, field.gradients().astype(np.float64)))
-    (values_a, d_a, grads_a), (values_b, d_b, grads_b) = results
+    for backward in (0, 1):
+        out = spy.Tensor.zeros(cuda.device, shape=(len(features),), dtype=float)
+        module.appearanceRows(spy.grid((len(features),)), struct, *[b.storage.device_address for b in buffers],
+                              list(map(float, w)), backward, out.storage.device_address)
+        results.append(out.to_numpy().astype(np.float64))
+    if cooperative:
+        field.add_tiled_gradients()
+    return (*results, field.gradients().astype(np.float64))
+
+
+def test_tensor_core_appearance_forward_and_the_trained_gradients(cuda, appearance_case):
+    """The appearance network on tensor cores (the forward kernels) gives the per-thread network's values;
+    the backward kernels the trainer uses on CUDA (frozen_module: the appearance network per thread there)
+    give the parameter gradients numpy computes in float64, block by block."""
+    layout, scalar, cooperative, features, inputs, w = appearance_case
+    parts = ("sdf_fit", "field_checks")
+    forward = field_module.load_field_module(cuda, layout, parts, cooperative=True)
+    backward = field_module.load_field_module(cuda, layout, parts, frozen_geometry=True)
+    values_a, d_a, grads_a = appearance_rows(cuda, scalar, scalar.module, features, inputs, w, False)
+    values_b = appearance_rows(cuda, cooperative, forward, features, inputs, w, True)[0]
     np.testing.assert_allclose(values_b, values_a, atol=2e-2 * np.abs(values_a).max())
-    assert np.linalg.norm(d_b - d_a) / np.linalg.norm(d_a) < 5e-2
+    _, d_c, grads_c = appearance_rows(cuda, cooperative, backward, features, inputs, w, True)
     start = layout.appearance_offset
-    assert not grads_a[:start].any() and not grads_b[:start].any()
+    assert not grads_c[:start].any()
     exact = appearance_parameter_gradient(scalar.parameters()[start:], layout, features, inputs, w)
-    hidden, features_in = layout.config.network.appearance_hidden, features.shape[1]
-    first = np.zeros((hidden, features_in + inputs.shape[1]), dtype=int)
-    first[:, features_in:] = 1
-    block = np.concatenate([first.ravel(), np.full(hidden, 2), np.full(exact.size - first.size - hidden, 3)])
-    block[-len(w):] = 4
-    names = ("W1 (features)", "W1 (local inputs)", "b1", "W2", "b2")
-    for label, gradient in (("per thread", grads_a[start:]), ("tensor cores", grads_b[start:])):
-        cosines = []
-        for index in range(len(names)):
-            ga, gb = exact[block == index], gradient[block == index]
-            cosines.append(ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb)))
-        print(f"appearance parameter gradients, {label}: cosine with float64 "
-              + ", ".join(f"{name} {cosine:.5f}" for name, cosine in zip(names, cosines, strict=True)))
-        assert min(cosines) > (0.99999 if label == "per thread" else 0.995), label
+    net = layout.config.network
+    blocks = mlp_blocks(net.geometry_features + layout.appearance_inputs, net.appearance_hidden, len(w), 1)
+    for label, gradient in (("per thread", grads_a[start:]), ("backward kernels on CUDA", grads_c[start:])):
+        cosines = gradient_cosines(exact, gradient, blocks)
+        print(f"appearance parameter gradients, {label}: cosines with float64 (W1, b1, W2, b2) "
+              + ", ".join(f"{c:.6f}" for c in cosines))
+        assert min(cosines) > 0.99999, label
+    np.testing.assert_allclose(d_c, d_a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="slang.neural's backward pass gives this network's weights wrong gradients "
+                                       "(an H100, slangpy 0.43.1: cosine 0.51-0.67 with float64, biases exact), so "
+                                       "the trainer runs it per thread in its backward kernels")
+def test_tensor_core_appearance_weight_gradients(cuda, appearance_case):
+    """The same gradients through slang.neural's backward pass (the appearance network on tensor cores)."""
+    layout, scalar, cooperative, features, inputs, w = appearance_case
+    forward = field_module.load_field_module(cuda, layout, ("sdf_fit", "field_checks"), cooperative=True)
+    grads = appearance_rows(cuda, cooperative, forward, features, inputs, w, True)[2]
+    start = layout.appearance_offset
+    exact = appearance_parameter_gradient(scalar.parameters()[start:], layout, features, inputs, w)
+    net = layout.config.network
+    cosines = gradient_cosines(exact, grads[start:], mlp_blocks(net.geometry_features + layout.appearance_inputs,
+                                                                 net.appearance_hidden, len(w), 1))
+    print("appearance parameter gradients on tensor cores: cosines with float64 (W1, b1, W2, b2) "
+          + ", ".join(f"{c:.5f}" for c in cosines))
+    assert min(cosines) > 0.995
+
+
+def test_tensor_core_geometry_weight_gradients_layer_by_layer(cuda, appearance_case):
+    """The geometry network's parameter gradients on tensor cores (the SDF fit's kernels) against the per-thread
+    network's, on random points through the hash encoding: the hash table, then each layer's weights and biases
+    apart (the group as a whole can hide a layer whose gradients are wrong)."""
+    import slangpy as spy
+
+    layout, scalar, cooperative, _, _, _ = appearance_case
+    module = field_module.load_field_module(cuda, layout, ("sdf_fit", "field_checks"), cooperative=True)
+    rng = np.random.default_rng(12)
+    low, high = np.asarray(layout.origin), np.asarray(layout.origin) + np.asarray(layout.extent)
+    points = rng.uniform(low, high, (2048, 3)).astype(np.float32)
+    w = list(map(float, rng.normal(size=layout.structures + layout.config.network.geometry_features)))
+    buffer = spy.Tensor.from_numpy(cuda.device, points.ravel())
+    gradients = []
+    for field, kernels, tensor_cores in ((scalar, scalar.module, False), (cooperative, module, True)):
+        field.zero_gradients()
+        if tensor_cores:
+            field.upload_tiled_networks()
+        out = spy.Tensor.zeros(cuda.device, shape=(len(points),), dtype=float)
+        kernels.geometryRows(spy.grid((len(points),)), field.shader_struct(cooperative=tensor_cores),
+                             buffer.storage.device_address, w, 1, out.storage.device_address)
+        if tensor_cores:
+            field.add_tiled_gradients()
+        gradients.append(field.gradients().astype(np.float64))
+    start, stop = layout.geometry_offset, layout.appearance_offset
+    net, encoding = layout.config.network, layout.config.encoding
+    network = mlp_blocks(encoding.levels * encoding.features, net.hidden, layout.structures + net.geometry_features,
+                         net.hidden_layers)
+    blocks = np.concatenate([np.zeros(start, dtype=int), 1 + network])
+    cosines = gradient_cosines(gradients[0][:stop], gradients[1][:stop], blocks)
+    print("geometry gradients on tensor cores against per thread: cosines (table, W1, b1, W2, b2, W3, b3) "
+          + ", ".join(f"{c:.5f}" for c in cosines))
+    assert min(cosines) > 0.995
 
 
 def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
