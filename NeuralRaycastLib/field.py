@@ -388,12 +388,12 @@ class NeuralField:
         trains the networks)."""
         import slangpy as spy
 
-        tiled = self.tiled_networks()
-        self.fit_module.networkGradientsFromTiled(
-            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, {"geometry": tiled["geometry"],
-                                                            "appearance": tiled["appearance"]},
-            tiled["scratch"], self.grads.storage.device_address, self.layout.geometry_offset,
-            self.layout.appearance_offset, self.layout.count)
+        tiled, grid = self.tiled_networks(), spy.grid((CONVERT_THREADS,))
+        networks = {"geometry": tiled["geometry"], "appearance": tiled["appearance"]}
+        self.fit_module.tiledGradientsToWeightOrder(grid, CONVERT_THREADS, networks)
+        self.fit_module.networkGradientsFromTiled(grid, CONVERT_THREADS, networks, tiled["scratch"],
+                                                  self.grads.storage.device_address, self.layout.geometry_offset,
+                                                  self.layout.appearance_offset, self.layout.count)
 
     @property
     def structures(self) -> int:

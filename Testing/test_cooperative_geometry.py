@@ -117,6 +117,14 @@ void transposedToTiled(int thread, int threads, float* scratch, float* transpose
 {
     Net.transposedToTiled(scratch, transposed, uint(thread), uint(threads));
 }
+void reorder(int thread, int threads, float* grads)
+{
+    Net.gradientsToWeightOrder(grads, uint(thread), uint(threads));
+}
+void fromTiled(int thread, int threads, float* tiled, float* rowMajor)
+{
+    Net.fromTiled(tiled, rowMajor, uint(thread), uint(threads));
+}
 // One thread per row (whole waves): the input gradient for dy, through the transposed layers (frozen) or
 // through the generated backward pass (its weight gradients going to `grads`).
 void inputGradient(int row, int frozen, float* tiled, float* grads, float* transposed, float* xs, float* dys,
@@ -347,6 +355,68 @@ def test_tensor_core_geometry_weight_gradients_layer_by_layer(cuda, appearance_c
     print("geometry gradients on tensor cores against per thread: cosines (table, W1, b1, W2, b2, W3, b3) "
           + ", ".join(f"{c:.5f}" for c in cosines))
     assert min(cosines) > 0.995
+
+
+@pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
+def test_tensor_core_weight_gradients_in_the_weights_order(cuda, sizes):
+    """slang.neural's backward pass (the generated one, weight gradients into a tiled buffer): once put in
+    the weights' tiled order (CooperativeMlp.gradientsToWeightOrder) and made row-major (fromTiled), every
+    layer's weight and bias gradients are numpy's float64 ones, to half precision."""
+    import slangpy as spy
+
+    inputs, hidden, outputs, layers = sizes
+    module = spy.Module.load_from_source(cuda.device, f"frozen_{'_'.join(map(str, sizes))}",
+                                         FROZEN_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
+                                         .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
+    rng = np.random.default_rng(8)
+    shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
+    weights = [(rng.normal(size=shape) / np.sqrt(shape[1]), rng.normal(size=shape[0]) * 0.1) for shape in shapes]
+    row_major = np.concatenate([np.concatenate([w.ravel(), b]) for w, b in weights]).astype(np.float32)
+    rows = 256
+    xs = rng.normal(size=(rows, inputs)).astype(np.float32)
+    dys = rng.normal(size=(rows, outputs)).astype(np.float32)
+
+    def buffer(values):
+        return spy.Tensor.from_numpy(cuda.device, np.ascontiguousarray(values, np.float32).ravel())
+
+    def zeros(count):
+        return spy.Tensor.zeros(cuda.device, shape=(int(count),), dtype=float)
+
+    threads = 1024
+    source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
+    module.toTiled(spy.grid((threads,)), threads, source.storage.device_address, tiled.storage.device_address)
+    module.inputGradient(spy.grid((rows,)), 0, tiled.storage.device_address, grads.storage.device_address, 0,
+                         buffer(xs).storage.device_address, buffer(dys).storage.device_address,
+                         zeros(rows * inputs).storage.device_address)
+    results = {}
+    for name, reorder in (("as stored", False), ("in the weights' order", True)):
+        work = buffer(grads.to_numpy())
+        if reorder:
+            module.reorder(spy.grid((threads,)), threads, work.storage.device_address)
+        out = zeros(row_major.size)
+        module.fromTiled(spy.grid((threads,)), threads, work.storage.device_address, out.storage.device_address)
+        results[name] = out.to_numpy().astype(np.float64)
+
+    layer_inputs, h = [xs.astype(np.float64)], xs.astype(np.float64)
+    for w, b in weights[:-1]:
+        h = np.maximum(h @ w.T + b, 0.0)
+        layer_inputs.append(h)
+    g, exact = dys.astype(np.float64), []
+    for (w, _), x in zip(reversed(weights), reversed(layer_inputs), strict=True):
+        exact.insert(0, np.concatenate([(g.T @ x).ravel(), g.sum(0)]))
+        g = (g @ w) * (x > 0)
+    sizes_per_layer = [w.size + b.size for w, b in weights]
+    starts = np.cumsum([0] + sizes_per_layer)
+    for name, result in results.items():
+        cosines = []
+        for layer, (w, _) in enumerate(weights):
+            got, want = result[starts[layer]: starts[layer + 1]], exact[layer]
+            for part in (slice(0, w.size), slice(w.size, None)):
+                cosines.append(got[part] @ want[part] / (np.linalg.norm(got[part]) * np.linalg.norm(want[part])))
+        print(f"{sizes}, weight gradients {name}: cosines with float64 (weights, biases per layer) "
+              + ", ".join(f"{c:.5f}" for c in cosines))
+        results[name] = min(cosines)
+    assert results["in the weights' order"] > 0.999
 
 
 def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
