@@ -5,8 +5,7 @@ normalised MRI channels and P(x) as the appearance network's local inputs.
 Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with the geometry network on
 tensor cores, from a tiled copy of its weights uploaded at the start of each forward and backward pass. The
 appearance network runs on tensor cores in the forward passes and per thread in the backward ones
-(``NeuralField.frozen_module``): slang.neural's backward pass gave its weights wrong gradients on an H100
-(cosine 0.51-0.67 with float64, biases exact; ``Testing/test_cooperative_geometry.py``).
+(``NeuralField.frozen_module``; shaders/neural_field.slang says why).
 
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
@@ -16,11 +15,12 @@ tensor-core backward's gradient for the geometry network had a cosine of 0.25–
 per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
 the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
 every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
-scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). (In the light of the
-appearance network's wrong weight gradients, that 0.25-0.55 may have been the same fault rather than, or as
-well as, cancellation.) Neither backward computes that group's gradients at all: the per-thread one is given
-a null gradient buffer (shaders/mlp.slang), the tensor-core one runs the network's transposed layers (the
-field's ``frozen_module``)."""
+scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). That cosine was at least
+partly a fault found later: every tensor-core weight gradient was read back in the wrong order within its
+tiles (cosine 0.38-0.67 layer by layer against the per-thread or float64 ones, biases exact) until
+CooperativeMlp.gradientsToWeightOrder; the comparison has not been repeated since. Neither backward
+computes that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang),
+the tensor-core one runs the network's transposed layers (the field's ``frozen_module``)."""
 
 from __future__ import annotations
 

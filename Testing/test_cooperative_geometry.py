@@ -148,6 +148,32 @@ void inputGradient(int row, int frozen, float* tiled, float* grads, float* trans
 """
 
 
+def network_case(cuda, sizes: tuple[int, int, int, int], seed: int):
+    """FROZEN_KERNELS for a network of these sizes (inputs, hidden, outputs, hidden layers), random weights
+    (row-major with their biases, layer by layer), 256 rows of inputs and output gradients, and two helpers
+    making device buffers (of values, of zeros)."""
+    import slangpy as spy
+
+    inputs, hidden, outputs, layers = sizes
+    module = spy.Module.load_from_source(cuda.device, f"frozen_{'_'.join(map(str, sizes))}",
+                                         FROZEN_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
+                                         .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
+    rng = np.random.default_rng(seed)
+    shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
+    weights = [(rng.normal(size=shape) / np.sqrt(shape[1]), rng.normal(size=shape[0]) * 0.1) for shape in shapes]
+    row_major = np.concatenate([np.concatenate([w.ravel(), b]) for w, b in weights]).astype(np.float32)
+    xs = rng.normal(size=(256, inputs)).astype(np.float32)
+    dys = rng.normal(size=(256, outputs)).astype(np.float32)
+
+    def buffer(values):
+        return spy.Tensor.from_numpy(cuda.device, np.ascontiguousarray(values, np.float32).ravel())
+
+    def zeros(count):
+        return spy.Tensor.zeros(cuda.device, shape=(int(count),), dtype=float)
+
+    return module, weights, row_major, xs, dys, buffer, zeros
+
+
 @pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
 def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
     """The renderer's backward with the geometry weights frozen (CooperativeMlp.frozenBackward: the
@@ -156,24 +182,8 @@ def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
     leaves the gradient buffer alone. Sizes: the small test field's and the default network's."""
     import slangpy as spy
 
-    inputs, hidden, outputs, layers = sizes
-    module = spy.Module.load_from_source(cuda.device, f"frozen_{'_'.join(map(str, sizes))}",
-                                         FROZEN_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
-                                         .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
-    rng = np.random.default_rng(7)
-    shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
-    weights = [(rng.normal(size=shape) / np.sqrt(shape[1]), rng.normal(size=shape[0]) * 0.1) for shape in shapes]
-    row_major = np.concatenate([np.concatenate([w.ravel(), b]) for w, b in weights]).astype(np.float32)
-    rows = 256
-    xs = rng.normal(size=(rows, inputs)).astype(np.float32)
-    dys = rng.normal(size=(rows, outputs)).astype(np.float32)
-
-    def buffer(values):
-        return spy.Tensor.from_numpy(cuda.device, np.ascontiguousarray(values, np.float32).ravel())
-
-    def zeros(count):
-        return spy.Tensor.zeros(cuda.device, shape=(int(count),), dtype=float)
-
+    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, sizes, seed=7)
+    inputs, rows = sizes[0], len(xs)
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
     scratch, transposed = zeros(module.transposedRowMajorCount()), zeros(module.transposedCount())
     threads = 1024
@@ -304,11 +314,10 @@ def test_tensor_core_appearance_forward_and_the_trained_gradients(cuda, appearan
     np.testing.assert_allclose(d_c, d_a, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="slang.neural's backward pass gives this network's weights wrong gradients "
-                                       "(an H100, slangpy 0.43.1: cosine 0.51-0.67 with float64, biases exact), so "
-                                       "the trainer runs it per thread in its backward kernels")
 def test_tensor_core_appearance_weight_gradients(cuda, appearance_case):
-    """The same gradients through slang.neural's backward pass (the appearance network on tensor cores)."""
+    """The same gradients through slang.neural's backward pass (the appearance network on tensor cores),
+    brought back through NeuralField.add_tiled_gradients: before they were put in the weights' tiled order
+    their weights' cosines with float64 were 0.51-0.67 on an H100 (biases exact)."""
     layout, scalar, cooperative, features, inputs, w = appearance_case
     forward = field_module.load_field_module(cuda, layout, ("sdf_fit", "field_checks"), cooperative=True)
     grads = appearance_rows(cuda, cooperative, forward, features, inputs, w, True)[2]
@@ -364,24 +373,8 @@ def test_tensor_core_weight_gradients_in_the_weights_order(cuda, sizes):
     layer's weight and bias gradients are numpy's float64 ones, to half precision."""
     import slangpy as spy
 
-    inputs, hidden, outputs, layers = sizes
-    module = spy.Module.load_from_source(cuda.device, f"frozen_{'_'.join(map(str, sizes))}",
-                                         FROZEN_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
-                                         .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
-    rng = np.random.default_rng(8)
-    shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
-    weights = [(rng.normal(size=shape) / np.sqrt(shape[1]), rng.normal(size=shape[0]) * 0.1) for shape in shapes]
-    row_major = np.concatenate([np.concatenate([w.ravel(), b]) for w, b in weights]).astype(np.float32)
-    rows = 256
-    xs = rng.normal(size=(rows, inputs)).astype(np.float32)
-    dys = rng.normal(size=(rows, outputs)).astype(np.float32)
-
-    def buffer(values):
-        return spy.Tensor.from_numpy(cuda.device, np.ascontiguousarray(values, np.float32).ravel())
-
-    def zeros(count):
-        return spy.Tensor.zeros(cuda.device, shape=(int(count),), dtype=float)
-
+    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, sizes, seed=8)
+    inputs, rows = sizes[0], len(xs)
     threads = 1024
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
     module.toTiled(spy.grid((threads,)), threads, source.storage.device_address, tiled.storage.device_address)
