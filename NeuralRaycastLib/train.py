@@ -122,9 +122,9 @@ def preset(name: str, seed: int = 0) -> TrainConfig:
     if name == "standard":  # sized to train the full-resolution sample in under a minute on one GPU; 64 patches
         # (16,384 rays) per step for a quarter of the steps of 16: on an H100 twice the rays/s, 26 % less training
         # time and 44.06 / 42.00 dB against 44.37 / 40.10 dB over two seeds. 300 + 150 render steps rather than
-        # 150 + 75 since the networks run on tensor cores throughout: on an H100 12.4-13.6 s of training instead of
-        # 7.3-8.8 s, 43.09-46.94 dB / SSIM 0.9779-0.9896 instead of 40.12-43.62 dB / 0.9709-0.9828 over three
-        # seeds; before, two runs in four ended below the 0.97 SSIM target (BENCHMARKS.md)
+        # 150 + 75: on an H100, over nine seed pairs on three code versions, higher in seven (by 0.05-3.3 dB) and
+        # lower in two (0.5, 0.7 dB), for 4-9 s more (16-18 s of training); runs spread nearly as widely, and SSIM
+        # ended below its 0.97 target in 4 of 25 runs of either schedule (BENCHMARKS.md, 2026-11-26)
         return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=300, joint_steps=150,
                            patches=64, eval_every=25, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
                            seed=seed)
