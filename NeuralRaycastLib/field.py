@@ -322,8 +322,9 @@ class NeuralField:
 
     @property
     def frozen_module(self):
-        """Tensor-core render kernels with the geometry network's weights frozen: their backward passes run
-        its transposed layers for the input gradient alone (``cooperative`` fields only)."""
+        """The renderer's backward kernels for ``cooperative`` fields: the geometry network on tensor cores
+        with its weights frozen (its transposed layers give the input gradient alone), the appearance network
+        per thread (shaders/neural_field.slang says why)."""
         if self._frozen_module is None:
             self._frozen_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, frozen_geometry=True)
         return self._frozen_module
