@@ -319,8 +319,6 @@ class DiffRenderer:
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
-        if for_backward:
-            batch.keep_gradients(self.ray_count)
         n = self.ray_count
         self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
@@ -348,8 +346,12 @@ class DiffRenderer:
         clock.lap("composite")
 
     def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
+        """Composite the batch into the sums at ``sums_at``; ``for_backward``: also keep what the backward
+        needs, in buffers sized for the trained rays."""
         import slangpy as spy
 
+        if for_backward:
+            batch.keep_gradients(self.ray_count)
         batch.struct["kept"] = batch.kept.storage.device_address if for_backward else 0
         self.composite_module.compositeRay(spy.grid((self.ray_count,)), batch.struct, self.shading, sums_at)
         batch.kept_for_backward = for_backward
@@ -376,7 +378,6 @@ class DiffRenderer:
         """:meth:`composite_backward` with ∂L/∂sums already in ``batch.d_sums`` (written there by a loss
         kernel: nothing goes through the host)."""
         if not batch.kept_for_backward:  # (and each backward adds to gradients its forward zeroed)
-            batch.keep_gradients(self.ray_count)
             self._composite(batch, batch.sums.storage.device_address, for_backward=True)
         if batch.lists.touched:
             self.composite_module.compositeSegmentBackward(WorkLists.launch(batch.lists.touched), batch.struct,
