@@ -18,6 +18,30 @@ def test_default_device_runs_a_kernel(gpu):
     np.testing.assert_allclose(module.deviceCheck(values, -0.5, _result="numpy"), values * -0.5 + 1.0, rtol=1e-6)
 
 
+def test_a_change_in_the_shader_folder_leaves_open_work_alone(gpu):
+    """Files written into the shader folder while a device is open (an update of the extension) must not
+    reload its modules under a training: that would leave its tensors unusable."""
+    import time
+
+    import slangpy as spy
+
+    from NeuralRaycastLib.paths import shader_dir
+
+    module = gpu.load_module("device_check")
+    tensor = spy.Tensor.from_numpy(gpu.device, np.arange(4, dtype=np.float32))
+    probe = shader_dir() / f"changed_{id(tensor)}.slang"
+    try:
+        probe.write_text("// written while a device is open\n")
+    except OSError:
+        pytest.skip("the shader folder is read-only here")
+    probe.unlink()
+    values = np.arange(8, dtype=np.float32)
+    for _ in range(15):  # slangpy's watcher reacts within about a second, on a later dispatch
+        time.sleep(0.2)
+        np.testing.assert_allclose(module.deviceCheck(values, 2.0, _result="numpy"), values * 2.0 + 1.0)
+        np.testing.assert_array_equal(tensor.to_numpy(), np.arange(4, dtype=np.float32))
+
+
 def test_report_names_adapter_backend_features_and_cache(gpu):
     report = gpu.report
     assert report.adapter and report.backend == gpu.backend
