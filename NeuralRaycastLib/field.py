@@ -322,9 +322,8 @@ class NeuralField:
 
     @property
     def frozen_module(self):
-        """The renderer's backward kernels for ``cooperative`` fields: the geometry network on tensor cores
-        with its weights frozen (its transposed layers give the input gradient alone), the appearance network
-        per thread (shaders/neural_field.slang says why)."""
+        """The renderer's backward kernels for ``cooperative`` fields: both networks on tensor cores, the
+        geometry network's weights frozen (its transposed layers give the input gradient alone)."""
         if self._frozen_module is None:
             self._frozen_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, frozen_geometry=True)
         return self._frozen_module

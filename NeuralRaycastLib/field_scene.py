@@ -2,10 +2,9 @@
 distances, normals (tetrahedral differences), albedo and specular weight at sample points, fed the study's
 normalised MRI channels and P(x) as the appearance network's local inputs.
 
-Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with the geometry network on
-tensor cores, from a tiled copy of its weights uploaded at the start of each forward and backward pass. The
-appearance network runs on tensor cores in the forward passes and per thread in the backward ones
-(``NeuralField.frozen_module``; shaders/neural_field.slang says why).
+Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with both networks on tensor
+cores, from tiled copies of their weights uploaded at the start of each forward and backward pass; the
+appearance network's gradients go back to the field's buffer after each backward pass.
 
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
@@ -70,8 +69,9 @@ class FieldScene:
         """The rendered values' gradients into the hash table and the appearance network; the geometry
         network's weights take theirs from the SDF and Eikonal terms only (the module docstring says why)."""
         if self.cooperative:
-            self.field.upload_transposed_geometry()
+            self.field.upload_transposed_geometry()  # and the tiled networks, their gradients zeroed
             self._backward(self.field.frozen_module, self.struct(True), lists, buffers, step_mm)
+            self.field.add_tiled_gradients()
         else:
             self._backward(self.field.module, self.struct(geometry_network_gradients=False), lists, buffers, step_mm)
 
@@ -81,11 +81,16 @@ class FieldScene:
         module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
 
     def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
-        """The backward pass with the geometry frozen: gradients of the appearance network only (per thread).
-        The geometry network runs forward for its features, on tensor cores where the field has them (the
-        forward pass of the same step has put its current weights there)."""
-        module = self.field.frozen_module if self.cooperative else self.field.module
-        module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers, step_mm)
+        """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
+        network runs forward for its features, on tensor cores where the field has them, as the appearance
+        network does."""
+        if not self.cooperative:
+            self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers, step_mm)
+            return
+        self.field.upload_tiled_networks()  # their gradients start from zero
+        self.field.frozen_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(True), buffers,
+                                                         step_mm)
+        self.field.add_tiled_gradients()
 
 
 #: The last few boundary occupancies of this process, by study and grid: a second run in the same process

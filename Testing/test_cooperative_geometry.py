@@ -290,45 +290,37 @@ def appearance_rows(cuda, field, module, features, inputs, w, cooperative: bool)
 
 
 def test_tensor_core_appearance_forward_and_the_trained_gradients(cuda, appearance_case):
-    """The appearance network on tensor cores (the forward kernels) gives the per-thread network's values;
-    the backward kernels the trainer uses on CUDA (frozen_module: the appearance network per thread there)
-    give the parameter gradients numpy computes in float64, block by block."""
+    """The appearance network on tensor cores gives the per-thread network's values, and in both kinds of
+    kernels that train it on CUDA (the SDF fit's and the renderer's backward, frozen_module) the parameter
+    gradients numpy computes in float64, block by block, once NeuralField.add_tiled_gradients has brought
+    them back (before they were put in the weights' tiled order their weights' cosines with float64 were
+    0.51-0.67 on an H100, biases exact)."""
     layout, scalar, cooperative, features, inputs, w = appearance_case
     parts = ("sdf_fit", "field_checks")
-    forward = field_module.load_field_module(cuda, layout, parts, cooperative=True)
-    backward = field_module.load_field_module(cuda, layout, parts, frozen_geometry=True)
+    fit = field_module.load_field_module(cuda, layout, parts, cooperative=True)
+    frozen = field_module.load_field_module(cuda, layout, parts, frozen_geometry=True)
     values_a, d_a, grads_a = appearance_rows(cuda, scalar, scalar.module, features, inputs, w, False)
-    values_b = appearance_rows(cuda, cooperative, forward, features, inputs, w, True)[0]
-    np.testing.assert_allclose(values_b, values_a, atol=2e-2 * np.abs(values_a).max())
-    _, d_c, grads_c = appearance_rows(cuda, cooperative, backward, features, inputs, w, True)
     start = layout.appearance_offset
-    assert not grads_c[:start].any()
     exact = appearance_parameter_gradient(scalar.parameters()[start:], layout, features, inputs, w)
     net = layout.config.network
     blocks = mlp_blocks(net.geometry_features + layout.appearance_inputs, net.appearance_hidden, len(w), 1)
-    for label, gradient in (("per thread", grads_a[start:]), ("backward kernels on CUDA", grads_c[start:])):
-        cosines = gradient_cosines(exact, gradient, blocks)
-        print(f"appearance parameter gradients, {label}: cosines with float64 (W1, b1, W2, b2) "
-              + ", ".join(f"{c:.6f}" for c in cosines))
-        assert min(cosines) > 0.99999, label
-    np.testing.assert_allclose(d_c, d_a, rtol=1e-4, atol=1e-6)
-
-
-def test_tensor_core_appearance_weight_gradients(cuda, appearance_case):
-    """The same gradients through slang.neural's backward pass (the appearance network on tensor cores),
-    brought back through NeuralField.add_tiled_gradients: before they were put in the weights' tiled order
-    their weights' cosines with float64 were 0.51-0.67 on an H100 (biases exact)."""
-    layout, scalar, cooperative, features, inputs, w = appearance_case
-    forward = field_module.load_field_module(cuda, layout, ("sdf_fit", "field_checks"), cooperative=True)
-    grads = appearance_rows(cuda, cooperative, forward, features, inputs, w, True)[2]
-    start = layout.appearance_offset
-    exact = appearance_parameter_gradient(scalar.parameters()[start:], layout, features, inputs, w)
-    net = layout.config.network
-    cosines = gradient_cosines(exact, grads[start:], mlp_blocks(net.geometry_features + layout.appearance_inputs,
-                                                                 net.appearance_hidden, len(w), 1))
-    print("appearance parameter gradients on tensor cores: cosines with float64 (W1, b1, W2, b2) "
-          + ", ".join(f"{c:.5f}" for c in cosines))
-    assert min(cosines) > 0.995
+    cosines = gradient_cosines(exact, grads_a[start:], blocks)
+    print("appearance parameter gradients per thread: cosines with float64 (W1, b1, W2, b2) "
+          + ", ".join(f"{c:.6f}" for c in cosines))
+    assert min(cosines) > 0.99999
+    for label, module in (("SDF fit kernels", fit), ("renderer's backward kernels", frozen)):
+        values, d, grads = appearance_rows(cuda, cooperative, module, features, inputs, w, True)
+        np.testing.assert_allclose(values, values_a, atol=2e-2 * np.abs(values_a).max(), err_msg=label)
+        # half-precision operands on the way back too: one row in 512 has been 6 % off
+        apart = np.linalg.norm(d - d_a) / np.linalg.norm(d_a)
+        print(f"{label}: d/dfeature relative difference from per thread {apart:.2e}")
+        assert apart < 2e-2, label
+        np.testing.assert_allclose(d, d_a, atol=5e-2 * np.abs(d_a).max(), err_msg=label)
+        assert not grads[:start].any(), label
+        cosines = gradient_cosines(exact, grads[start:], blocks)
+        print(f"appearance parameter gradients on tensor cores, {label}: cosines with float64 (W1, b1, W2, b2) "
+              + ", ".join(f"{c:.5f}" for c in cosines))
+        assert min(cosines) > 0.995, label
 
 
 def test_tensor_core_geometry_weight_gradients_layer_by_layer(cuda, appearance_case):
