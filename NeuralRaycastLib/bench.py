@@ -237,6 +237,12 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                  "geometry frozen: the appearance network's backward only"),
         BenchRow("train", "training rays/s, stage 3 (joint)", log.rays_per_second(3), "1/s",
                  "backward through distances, finite-difference normals and appearance"),
+        BenchRow("train", "training rays/s after each stage's first step", log.rays_per_second(after_first_step=True),
+                 "1/s", f"stage 2 {log.rays_per_second(2, True):,.0f}, stage 3 {log.rays_per_second(3, True):,.0f}: "
+                 "the steps that only train"),
+        BenchRow("train", "first step of stages 2 / 3", 1e3 * sum(log.first_step_seconds.values()), "ms",
+                 " / ".join(f"{1e3 * log.first_step_seconds.get(stage, 0.0):.0f}" for stage in (2, 3))
+                 + " ms: their kernels loaded and their calls set up, in the rates above"),
         BenchRow("train", "total training time", log.seconds, "s",
                  f"{trainer.config.geometry.steps} + {trainer.config.appearance_steps} + "
                  f"{trainer.config.joint_steps} steps, {size}² views, study {shape}"),

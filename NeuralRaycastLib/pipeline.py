@@ -181,6 +181,8 @@ def train_prepared(
         "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
         "rays_per_second": log.rays_per_second(),
         "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
+        "rays_per_second_after_first_steps": log.rays_per_second(after_first_step=True),
+        "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
         "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
         "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "rows": log.rows,
     }, indent=1) + "\n")

@@ -124,7 +124,8 @@ def preset(name: str, seed: int = 0) -> TrainConfig:
         # time and 44.06 / 42.00 dB against 44.37 / 40.10 dB over two seeds. 300 + 150 render steps rather than
         # 150 + 75: on an H100, over nine seed pairs on three code versions, higher in seven (by 0.05-3.3 dB) and
         # lower in two (0.5, 0.7 dB), for 4-9 s more (16-18 s of training); runs spread nearly as widely, and SSIM
-        # ended below its 0.97 target in 4 of 25 runs of either schedule (BENCHMARKS.md, 2026-11-26)
+        # ended below its 0.97 target in 4 of 25 runs of either schedule (BENCHMARKS.md, 2026-11-26). Those runs
+        # had misplaced tensor-core weight gradients; with them in order, five runs: 51.2-52.0 dB, SSIM >= 0.996
         return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=300, joint_steps=150,
                            patches=64, eval_every=25, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
                            seed=seed)
@@ -141,8 +142,12 @@ PRESETS = ("quick", "standard", "high")
 class TrainLog:
     rows: list[dict] = dataclasses.field(default_factory=list)  # one per logged step
     seconds: float = 0.0
-    stage_rays: dict[int, int] = dataclasses.field(default_factory=dict)  # rays and seconds of stages 2, 3
+    stage_rays: dict[int, int] = dataclasses.field(default_factory=dict)  # rays, steps, seconds of stages 2, 3
+    stage_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Each render stage's first step, device work included: it also loads that stage's kernels and sets up the
+    # calls to them (on a 2-core CPU's lavapipe, with every cache warm, 0.57 s against 0.06 s for the next).
+    first_step_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: bool = False
     skipped_steps: int = 0
     mesh_seconds: float = 0.0  # re-extracting the learned meshes and their BVH (training with shadows)
@@ -160,11 +165,17 @@ class TrainLog:
     def render_seconds(self) -> float:
         return sum(self.stage_seconds.values())
 
-    def rays_per_second(self, stage: int | None = None) -> float:
-        """Training throughput (forward + backward + Adam) of stage 2 or 3, or of both."""
-        rays = self.rays if stage is None else self.stage_rays.get(stage, 0)
-        seconds = self.render_seconds if stage is None else self.stage_seconds.get(stage, 0.0)
-        return rays / seconds if seconds else 0.0
+    def rays_per_second(self, stage: int | None = None, after_first_step: bool = False) -> float:
+        """Training throughput (forward + backward + Adam) of stage 2 or 3, or of both; ``after_first_step``
+        leaves out each stage's first step, and with it the one-time cost of loading its kernels."""
+        stages = sorted(self.stage_rays) if stage is None else [stage]
+        rays = sum(self.stage_rays.get(s, 0) for s in stages)
+        seconds = sum(self.stage_seconds.get(s, 0.0) for s in stages)
+        if after_first_step:
+            firsts = [s for s in stages if s in self.first_step_seconds]
+            rays -= sum(self.stage_rays[s] // self.stage_steps[s] for s in firsts)
+            seconds -= sum(self.first_step_seconds[s] for s in firsts)
+        return rays / seconds if seconds > 0 and rays > 0 else 0.0
 
 
 def field_renderer(
@@ -378,14 +389,19 @@ class Trainer:
             bad = 0
             evaluate = (step + 1) % c.eval_every == 0 or step == steps - 1
             remesh = c.shadows and joint and (step + 1) % c.mesh_every == 0 and step < steps - 1
-            if evaluate or remesh or step == c.appearance_steps - 1:
+            first = stage not in self.log.first_step_seconds
+            if evaluate or remesh or first or step == c.appearance_steps - 1:
                 # Steps do not wait for the device: the next one is set up while it still works on this one (on
                 # an H200 a stage-2 step took 13.3 ms so, against 19.4 ms when each step waited; BENCHMARKS.md).
-                # A stage's time takes in its device work here, before anything else and where the stage ends.
+                # A stage's time takes in its device work here, before anything else and where the stage ends;
+                # each stage's first step waits too, so that its one-time cost is its own (TrainLog).
                 self.gpu.device.wait()
             spent = time.perf_counter() - t0
             self.log.stage_seconds[stage] = self.log.stage_seconds.get(stage, 0.0) + spent
             self.log.stage_rays[stage] = self.log.stage_rays.get(stage, 0) + c.patches * c.patch_size ** 2
+            self.log.stage_steps[stage] = self.log.stage_steps.get(stage, 0) + 1
+            if first:
+                self.log.first_step_seconds[stage] = spent
             done = c.geometry.steps + step + 1
             if step % 20 == 0 or step == steps - 1:
                 self.log.rows.append({"step": done, "stage": stage, "seconds": time.perf_counter() - start,

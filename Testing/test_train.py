@@ -22,7 +22,7 @@ from NeuralRaycastLib.neural_render import OUTPUTS
 from NeuralRaycastLib.patches import PatchSampler
 from NeuralRaycastLib.reference_views import render_reference_views
 from NeuralRaycastLib.sample.phantom import Phantom
-from NeuralRaycastLib.train import Trainer, field_renderer, preset
+from NeuralRaycastLib.train import Trainer, TrainLog, field_renderer, preset
 
 pytestmark = pytest.mark.gpu
 
@@ -90,10 +90,21 @@ def test_training_reproduces_held_out_views_and_the_segmentation(gpu, phantom_vi
     assert len(scores) == 2
     assert scores[-1] > 30.0, scores
     assert log.rays == 30 * config.patches * config.patch_size**2
+    assert set(log.first_step_seconds) == {2, 3}  # kept apart: each loads its stage's kernels
+    assert all(0 < log.first_step_seconds[s] <= log.stage_seconds[s] for s in (2, 3))
     geometry = geometry_metrics(field, prepared)
     for name in ("brain", "whole_tumor"):
         assert geometry[name]["dice"] > 0.9, geometry
         assert geometry[name]["mean_surface_distance_mm"] < SPACING, geometry
+
+
+def test_rates_after_each_stages_first_step_leave_that_step_out():
+    log = TrainLog(stage_rays={2: 100, 3: 50}, stage_steps={2: 10, 3: 5}, stage_seconds={2: 2.0, 3: 3.0},
+                   first_step_seconds={2: 1.1, 3: 0.6})
+    assert log.rays_per_second() == pytest.approx(150 / 5.0)
+    assert log.rays_per_second(2, after_first_step=True) == pytest.approx(90 / 0.9)
+    assert log.rays_per_second(after_first_step=True) == pytest.approx((90 + 40) / (0.9 + 2.4))
+    assert TrainLog().rays_per_second(after_first_step=True) == 0.0  # nothing trained (a cancel in stage 1)
 
 
 def test_finished_fields_pictures_place_and_shade_fewer_samples_and_look_the_same(gpu, phantom_views):
