@@ -267,7 +267,7 @@ def _open(backend: str):
         shader_cache_size=SHADER_CACHE_BYTES,
         # slangpy's default reloads every module when a file in a shader folder changes, and that leaves
         # every tensor and module made before unusable ("Reflection object has been invalidated"): an
-        # extension update or a second checkout writing there would break a training under way.
+        # extension update writing there would break a training under way.
         enable_hot_reload=False,
         **modules,
     )
