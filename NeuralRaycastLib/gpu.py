@@ -388,6 +388,13 @@ class PassClock:
         self.timings[name] = self.timings.get(name, 0.0) + now - self.last
         self.last = now
 
+    def skip(self) -> None:
+        """Start the next lap here without recording this one: the passes in between were timed on their own
+        (into the same dict), and a lap over them would count them twice in the sum of the phases."""
+        if self.timings is not None:
+            self.gpu.device.wait()
+            self.last = time.perf_counter()
+
 
 #: Reads of this size or more take CUDA's pinned-buffer way (ReadBack). glibc gives allocations this large
 #: (32 MiB is its largest mmap threshold) fresh mappings whose pages fault in one by one on first use, and
