@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .field import NeuralField
-from .gpu import GpuContext
+from .gpu import GpuContext, PassClock
 from .neural_render import Occupancy, WorkLists
 from .preprocess import PreparedStudy
 from .render import volume_stack
@@ -65,32 +65,43 @@ class FieldScene:
         self.field.fit_module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers,
                                            step_mm)
 
-    def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+    def backward(self, lists: WorkLists, buffers: dict, step_mm: float,
+                 timings: dict[str, float] | None = None) -> None:
         """The rendered values' gradients into the hash table and the appearance network; the geometry
-        network's weights take theirs from the SDF and Eikonal terms only (the module docstring says why)."""
+        network's weights take theirs from the SDF and Eikonal terms only (the module docstring says why).
+        ``timings``: each pass's seconds added there (waiting for the device after each; for profiling)."""
+        clock = PassClock(self.field.gpu, timings)
         if self.cooperative:
             self.field.upload_transposed_geometry()  # and the tiled networks, their gradients zeroed
-            self._backward(self.field.frozen_module, self.struct(True), lists, buffers, step_mm)
-            self.field.add_tiled_gradients()
+            clock.lap("scene backward: weights to tensor-core layout")
+            module, struct = self.field.frozen_module, self.struct(True)
         else:
-            self._backward(self.field.module, self.struct(geometry_network_gradients=False), lists, buffers, step_mm)
-
-    @staticmethod
-    def _backward(module: Any, struct: dict, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+            module, struct = self.field.module, self.struct(geometry_network_gradients=False)
         module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
+        clock.lap("scene backward: distances")
         module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
+        clock.lap("scene backward: normals and appearance")
+        if self.cooperative:
+            self.field.add_tiled_gradients()
+            clock.lap("scene backward: gradients back")
 
-    def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+    def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float,
+                            timings: dict[str, float] | None = None) -> None:
         """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
         network runs forward for its features, on tensor cores where the field has them, as the appearance
-        network does."""
+        network does (``timings``: see :meth:`backward`)."""
+        clock = PassClock(self.field.gpu, timings)
         if not self.cooperative:
             self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers, step_mm)
+            clock.lap("scene backward: appearance")
             return
         self.field.upload_tiled_networks()  # their gradients start from zero
+        clock.lap("scene backward: weights to tensor-core layout")
         self.field.frozen_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(True), buffers,
                                                          step_mm)
+        clock.lap("scene backward: appearance")
         self.field.add_tiled_gradients()
+        clock.lap("scene backward: gradients back")
 
 
 #: The last few boundary occupancies of this process, by study and grid: a second run in the same process

@@ -39,7 +39,8 @@ class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
     of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
     (``distances``: the sampled slots; ``surface`` and ``backward``: the lists of :class:`WorkLists`). A scene
-    whose appearance can train alone also has ``backward_appearance(lists, buffers, step_mm)``."""
+    whose appearance can train alone also has ``backward_appearance(lists, buffers, step_mm, timings)``. The
+    backward passes' ``timings``, where given: each pass's seconds added there (see :class:`PassClock`)."""
 
     structures: int
 
@@ -47,7 +48,8 @@ class TrainableScene(Protocol):
 
     def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None: ...
 
-    def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None: ...
+    def backward(self, lists: WorkLists, buffers: dict, step_mm: float,
+                 timings: dict[str, float] | None = None) -> None: ...
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
@@ -385,14 +387,15 @@ class DiffRenderer:
                                                            batch.d_sums.storage.device_address)
         batch.kept_for_backward = False
 
-    def scene_backward(self, batch: RayBatch, geometry: bool = True) -> None:
-        """Second half of :meth:`backward`: the sample values' gradients into the scene's parameters."""
+    def scene_backward(self, batch: RayBatch, geometry: bool = True, timings: dict[str, float] | None = None) -> None:
+        """Second half of :meth:`backward`: the sample values' gradients into the scene's parameters
+        (``timings``: see :meth:`forward`)."""
         if not batch.lists.shaded:
             return
         if geometry:
-            self.scene.backward(batch.lists, batch.struct, self.normal_step_mm)
+            self.scene.backward(batch.lists, batch.struct, self.normal_step_mm, timings)
         else:
-            self.scene.backward_appearance(batch.lists, batch.struct, self.normal_step_mm)
+            self.scene.backward_appearance(batch.lists, batch.struct, self.normal_step_mm, timings)
 
     def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
         """The albedo of every shaded segment of the last :meth:`forward` (the shaded work list; the faint

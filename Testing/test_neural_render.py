@@ -49,7 +49,7 @@ class Spheres:
     def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
         self.module.sphereSurface(WorkLists.launch(lists.shaded), self.struct, buffers, step_mm)
 
-    def backward(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
+    def backward(self, lists: WorkLists, buffers: dict, step_mm: float, timings=None) -> None:
         self.module.sphereBackwardDistances(WorkLists.launch(lists.touched), self.struct, buffers)
         self.module.sphereBackwardSurface(WorkLists.launch(lists.shaded), self.struct, buffers, step_mm)
 
