@@ -390,14 +390,9 @@ def test_tensor_core_weight_gradients_in_the_weights_order(cuda, sizes):
     for (w, _), x in zip(reversed(weights), reversed(layer_inputs), strict=True):
         exact.insert(0, np.concatenate([(g.T @ x).ravel(), g.sum(0)]))
         g = (g @ w) * (x > 0)
-    sizes_per_layer = [w.size + b.size for w, b in weights]
-    starts = np.cumsum([0] + sizes_per_layer)
+    exact, blocks = np.concatenate(exact), mlp_blocks(*sizes)
     for name, result in results.items():
-        cosines = []
-        for layer, (w, _) in enumerate(weights):
-            got, want = result[starts[layer]: starts[layer + 1]], exact[layer]
-            for part in (slice(0, w.size), slice(w.size, None)):
-                cosines.append(got[part] @ want[part] / (np.linalg.norm(got[part]) * np.linalg.norm(want[part])))
+        cosines = gradient_cosines(exact, result, blocks)
         print(f"{sizes}, weight gradients {name}: cosines with float64 (weights, biases per layer) "
               + ", ".join(f"{c:.5f}" for c in cosines))
         results[name] = min(cosines)
