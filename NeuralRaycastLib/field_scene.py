@@ -77,9 +77,11 @@ class FieldScene:
             module, struct = self.field.frozen_module, self.struct(True)
         else:
             module, struct = self.field.module, self.struct(geometry_network_gradients=False)
-        module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
+        if lists.touched:  # an empty list launches nothing, as in the forward pass
+            module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
         clock.lap("scene backward: distances")
-        module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
+        if lists.shaded:
+            module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
         clock.lap("scene backward: normals and appearance")
         if self.cooperative:
             self.field.add_tiled_gradients()

@@ -1,12 +1,14 @@
 """Compile ahead: every kernel a run uses, into the persistent shader cache, so later runs start at once.
 
 A run's kernels fall into parts: the SDF fit (stage 1); the rendering stages' forward passes with the
-appearance backward (stage 2) and evaluation renders; the joint backward (stage 3: the scene's backward
-passes through distances, normals and appearance); and a joint step, which then only loads them. One step of
+appearance backward (stage 2) and evaluation renders; the joint backward's two passes (stage 3: the scene's
+backward through the distances, and through the normals and appearance), each a part of its own, the
+slowest kernels to compile (on a fresh H100 machine the four parts took 245-410 s side by side, 413 s in all,
+against 529 s with that backward as one part); and a joint step, which then only loads them. One step of
 each part is run on tiny views with a fresh field: what is compiled is exactly what training calls. The joint
 backward's kernels are compiled by a launch over an empty batch (every entry past the end of its list: nothing
 is computed), so they need no forward pass first. Slang and the GPU compiler work on one kernel at a time in
-a process, so on a machine with cores to spare the first three parts compile in parallel processes
+a process, so on a machine with cores to spare the first four parts compile in parallel processes
 (``jobs``); the shader cache is a database that several processes may fill at once. The joint step's
 process starts once they have ended (:data:`AFTER`) and finds their kernels cached. On a GPU each part gets
 a process of its own even one at a time: on an H100 machine the joint backward took 205 s in a process of
@@ -43,12 +45,15 @@ Progress = Callable[[str, float], None]
 PARTS = {
     "fit": "SDF fit (stage 1)",
     "appearance": "render forward, appearance backward (stage 2), evaluation renders",
-    "backward": "joint backward: distances, normals, appearance (stage 3)",
+    "backward-distances": "joint backward: distances (stage 3)",
+    "backward-surface": "joint backward: normals and appearance (stage 3)",
     "joint": "joint step (stage 3), its kernels compiled by the other parts",
 }
 #: A part started in its own process only once these parts have ended: the joint step runs the kernels of all
-#: three, which it then finds in the shader cache instead of compiling them a second time.
-AFTER = {"joint": ("fit", "appearance", "backward")}
+#: the others, which it then finds in the shader cache instead of compiling them a second time.
+AFTER = {"joint": ("fit", "appearance", "backward-distances", "backward-surface")}
+#: The joint backward's two passes, each compiled by a part of its own (the entries it lists: shaded, touched).
+BACKWARD_PASSES = {"backward-distances": (0, WAVE), "backward-surface": (WAVE, 0)}
 
 
 def tiny_views(gpu: GpuContext, prepared: PreparedStudy) -> ReferenceViews:
@@ -68,8 +73,9 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     if part == "fit":
         SdfFitter(gpu, prepared, field, config.geometry).run()
         trainer.refresh_occupancy()  # the learned distances on the occupancy grid
-    elif part == "backward":
-        compile_scene_backward(trainer)
+    elif part in BACKWARD_PASSES:
+        shaded, touched = BACKWARD_PASSES[part]
+        compile_scene_backward(trainer, WorkLists(shaded=shaded, touched=touched))
     else:
         adam, sdf = trainer.render_optimisers(2)
         if part == "appearance":
@@ -82,24 +88,25 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     gpu.device.wait()
 
 
-def compile_scene_backward(trainer: Trainer) -> None:
+def compile_scene_backward(trainer: Trainer, lists: WorkLists) -> None:
     """Build the kernels of the scene's backward passes as a joint step calls them, over a new batch whose
     work lists are empty on the device: every launched entry lies past the end of its list and does nothing
-    (a wave of them leaves at once), so no forward pass has to fill the batch first."""
+    (a wave of them leaves at once), so no forward pass has to fill the batch first. ``lists`` says which
+    passes to launch: a pass whose list is given as empty is not launched, so not compiled."""
     renderer = trainer.renderer
     batch = RayBatch(trainer.gpu, WAVE, renderer.max_samples, renderer.scene.structures)
     batch.keep_gradients(WAVE)
-    renderer.scene.backward(WorkLists(shaded=WAVE, touched=WAVE), batch.struct, renderer.normal_step_mm)
+    renderer.scene.backward(lists, batch.struct, renderer.normal_step_mm)
 
 
 def default_jobs(gpu: GpuContext) -> int:
-    """Parallel processes for a warm-up: on a GPU machine up to three, the SDF fit, the forward passes and the
-    joint backward side by side, where it has two cores for each (the joint step then follows: see
-    :data:`AFTER`); one on a software device (its compiler already uses every core, and each process would
-    hold its own device)."""
+    """Parallel processes for a warm-up: on a GPU machine up to four, the SDF fit, the forward passes and the
+    joint backward's two passes side by side, where it has two cores for each (the joint step then follows:
+    see :data:`AFTER`); one on a software device (its compiler already uses every core, and each process
+    would hold its own device)."""
     if gpu.report.software:
         return 1
-    return max(1, min(3, (os.cpu_count() or 1) // 2))
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,

@@ -137,14 +137,14 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
 
 
 def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_step_after_them(monkeypatch):
-    """The SDF fit, the forward passes and the joint backward compile in processes side by side; the joint
-    step's process starts only once all three have ended (it then finds their kernels cached). Workers are
-    stand-ins here: the order is what is checked, with even four processes allowed."""
+    """The SDF fit, the forward passes and the joint backward's two passes compile in processes side by side;
+    the joint step's process starts only once all four have ended (it then finds their kernels cached).
+    Workers are stand-ins here: the order is what is checked, with even five processes allowed."""
     from NeuralRaycastLib import warmup
     from NeuralRaycastLib.pipeline import RunSettings
 
     events: list[tuple[str, str]] = []
-    polls_to_finish = {"fit": 8, "appearance": 2, "backward": 5, "joint": 2}
+    polls_to_finish = {"fit": 8, "appearance": 2, "backward-distances": 5, "backward-surface": 3, "joint": 2}
 
     class Worker:
         def __init__(self, command, **_):
@@ -164,11 +164,12 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
 
     monkeypatch.setattr(warmup.subprocess, "Popen", Worker)
     monkeypatch.setattr(warmup.time, "sleep", lambda seconds: None)
-    seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 4, lambda *_: None)
+    seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 5, lambda *_: None)
+    before_joint = ("fit", "appearance", "backward-distances", "backward-surface")
     first_end = min(index for index, (kind, _) in enumerate(events) if kind == "end")
-    assert {("start", part) for part in ("fit", "appearance", "backward")} <= set(events[:first_end])
+    assert {("start", part) for part in before_joint} <= set(events[:first_end])
     assert events.index(("start", "joint")) > max(events.index(("end", part))
-                                                  for part in ("fit", "appearance", "backward"))
+                                                  for part in before_joint)
     assert set(warmup.PARTS.values()) <= set(seconds)
 
 
