@@ -119,16 +119,14 @@ def preset(name: str, seed: int = 0) -> TrainConfig:
         return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=120, joint_steps=60,
                            patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, occupancy_cell_mm=2.0,
                            shade_weight=3e-3, render_cell_mm=2.0, seed=seed)
-    if name == "standard":  # sized to train the full-resolution sample in under a minute on one GPU; 64 patches
-        # (16,384 rays) per step for a quarter of the steps of 16: on an H100 twice the rays/s, 26 % less training
-        # time and 44.06 / 42.00 dB against 44.37 / 40.10 dB over two seeds. 300 + 150 render steps rather than
-        # 150 + 75: on an H100, over nine seed pairs on three code versions, higher in seven (by 0.05-3.3 dB) and
-        # lower in two (0.5, 0.7 dB), for 4-9 s more (16-18 s of training); runs spread nearly as widely, and SSIM
-        # ended below its 0.97 target in 4 of 25 runs of either schedule (BENCHMARKS.md, 2026-11-26). Those runs
-        # had misplaced tensor-core weight gradients; with them in order, five runs: 51.2-52.0 dB, SSIM >= 0.996
-        return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=300, joint_steps=150,
-                           patches=64, eval_every=25, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
-                           seed=seed)
+    if name == "standard":  # sized to train the full-resolution sample in well under a minute on one GPU. 128
+        # patches (32,768 rays) per step for 150 + 75 render steps, the rays of 64 patches for 300 + 150, and
+        # shading down to 3e-3 while training: on an H100, three seeds in one process, 2.16-2.58 M rays/s, 8.6-10.4 s
+        # of training, 50.2-51.0 dB / SSIM >= 0.9957, against 1.52-1.82 M rays/s, 15.0-16.5 s, 51.2-51.7 dB with
+        # 64 patches at 1e-3 (2.00-2.14 M at 3e-3, as good). BENCHMARKS.md, 2026-11-26, has these and the history.
+        return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=150, joint_steps=75,
+                           patches=128, eval_every=25, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
+                           shade_weight=3e-3, seed=seed)
     if name == "high":
         return TrainConfig(FitConfig(steps=4000, batch=1 << 18, seed=seed), appearance_steps=600,
                            joint_steps=5000, patches=64, seed=seed)
