@@ -271,8 +271,9 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         rows.append(BenchRow("train", f"stage-{stage} step phases", sum(phases.values()) * 1e3, "ms",
                              "; ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in phases.items())
                              + " (means of 10 steps, waits after each phase)"))
-    # The GPU fills up only with more rays per step than the presets take; on a slow device (quick) one such
-    # step of 64 patches takes seconds, so there only the preset's batch is profiled.
+    # How a joint step's rate falls with fewer rays per step than the standard preset's 128 patches (the device
+    # is not full); on a slow device (quick) a step of 64 patches takes seconds, so there only the preset's
+    # batch is profiled.
     for patches in () if quick else (16, 64):
         rays = patches * trainer.config.patch_size ** 2
         seconds = sum(trainer.profile_steps(joint=True, patches=patches).values())
