@@ -125,6 +125,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.preset is None and gpu.report.software:
         print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
               file=sys.stderr)
+    if not args.no_warmup:
+        from .warmup import ensure_warm
+
+        ensure_warm(gpu, args.study, settings, ConsoleProgress("compiling kernels (once per machine)"), args.device)
     with CancelOnInterrupt() as cancel:
         run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel, study)
     log = run.log
@@ -245,7 +249,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on the built-in sample case: train, render, mesh, evaluate, report."""
     from .demo import run_demo
 
-    report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset)
+    report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset,
+                      warm_up_first=not args.no_warmup)
     print(f"\nreport: {report}")
     return 0
 
@@ -350,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="on a GPU whose kernels this machine has not compiled yet, compile them in the run itself "
+                        "(much slower) instead of running 'neuralraycast warmup' first")
     p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
@@ -418,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="on a GPU whose kernels this machine has not compiled yet, compile them in the run itself "
+                        "(much slower) instead of running 'neuralraycast warmup' first")
     p.set_defaults(run=cmd_demo)
     return parser
 

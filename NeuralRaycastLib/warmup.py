@@ -21,6 +21,8 @@ warm-up starts for each part.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -32,10 +34,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
-from .field import FieldLayout, NeuralField
+from . import __version__
+from .field import COOPERATIVE_ENV, FieldLayout, NeuralField
 from .fit import SdfFitter
 from .gpu import GpuContext, open_device
 from .neural_render import WAVE, RayBatch, WorkLists
+from .paths import shader_dir
 from .pipeline import RunSettings, prepare_for_run
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews, render_reference_views
@@ -116,8 +120,9 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     once (``device``: the backend they open, as ``gpu`` was opened). Kernels are specialised by the number
     of structures and channels, so a study with other counts compiles its own. On a GPU every part runs in a
     worker process of its own, even one at a time (a part compiled after the others in the same process was
-    much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Returns
-    seconds per phase (the parts' own seconds, and with worker processes the wall time they took together)."""
+    much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Leaves
+    its stamp (:func:`warm_up_stamp`) once done. Returns seconds per phase (the parts' own seconds, and with
+    worker processes the wall time they took together)."""
     report = progress or (lambda message, fraction: None)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -135,8 +140,54 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
             seconds[title] = time.perf_counter() - clock
     else:
         seconds.update(_parts_in_processes(study_path, settings, device, jobs, report))
+    stamp = warm_up_stamp(gpu, prepared, settings)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds}, indent=1))
     report("done", 1.0)
     return seconds
+
+
+def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> str:
+    """What the kernels of a run depend on, as a hash: the shader sources, the network sizes the study gives
+    the field, the preset and shadows, the device and the versions. A warm-up leaves a stamp by this key."""
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
+    described = {
+        "version": __version__, "slangpy": gpu.report.slangpy_version, "backend": gpu.backend,
+        "adapter": gpu.report.adapter, "defines": layout.defines(), "preset": settings.preset,
+        "shadows": bool(settings.shadows), "cooperative": os.environ.get(COOPERATIVE_ENV, ""),
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
+    for source in sorted(shader_dir().glob("*.slang")):
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def warm_up_stamp(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> Path:
+    """Where a finished warm-up of these kernels is noted: beside the shader cache it filled, so clearing
+    that cache (``neuralraycast cache --clear shaders``) clears the stamps too."""
+    return Path(gpu.report.shader_cache) / "warm-ups" / f"{kernels_key(gpu, prepared, settings)}.json"
+
+
+def ensure_warm(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
+                device: str | None = None) -> dict[str, float] | None:
+    """Before a run on a GPU: unless a warm-up has compiled this run's kernels on the machine already (its
+    stamp), run one, its parts in processes side by side. Compiled by the run itself, one kernel after
+    another in one process, they take far longer: on a fresh H100 machine the demo's first joint step was
+    still compiling more than 11 minutes after the first two stages (8.5 minutes, most of it compiling) ended,
+    where a warm-up compiles everything in 5.4-6.9 minutes (BENCHMARKS.md). A software device compiles in
+    the run's own process either way: nothing to do there. A failed warm-up is reported and the run goes
+    on, compiling what it needs itself. Returns the warm-up's seconds, or None where none ran."""
+    if gpu.report.software:
+        return None
+    stamp = warm_up_stamp(gpu, prepare_for_run(study_path, settings), settings)
+    if stamp.exists():
+        return None
+    try:
+        return warm_up(gpu, study_path, settings, progress, jobs=default_jobs(gpu), device=device)
+    except RuntimeError as error:
+        print(f"warning: the warm-up failed ({error}); the run compiles its kernels itself", file=sys.stderr)
+        return None
 
 
 def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: str | None, jobs: int,

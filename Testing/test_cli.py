@@ -173,7 +173,7 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
     assert set(warmup.PARTS.values()) <= set(seconds)
 
 
-def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_at_a_time(monkeypatch):
+def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_at_a_time(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     from NeuralRaycastLib import warmup
@@ -185,10 +185,61 @@ def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_
     monkeypatch.setattr(warmup, "warm_up_part", lambda *args: calls.append(("here", args[-1])))
     monkeypatch.setattr(warmup, "_parts_in_processes",
                         lambda study, settings, device, jobs, report: calls.append(("processes", jobs)) or {})
+    monkeypatch.setattr(warmup, "warm_up_stamp", lambda gpu, prepared, settings: tmp_path / f"{gpu.name}.json")
     for software in (False, True):
-        gpu = SimpleNamespace(report=SimpleNamespace(software=software))
+        gpu = SimpleNamespace(name=f"software-{software}", report=SimpleNamespace(software=software))
         warmup.warm_up(gpu, "study", RunSettings("standard"), jobs=1)
     assert calls == [("processes", 1), *[("here", part) for part in warmup.PARTS]]
+    assert {p.name for p in tmp_path.iterdir()} == {"software-False.json", "software-True.json"}  # stamps left
+
+
+def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(monkeypatch, tmp_path, capsys):
+    """Compiled in the run's own process, one after another, a fresh GPU machine's kernels take far longer
+    than in a warm-up's processes side by side: `fit` and `demo` run the warm-up first where this machine
+    has no stamp of one for the run's kernels (shader sources, network sizes, preset, shadows, device). A
+    software device compiles in the run either way; a failed warm-up is reported and the run goes on."""
+    import shutil
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from conftest import phantom_prepared
+
+    from NeuralRaycastLib import warmup
+    from NeuralRaycastLib.paths import SHADERS_ENV, shader_dir
+    from NeuralRaycastLib.pipeline import RunSettings
+
+    shaders = tmp_path / "shaders"
+    shutil.copytree(shader_dir(), shaders)
+    monkeypatch.setenv(SHADERS_ENV, str(shaders))
+    _, prepared = phantom_prepared(8.0)
+    warm_ups = []
+    monkeypatch.setattr(warmup, "prepare_for_run", lambda study, settings: prepared)
+    monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: "views")
+    monkeypatch.setattr(warmup, "_parts_in_processes",
+                        lambda study, settings, device, jobs, report: warm_ups.append(settings) or {"all": 1.0})
+
+    def device(software: bool):
+        return SimpleNamespace(backend="vulkan" if software else "cuda", report=SimpleNamespace(
+            software=software, shader_cache=str(tmp_path / "cache"), slangpy_version="0.43.1", adapter="a GPU"))
+
+    gpu, settings = device(False), RunSettings("standard")
+    assert warmup.ensure_warm(gpu, "study", settings) is not None and len(warm_ups) == 1
+    assert warmup.warm_up_stamp(gpu, prepared, settings).exists()
+    assert warmup.ensure_warm(gpu, "study", settings) is None and len(warm_ups) == 1  # stamped: nothing to do
+    with open(shaders / "composite.slang", "a") as source:
+        source.write("\n// an update\n")
+    assert warmup.ensure_warm(gpu, "study", settings) is not None and len(warm_ups) == 2  # new kernels
+    assert warmup.ensure_warm(gpu, "study", replace(settings, shadows=True)) is not None and len(warm_ups) == 3
+    assert warmup.ensure_warm(device(True), "study", settings) is None and len(warm_ups) == 3
+
+    def fails(*args):
+        raise RuntimeError("warm-up failed in fit: out of memory")
+
+    monkeypatch.setattr(warmup, "_parts_in_processes", fails)
+    quick = RunSettings("quick")
+    assert warmup.ensure_warm(gpu, "study", quick) is None
+    assert "warning: the warm-up failed (warm-up failed in fit: out of memory)" in capsys.readouterr().err
+    assert not warmup.warm_up_stamp(gpu, prepared, quick).exists()  # tried again next time
 
 
 def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
