@@ -242,6 +242,28 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
     assert not warmup.warm_up_stamp(gpu, prepared, quick).exists()  # tried again next time
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-warmup"]])
+def test_fit_asks_for_the_warm_up_before_training_unless_told_not_to(flags, tmp_path, capsys, monkeypatch):
+    from NeuralRaycastLib import pipeline, warmup
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def train_run(*args, **kwargs):
+        calls.append("train")
+        raise Stop
+
+    monkeypatch.setattr(warmup, "ensure_warm", lambda gpu, study, settings, *rest: calls.append("warm-up"))
+    monkeypatch.setattr(pipeline, "train_run", train_run)
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    with pytest.raises(Stop):
+        main(["fit", manifest, "--out", str(tmp_path / "run"), "--preset", "quick", *flags])
+    assert calls == (["train"] if flags else ["warm-up", "train"])
+
+
 def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
     """Scripts parse `--json` output: what native libraries write to file descriptor 1 meanwhile (the shader
     compiler's warnings do) goes to standard error instead."""
