@@ -125,12 +125,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.preset is None and gpu.report.software:
         print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
               file=sys.stderr)
-    if not args.no_warmup:
-        from .warmup import ensure_warm
-
-        ensure_warm(gpu, args.study, settings, ConsoleProgress("compiling kernels (once per machine)"), args.device)
     with CancelOnInterrupt() as cancel:
-        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel, study)
+        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel, study,
+                        warm_up_first=not args.no_warmup, device=args.device)
     log = run.log
     state = "cancelled; the state so far is saved" if log.cancelled else "done"
     psnr = log.last("heldout_psnr")

@@ -22,7 +22,6 @@ from .pipeline import CancelOnInterrupt, RunSettings, run_metrics, train_run
 from .progress import ConsoleProgress
 from .report import save_comparison, save_gif, write_report
 from .sample import write_sample
-from .warmup import ensure_warm
 
 
 def turntable_cameras(bounds: np.ndarray, frames: int, size: int) -> list:
@@ -56,15 +55,10 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     manifest = write_sample(out / "study", case, spacing, seed, ConsoleProgress(f"sample {case}"))
     timings["sample study"] = time.perf_counter() - clock
 
-    if warm_up_first:  # a GPU that has not compiled these kernels yet: a warm-up's processes do it fastest
-        clock = time.perf_counter()
-        if ensure_warm(gpu, manifest, settings, ConsoleProgress("compiling kernels (once per machine)"),
-                       device) is not None:
-            timings["compiling kernels (once per machine)"] = time.perf_counter() - clock
-
     clock = time.perf_counter()
     with CancelOnInterrupt() as cancel:
-        run = train_run(gpu, manifest, out / "run", settings, ConsoleProgress(f"train ({settings.preset})"), cancel)
+        run = train_run(gpu, manifest, out / "run", settings, ConsoleProgress(f"train ({settings.preset})"), cancel,
+                        warm_up_first=warm_up_first, device=device)
     timings["prepare, reference views and training"] = time.perf_counter() - clock
     renderer = run.renderer
 

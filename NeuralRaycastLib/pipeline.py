@@ -132,11 +132,22 @@ def train_run(
     progress: Progress | None = None,
     should_stop: Callable[[], bool] | None = None,
     study: Study | None = None,
+    warm_up_first: bool = False,
+    device: str | None = None,
 ) -> TrainedRun:
     """Prepare the study file, render its reference views, train a field through all stages, save the run.
 
-    ``study`` is the file's content where the caller has read it already."""
+    ``study`` is the file's content where the caller has read it already. ``warm_up_first``: on a GPU that
+    has not compiled this run's kernels yet, compile them with a warm-up first (``warmup.ensure_warm``; its
+    worker processes open ``device`` as ``gpu`` was opened)."""
     prepared = prepare_study_for_run(study or load_study_cached(study_path), settings, progress)
+    if warm_up_first:
+        from .warmup import ensure_warm
+
+        report = progress or (lambda message, fraction: None)
+        ensure_warm(gpu, study_path, prepared, settings,
+                    lambda message, fraction: report(f"compiling kernels (once per machine): {message}", fraction),
+                    device)
     return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
 
 

@@ -169,18 +169,19 @@ def warm_up_stamp(gpu: GpuContext, prepared: PreparedStudy, settings: RunSetting
     return Path(gpu.report.shader_cache) / "warm-ups" / f"{kernels_key(gpu, prepared, settings)}.json"
 
 
-def ensure_warm(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
-                device: str | None = None) -> dict[str, float] | None:
+def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy, settings: RunSettings,
+                progress: Progress | None = None, device: str | None = None) -> dict[str, float] | None:
     """Before a run on a GPU: unless a warm-up has compiled this run's kernels on the machine already (its
     stamp), run one, its parts in processes side by side. Compiled by the run itself, one kernel after
     another in one process, they take far longer: on a fresh H100 machine the demo's first joint step was
     still compiling more than 11 minutes after the first two stages (8.5 minutes, most of it compiling) ended,
     where a warm-up compiles everything in 5.4-6.9 minutes (BENCHMARKS.md). A software device compiles in
     the run's own process either way: nothing to do there. A failed warm-up is reported and the run goes
-    on, compiling what it needs itself. Returns the warm-up's seconds, or None where none ran."""
+    on, compiling what it needs itself. ``prepared``: the study file's, as the run prepared it (it gives the
+    kernels' sizes). Returns the warm-up's seconds, or None where none ran."""
     if gpu.report.software:
         return None
-    stamp = warm_up_stamp(gpu, prepare_for_run(study_path, settings), settings)
+    stamp = warm_up_stamp(gpu, prepared, settings)
     if stamp.exists():
         return None
     try:

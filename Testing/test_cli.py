@@ -223,45 +223,50 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
             software=software, shader_cache=str(tmp_path / "cache"), slangpy_version="0.43.1", adapter="a GPU"))
 
     gpu, settings = device(False), RunSettings("standard")
-    assert warmup.ensure_warm(gpu, "study", settings) is not None and len(warm_ups) == 1
+    assert warmup.ensure_warm(gpu, "study", prepared, settings) is not None and len(warm_ups) == 1
     assert warmup.warm_up_stamp(gpu, prepared, settings).exists()
-    assert warmup.ensure_warm(gpu, "study", settings) is None and len(warm_ups) == 1  # stamped: nothing to do
+    assert warmup.ensure_warm(gpu, "study", prepared, settings) is None and len(warm_ups) == 1  # stamped
     with open(shaders / "composite.slang", "a") as source:
         source.write("\n// an update\n")
-    assert warmup.ensure_warm(gpu, "study", settings) is not None and len(warm_ups) == 2  # new kernels
-    assert warmup.ensure_warm(gpu, "study", replace(settings, shadows=True)) is not None and len(warm_ups) == 3
-    assert warmup.ensure_warm(device(True), "study", settings) is None and len(warm_ups) == 3
+    assert warmup.ensure_warm(gpu, "study", prepared, settings) is not None and len(warm_ups) == 2  # new kernels
+    shadows = replace(settings, shadows=True)
+    assert warmup.ensure_warm(gpu, "study", prepared, shadows) is not None and len(warm_ups) == 3
+    assert warmup.ensure_warm(device(True), "study", prepared, settings) is None and len(warm_ups) == 3
 
     def fails(*args):
         raise RuntimeError("warm-up failed in fit: out of memory")
 
     monkeypatch.setattr(warmup, "_parts_in_processes", fails)
     quick = RunSettings("quick")
-    assert warmup.ensure_warm(gpu, "study", quick) is None
+    assert warmup.ensure_warm(gpu, "study", prepared, quick) is None
     assert "warning: the warm-up failed (warm-up failed in fit: out of memory)" in capsys.readouterr().err
     assert not warmup.warm_up_stamp(gpu, prepared, quick).exists()  # tried again next time
 
 
 @pytest.mark.parametrize("flags", [[], ["--no-warmup"]])
 def test_fit_asks_for_the_warm_up_before_training_unless_told_not_to(flags, tmp_path, capsys, monkeypatch):
+    """The warm-up gets the study as the run prepared it (nothing prepared twice), before any training."""
     from NeuralRaycastLib import pipeline, warmup
+    from NeuralRaycastLib.preprocess import PreparedStudy
 
     calls = []
 
     class Stop(Exception):
         pass
 
-    def train_run(*args, **kwargs):
-        calls.append("train")
+    def train_prepared(gpu, prepared, *args, **kwargs):
+        calls.append(("train", prepared))
         raise Stop
 
-    monkeypatch.setattr(warmup, "ensure_warm", lambda gpu, study, settings, *rest: calls.append("warm-up"))
-    monkeypatch.setattr(pipeline, "train_run", train_run)
+    monkeypatch.setattr(warmup, "ensure_warm",
+                        lambda gpu, study, prepared, settings, *rest: calls.append(("warm-up", prepared)))
+    monkeypatch.setattr(pipeline, "train_prepared", train_prepared)
     assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
     manifest = capsys.readouterr().out.strip()
     with pytest.raises(Stop):
         main(["fit", manifest, "--out", str(tmp_path / "run"), "--preset", "quick", *flags])
-    assert calls == (["train"] if flags else ["warm-up", "train"])
+    assert [step for step, _ in calls] == (["train"] if flags else ["warm-up", "train"])
+    assert isinstance(calls[0][1], PreparedStudy) and all(prepared is calls[0][1] for _, prepared in calls)
 
 
 def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
