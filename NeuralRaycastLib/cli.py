@@ -299,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=CHOICES, default=None,
                        help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan)")
 
+    def warmup_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-warmup", action="store_true",
+                       help="on a GPU whose kernels this machine has not compiled yet, compile them in the run "
+                            "itself (much slower) instead of running 'neuralraycast warmup' first")
+
     p = sub.add_parser("info", help="show the GPU device, its features, versions and the shader cache")
     device_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -352,9 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="on a GPU whose kernels this machine has not compiled yet, compile them in the run itself "
-                        "(much slower) instead of running 'neuralraycast warmup' first")
+    warmup_option(p)
     p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
@@ -423,9 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--no-warmup", action="store_true",
-                   help="on a GPU whose kernels this machine has not compiled yet, compile them in the run itself "
-                        "(much slower) instead of running 'neuralraycast warmup' first")
+    warmup_option(p)
     p.set_defaults(run=cmd_demo)
     return parser
 
