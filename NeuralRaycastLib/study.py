@@ -485,6 +485,37 @@ def load_study(path: str | Path) -> Study:
     return load_brats_folder(path)
 
 
+def write_study(study: Study, folder: str | Path) -> Path:
+    """Write ``study`` as NIfTI files and a ``manifest.json`` that :func:`load_study` reads back (the same
+    arrays, grid and structures), for a study held in memory that another process must read (the
+    warm-up's workers, for a study from Slicer's scene). Returns the manifest's path."""
+    import nibabel as nib
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def save(array: np.ndarray, name: str, dtype: type) -> str:
+        nib.save(nib.Nifti1Image(np.asarray(array).astype(dtype), study.affine), str(folder / name))
+        return name
+
+    manifest: dict[str, Any] = {
+        "name": study.name,
+        "channels": {name: save(array, f"channel{index}.nii", np.float32)
+                     for index, (name, array) in enumerate(study.channels.items())},
+    }
+    if study.labels is not None:
+        manifest["labels"] = save(study.labels, "labels.nii", np.int32)
+    if study.probability is not None:
+        manifest["probability"] = save(study.probability, "probability.nii", np.float32)
+    if study.brain_mask is not None:
+        manifest["brain_mask"] = save(study.brain_mask, "brain_mask.nii", np.uint8)
+    if study.structures:
+        manifest["structures"] = {name: list(values) for name, values in study.structures.items()}
+    path = folder / MANIFEST
+    path.write_text(json.dumps(manifest, indent=1))
+    return path
+
+
 def downsample_study(study: Study, max_voxels: int) -> Study:
     """The study on a grid coarser by a whole factor, so no axis has more than ``max_voxels`` voxels:
     images and P(x) averaged over blocks, labels and the brain mask taken at the block's centre voxel

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import save_nifti
 
-from NeuralRaycastLib.study import Study, StudyError, interpolate_ijk, load_study, sample_at
+from NeuralRaycastLib.study import Study, StudyError, interpolate_ijk, load_study, sample_at, write_study
 
 
 def test_brats_folder_loads_channels_labels_and_default_structures(tiny_brats):
@@ -53,6 +53,25 @@ def test_manifest_with_structures_and_probability(tiny_brats):
         assert study.name == "mine" and study.channel_names == ["flair", "t2"]
         assert study.structures == {"lesion": (1, 2, 3), "necrosis": (1,)}
         assert study.probability is not None and study.probability.max() == pytest.approx(0.8)
+
+
+def test_a_study_written_out_loads_back_the_same(tiny_brats, tmp_path):
+    """write_study: what another process reads of a study held in memory (Slicer's) is that study."""
+    study = load_study(tiny_brats)
+    probability = (study.labels > 0).astype(np.float32) * 0.7
+    mask = np.ones(study.shape, bool)
+    mask[0] = False
+    study = Study(name="from scene", channels=study.channels, affine=study.affine, labels=study.labels,
+                  probability=probability, brain_mask=mask, structures={"lesion": (1, 2, 3), "core": (1, 3)})
+    again = load_study(write_study(study, tmp_path / "out"))
+    assert again.name == "from scene" and again.channel_names == study.channel_names
+    assert np.allclose(again.affine, study.affine)
+    for name in study.channels:
+        assert np.array_equal(again.channels[name], study.channels[name])
+    assert np.array_equal(again.labels, study.labels)
+    assert np.array_equal(again.probability, probability)
+    assert np.array_equal(again.brain_mask.astype(bool), mask)
+    assert again.structures == {"lesion": (1, 2, 3), "core": (1, 3)}
 
 
 def test_brain_mask_file_is_read_from_a_brats_folder_and_a_manifest(tiny_brats):
