@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import sys
 import time
 from typing import Annotated
@@ -298,7 +299,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         slicer.app.processEvents()
 
     def _shouldStop(self) -> bool:
-        """Polled by the trainer between steps: lets Slicer handle events (and the Cancel click)."""
+        """Polled by the trainer between steps, and while the kernels compile: lets Slicer handle events (and
+        the Cancel click)."""
         slicer.app.processEvents()
         return self._cancelRequested
 
@@ -331,26 +333,36 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                 resample = self._askToResample()
                 if resample is None:
                     return
-                run = self.logic.train(
-                    parameters.volumeNodes(),
-                    parameters.inputSegmentation,
-                    parameters.probabilityVolume,
-                    brainMaskNode=parameters.brainMaskVolume,
-                    preset=parameters.preset,
-                    device=parameters.device,
-                    seed=parameters.seed,
-                    iterations=parameters.iterations,
-                    shadows=parameters.shadows,
-                    runFolder=parameters.runFolder,
-                    progress=self._onProgress,
-                    shouldStop=self._shouldStop,
-                    resampleToReference=resample,
-                )
+                from NeuralRaycastLib.warmup import WarmUpCancelled
+
+                try:
+                    run = self._train(parameters, resample)
+                except WarmUpCancelled:
+                    self.ui.resultsText.setPlainText(_("Cancelled while compiling the kernels: nothing was trained."))
+                    return
                 parameters.runFolder = pathlib.Path(run.folder)
                 self.ui.resultsText.setPlainText(self.logic.trainingSummary(run))
                 self._showResults()
         finally:
             self._setRunning(False)
+
+    def _train(self, parameters, resample: bool):
+        """Logic.train with the module's parameters, reporting to the progress bar and polling Cancel."""
+        return self.logic.train(
+            parameters.volumeNodes(),
+            parameters.inputSegmentation,
+            parameters.probabilityVolume,
+            brainMaskNode=parameters.brainMaskVolume,
+            preset=parameters.preset,
+            device=parameters.device,
+            seed=parameters.seed,
+            iterations=parameters.iterations,
+            shadows=parameters.shadows,
+            runFolder=parameters.runFolder,
+            progress=self._onProgress,
+            shouldStop=self._shouldStop,
+            resampleToReference=resample,
+        )
 
     def _askToResample(self) -> bool | None:
         """False when every input is on the reference grid; True if the user agrees to resample the others;
@@ -833,6 +845,12 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     # -- training -------------------------------------------------------------------------------------
 
     @staticmethod
+    def workerPython() -> str:
+        """The interpreter for worker processes: Slicer's ``PythonSlicer`` (same packages as Slicer), else
+        this process's own (outside Slicer)."""
+        return shutil.which("PythonSlicer") or sys.executable
+
+    @staticmethod
     def gpuContext(device: str = "auto"):
         """The slangpy device (opened once per process); raises GpuUnavailableError naming what to install."""
         from NeuralRaycastLib.gpu import open_device
@@ -873,9 +891,12 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param brainMaskNode: optional brain mask volume (see ``studyFromNodes``).
         :return: ``NeuralRaycastLib.pipeline.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
-        stays non-finite.
+        stays non-finite, WarmUpCancelled if cancelled while the kernels compile (nothing trained then).
+        On a GPU that has not compiled this run's kernels yet, they are compiled first in worker processes
+        side by side (``NeuralRaycastLib.warmup``; minutes, once per machine), which keeps Slicer responsive.
         """
         from NeuralRaycastLib.pipeline import prepare_study_for_run, train_prepared
+        from NeuralRaycastLib.warmup import ensure_warm_for_study
 
         gpu = self.gpuContext(device)
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
@@ -883,6 +904,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
         startTime = time.time()
         prepared = prepare_study_for_run(study, settings, progress)
+        report = progress or (lambda message, fraction: None)
+        ensure_warm_for_study(gpu, study, prepared, settings,
+                              lambda message, fraction: report(f"compiling kernels (once per machine): {message}",
+                                                               fraction),
+                              None if device in (None, "", "auto") else device, shouldStop, self.workerPython())
         folder = str(runFolder) if runFolder and str(runFolder) not in ("", ".") else self.defaultRunFolder(study.name)
         self.run = train_prepared(gpu, prepared, folder, settings, progress, shouldStop, config=config)
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "

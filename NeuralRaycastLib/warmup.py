@@ -40,12 +40,18 @@ from .fit import SdfFitter
 from .gpu import GpuContext, open_device
 from .neural_render import WAVE, RayBatch, WorkLists
 from .paths import shader_dir
-from .pipeline import RunSettings, prepare_for_run
+from .pipeline import RunSettings, prepare_for_run, prepare_study_for_run
 from .preprocess import PreparedStudy
 from .reference_views import ReferenceViews, render_reference_views
+from .study import Study, downsample_study, write_study
 from .train import Trainer, preset
 
 Progress = Callable[[str, float], None]
+
+
+class WarmUpCancelled(Exception):
+    """A warm-up stopped by its caller's ``should_stop`` (its worker processes killed); nothing was trained."""
+
 PARTS = {
     "fit": "SDF fit (stage 1)",
     "appearance": "render forward, appearance backward (stage 2), evaluation renders",
@@ -114,7 +120,8 @@ def default_jobs(gpu: GpuContext) -> int:
 
 
 def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
-            jobs: int = 1, device: str | None = None) -> dict[str, float]:
+            jobs: int = 1, device: str | None = None, should_stop: Callable[[], bool] | None = None,
+            python: str | None = None) -> dict[str, float]:
     """Compile every kernel a run of ``settings`` on this study uses (reference renderer, SDF fit, both
     backward passes of the renderer, Adam); ``jobs`` > 1 compiles the parts in that many processes at
     once (``device``: the backend they open, as ``gpu`` was opened). Kernels are specialised by the number
@@ -122,7 +129,9 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     worker process of its own, even one at a time (a part compiled after the others in the same process was
     much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Leaves
     its stamp (:func:`warm_up_stamp`) once done. Returns seconds per phase (the parts' own seconds, and with
-    worker processes the wall time they took together)."""
+    worker processes the wall time they took together). With worker processes, ``should_stop`` is polled
+    while they run (True: they are killed and :class:`WarmUpCancelled` raised) and ``python`` is the
+    interpreter they run in (default: this one; Slicer's is ``PythonSlicer``)."""
     report = progress or (lambda message, fraction: None)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -139,7 +148,7 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
             warm_up_part(gpu, prepared, views, settings, part)
             seconds[title] = time.perf_counter() - clock
     else:
-        seconds.update(_parts_in_processes(study_path, settings, device, jobs, report))
+        seconds.update(_parts_in_processes(study_path, settings, device, jobs, report, should_stop, python))
     stamp = warm_up_stamp(gpu, prepared, settings)
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds}, indent=1))
@@ -170,7 +179,9 @@ def warm_up_stamp(gpu: GpuContext, prepared: PreparedStudy, settings: RunSetting
 
 
 def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy, settings: RunSettings,
-                progress: Progress | None = None, device: str | None = None) -> dict[str, float] | None:
+                progress: Progress | None = None, device: str | None = None,
+                should_stop: Callable[[], bool] | None = None, python: str | None = None
+                ) -> dict[str, float] | None:
     """Before a run on a GPU: unless a warm-up has compiled this run's kernels on the machine already (its
     stamp), run one, its parts in processes side by side. Compiled by the run itself, one kernel after
     another in one process, they take far longer: on a fresh H100 machine the demo's first joint step was
@@ -178,40 +189,94 @@ def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy
     where a warm-up compiles everything in 5.4-6.9 minutes (BENCHMARKS.md). A software device compiles in
     the run's own process either way: nothing to do there. A failed warm-up is reported and the run goes
     on, compiling what it needs itself. ``prepared``: the study file's, as the run prepared it (it gives the
-    kernels' sizes). Returns the warm-up's seconds, or None where none ran."""
+    kernels' sizes). ``should_stop`` and ``python``: see :func:`warm_up` (a cancel raises
+    :class:`WarmUpCancelled`). Returns the warm-up's seconds, or None where none ran."""
     if gpu.report.software:
         return None
     stamp = warm_up_stamp(gpu, prepared, settings)
     if stamp.exists():
         return None
     try:
-        return warm_up(gpu, study_path, settings, progress, jobs=default_jobs(gpu), device=device)
+        return warm_up(gpu, study_path, settings, progress, jobs=default_jobs(gpu), device=device,
+                       should_stop=should_stop, python=python)
     except RuntimeError as error:
         print(f"warning: the warm-up failed ({error}); the run compiles its kernels itself", file=sys.stderr)
         return None
 
 
+#: The largest side, in voxels, of the stand-in that a study held in memory sends to the warm-up's workers.
+STAND_IN_VOXELS = 64
+
+
+def ensure_warm_for_study(gpu: GpuContext, study: Study, prepared: PreparedStudy, settings: RunSettings,
+                          progress: Progress | None = None, device: str | None = None,
+                          should_stop: Callable[[], bool] | None = None, python: str | None = None
+                          ) -> dict[str, float] | None:
+    """:func:`ensure_warm` for a study held in memory (Slicer's scene) rather than a file. The workers read a
+    stand-in from a temporary folder: the study downsampled to :data:`STAND_IN_VOXELS`, with the same
+    structures and channels, so its kernels (which depend on those counts and the settings alone) are the
+    study's; where the downsampling loses a structure or the kernels would differ, the whole study is
+    written instead. Where it cannot be written, the run compiles its kernels itself (a warning says so)."""
+    if gpu.report.software or warm_up_stamp(gpu, prepared, settings).exists():
+        return None
+    with tempfile.TemporaryDirectory(prefix="neuralraycast-warm-up-") as folder:
+        try:
+            path = (_write_stand_in(gpu, study, prepared, settings, Path(folder) / "stand-in")
+                    or write_study(study, Path(folder) / "study"))
+        except OSError as error:  # no room for it, say: as a failed warm-up, the run compiles itself
+            print(f"warning: the warm-up could not write the study ({error}); the run compiles its kernels itself",
+                  file=sys.stderr)
+            return None
+        return ensure_warm(gpu, path, prepared, settings, progress, device, should_stop, python)
+
+
+def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, settings: RunSettings,
+                    folder: Path) -> Path | None:
+    """The study downsampled to :data:`STAND_IN_VOXELS`, written to ``folder`` where it has the study's kernels;
+    None where it has not, or lost a structure."""
+    stand_in = downsample_study(study, STAND_IN_VOXELS)
+    try:
+        stand_in_key = kernels_key(gpu, prepare_study_for_run(stand_in, settings), settings)
+    except ValueError:  # a structure too small to survive the downsampling (StudyError)
+        return None
+    return write_study(stand_in, folder) if stand_in_key == kernels_key(gpu, prepared, settings) else None
+
+
 def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: str | None, jobs: int,
-                        report: Progress) -> dict[str, float]:
+                        report: Progress, should_stop: Callable[[], bool] | None = None,
+                        python: str | None = None) -> dict[str, float]:
     """Each part in its own worker process, at most ``jobs`` at once; seconds of each and of them all."""
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     waiting = list(PARTS)
     running: dict[str, tuple[subprocess.Popen, float, IO[str]]] = {}
     failures: dict[str, str] = {}  # part: the last line its worker wrote (its exception)
+    # The workers import this package from where this process found it (an interpreter such as Slicer's
+    # PythonSlicer does not have a scripted module's folder on its path).
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, environment.get("PYTHONPATH")) if p)
+
+    def stop_workers() -> None:
+        for process, _, _ in running.values():
+            process.kill()
+            process.wait()
+
     with ExitStack() as files:
-        files.callback(lambda: [process.kill() for process, _, _ in running.values()])  # cancelled: stop them
+        files.callback(stop_workers)  # cancelled or failed: none is left running
         while waiting or running:
+            if should_stop is not None and should_stop():
+                raise WarmUpCancelled("cancelled while compiling the kernels; nothing was trained")
             while len(running) < jobs and (ready := [p for p in waiting
                                                       if not any(d in waiting or d in running
                                                                  for d in AFTER.get(p, ()))]):
                 part = ready[0]
                 waiting.remove(part)
-                command = [sys.executable, "-m", __name__, str(study_path), part, "--preset", settings.preset]
+                command = [python or sys.executable, "-m", __name__, str(study_path), part, "--preset", settings.preset]
                 command += ["--device", device] if device else []
                 command += ["--shadows"] if settings.shadows else []
                 errors = files.enter_context(tempfile.TemporaryFile("w+"))  # a file: a chatty worker never blocks
-                running[part] = (subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors),
+                running[part] = (subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=environment),
                                  time.perf_counter(), errors)
             time.sleep(0.05)
             for part, (process, began, errors) in list(running.items()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import imageio.v3 as iio
 import numpy as np
@@ -136,6 +137,88 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
         _parts_in_processes(tmp_path / "missing.nii.gz", RunSettings("quick"), None, 3, lambda *_: None)
 
 
+def test_a_cancelled_warm_up_stops_its_workers(tmp_path):
+    """A cancel (Slicer's Cancel button) while the parts compile kills every worker and says so."""
+    from NeuralRaycastLib.pipeline import RunSettings
+    from NeuralRaycastLib.warmup import WarmUpCancelled, _parts_in_processes
+
+    pids = tmp_path / "pids"
+    worker = tmp_path / "python"  # stands in for the interpreter: notes its process and waits
+    worker.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 60\n")
+    worker.chmod(0o755)
+    polls = []
+
+    def should_stop() -> bool:  # once all four side-by-side workers run (or after 10 s)
+        polls.append(1)
+        return (pids.exists() and len(pids.read_text().split()) == 4) or len(polls) > 200
+
+    with pytest.raises(WarmUpCancelled, match="nothing was trained"):
+        _parts_in_processes("study", RunSettings("standard"), None, 4, lambda *_: None, should_stop, str(worker))
+    started = [int(pid) for pid in pids.read_text().split()]
+    assert len(started) == 4
+    for pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_same_kernels(
+        monkeypatch, tmp_path, phantom_study_dir, capsys):
+    """Slicer's study is in its scene, not a file: the warm-up's workers read a downsampled copy with the same
+    structures and channels (the kernels depend on those counts), or the whole study where a structure would
+    be lost; where nothing can be written the run compiles itself; on a machine that has compiled these
+    kernels nothing is written or run."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib import warmup
+    from NeuralRaycastLib.pipeline import RunSettings, prepare_study_for_run
+    from NeuralRaycastLib.study import Study, load_study
+
+    study = load_study(phantom_study_dir)
+    monkeypatch.setattr(warmup, "STAND_IN_VOXELS", max(study.shape) // 2)
+    settings = RunSettings("standard")
+    prepared = prepare_study_for_run(study, settings)
+    gpu = SimpleNamespace(backend="cuda", report=SimpleNamespace(
+        software=False, shader_cache=str(tmp_path / "cache"), slangpy_version="0.43.1", adapter="a GPU"))
+    seen = []
+
+    def ensure_warm(gpu, path, prepared, settings, progress, device, should_stop, python):
+        seen.append((load_study(path), python, should_stop))
+        return {"all parts": 1.0}
+
+    monkeypatch.setattr(warmup, "ensure_warm", ensure_warm)
+    stop = lambda: False  # noqa: E731
+    assert warmup.ensure_warm_for_study(gpu, study, prepared, settings, should_stop=stop, python="PythonSlicer")
+    stand_in, python, should_stop = seen[-1]
+    assert max(stand_in.shape) <= warmup.STAND_IN_VOXELS < max(study.shape)
+    assert stand_in.channel_names == study.channel_names and stand_in.structures == study.structures
+    assert (warmup.kernels_key(gpu, prepare_study_for_run(stand_in, settings), settings)
+            == warmup.kernels_key(gpu, prepared, settings))
+    assert python == "PythonSlicer" and should_stop is stop
+
+    def disk_full(study, folder):
+        raise OSError(28, "No space left on device")
+
+    write_study = warmup.write_study
+    monkeypatch.setattr(warmup, "write_study", disk_full)
+    assert warmup.ensure_warm_for_study(gpu, study, prepared, settings) is None and len(seen) == 1
+    assert "the run compiles its kernels itself" in capsys.readouterr().err
+    monkeypatch.setattr(warmup, "write_study", write_study)
+
+    def loses_a_structure(study: Study, voxels: int) -> Study:
+        labels = study.labels.copy()
+        labels[np.isin(labels, study.structures[next(reversed(study.structures))])] = 0
+        return Study(study.name, study.channels, study.affine, labels, structures=study.structures)
+
+    monkeypatch.setattr(warmup, "downsample_study", loses_a_structure)
+    warmup.ensure_warm_for_study(gpu, study, prepared, settings)
+    assert seen[-1][0].shape == study.shape  # the whole study instead
+
+    stamp = warmup.warm_up_stamp(gpu, prepared, settings)
+    stamp.parent.mkdir(parents=True)
+    stamp.write_text("{}")
+    assert warmup.ensure_warm_for_study(gpu, study, prepared, settings) is None and len(seen) == 2
+
+
 def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_step_after_them(monkeypatch):
     """The SDF fit, the forward passes and the joint backward's two passes compile in processes side by side;
     the joint step's process starts only once all four have ended (it then finds their kernels cached).
@@ -162,6 +245,9 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
         def kill(self):
             pass
 
+        def wait(self):
+            return self.returncode
+
     monkeypatch.setattr(warmup.subprocess, "Popen", Worker)
     monkeypatch.setattr(warmup.time, "sleep", lambda seconds: None)
     seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 5, lambda *_: None)
@@ -184,7 +270,7 @@ def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_
     monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: "views")
     monkeypatch.setattr(warmup, "warm_up_part", lambda *args: calls.append(("here", args[-1])))
     monkeypatch.setattr(warmup, "_parts_in_processes",
-                        lambda study, settings, device, jobs, report: calls.append(("processes", jobs)) or {})
+                        lambda study, settings, device, jobs, report, *_: calls.append(("processes", jobs)) or {})
     monkeypatch.setattr(warmup, "warm_up_stamp", lambda gpu, prepared, settings: tmp_path / f"{gpu.name}.json")
     for software in (False, True):
         gpu = SimpleNamespace(name=f"software-{software}", report=SimpleNamespace(software=software))
@@ -216,7 +302,7 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
     monkeypatch.setattr(warmup, "prepare_for_run", lambda study, settings: prepared)
     monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: "views")
     monkeypatch.setattr(warmup, "_parts_in_processes",
-                        lambda study, settings, device, jobs, report: warm_ups.append(settings) or {"all": 1.0})
+                        lambda study, settings, device, jobs, report, *_: warm_ups.append(settings) or {"all": 1.0})
 
     def device(software: bool):
         return SimpleNamespace(backend="vulkan" if software else "cuda", report=SimpleNamespace(

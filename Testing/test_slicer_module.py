@@ -243,6 +243,33 @@ def test_cancel_keeps_a_saved_state_and_the_scene_unchanged(module, scene, self_
     assert node_ids(scene) == before
 
 
+@pytest.mark.gpu
+def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(module, scene, self_test, tmp_path,
+                                                                               monkeypatch):
+    """On a GPU that has not compiled the run's kernels, training first compiles them in worker processes
+    (PythonSlicer) with the progress bar and Cancel live; a cancel there trains and writes nothing."""
+    from NeuralRaycastLib import warmup
+
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    calls, messages = [], []
+
+    def compiling(gpu, study, prepared, settings, progress, device, should_stop, python):
+        calls.append((sorted(study.structures), python))
+        progress("SDF fit (stage 1): compiled", 0.4)
+        if should_stop():
+            raise warmup.WarmUpCancelled("cancelled while compiling the kernels; nothing was trained")
+
+    monkeypatch.setattr(warmup, "ensure_warm_for_study", compiling)
+    with pytest.raises(warmup.WarmUpCancelled):
+        logic.train(volumes, segmentation, preset="quick", views=4, size=32, runFolder=tmp_path / "run",
+                    progress=lambda message, fraction: messages.append(message), shouldStop=lambda: True)
+    assert calls == [(sorted(_study.structures), logic.workerPython())]
+    assert "compiling kernels (once per machine): SDF fit (stage 1): compiled" in messages
+    assert logic.run is None and not (tmp_path / "run").exists() and node_ids(scene) == before
+
+
 class TetrahedraRun:
     """Stands in for a trained run: three small tetrahedra as the learned surfaces."""
 
