@@ -204,6 +204,9 @@ def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy
         return None
 
 
+#: Seconds between progress reports while the workers compile (each part takes minutes on a GPU).
+REPORT_EVERY_S = 1.0
+
 #: The largest side, in voxels, of the stand-in that a study held in memory sends to the warm-up's workers.
 STAND_IN_VOXELS = 64
 
@@ -262,11 +265,16 @@ def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: s
             process.kill()
             process.wait()
 
+    reported = start
     with ExitStack() as files:
         files.callback(stop_workers)  # cancelled or failed: none is left running
         while waiting or running:
             if should_stop is not None and should_stop():
                 raise WarmUpCancelled("cancelled while compiling the kernels; nothing was trained")
+            if running and (now := time.perf_counter()) - reported >= REPORT_EVERY_S:  # still alive
+                report(f"{len(seconds)} of {len(PARTS)} parts compiled, {len(running)} compiling "
+                       f"({now - start:.0f} s)", 0.2 + 0.8 * len(seconds) / len(PARTS))
+                reported = now
             while len(running) < jobs and (ready := [p for p in waiting
                                                       if not any(d in waiting or d in running
                                                                  for d in AFTER.get(p, ()))]):

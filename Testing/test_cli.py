@@ -137,8 +137,10 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
         _parts_in_processes(tmp_path / "missing.nii.gz", RunSettings("quick"), None, 3, lambda *_: None)
 
 
-def test_a_cancelled_warm_up_stops_its_workers(tmp_path):
-    """A cancel (Slicer's Cancel button) while the parts compile kills every worker and says so."""
+def test_a_cancelled_warm_up_stops_its_workers(tmp_path, monkeypatch):
+    """While the parts compile (minutes) progress keeps coming; a cancel (Slicer's Cancel button) kills every
+    worker and says so."""
+    from NeuralRaycastLib import warmup
     from NeuralRaycastLib.pipeline import RunSettings
     from NeuralRaycastLib.warmup import WarmUpCancelled, _parts_in_processes
 
@@ -148,12 +150,17 @@ def test_a_cancelled_warm_up_stops_its_workers(tmp_path):
     worker.chmod(0o755)
     polls = []
 
-    def should_stop() -> bool:  # once all four side-by-side workers run (or after 10 s)
-        polls.append(1)
-        return (pids.exists() and len(pids.read_text().split()) == 4) or len(polls) > 200
+    reports = []
 
+    def should_stop() -> bool:  # once all four side-by-side workers run and progress came (or after 10 s)
+        polls.append(1)
+        return (pids.exists() and len(pids.read_text().split()) == 4 and bool(reports)) or len(polls) > 200
+
+    monkeypatch.setattr(warmup, "REPORT_EVERY_S", 0.0)
     with pytest.raises(WarmUpCancelled, match="nothing was trained"):
-        _parts_in_processes("study", RunSettings("standard"), None, 4, lambda *_: None, should_stop, str(worker))
+        _parts_in_processes("study", RunSettings("standard"), None, 4, lambda message, fraction: reports.append(
+            message), should_stop, str(worker))
+    assert reports and reports[-1].startswith("0 of 5 parts compiled, 4 compiling")  # alive while it compiles
     started = [int(pid) for pid in pids.read_text().split()]
     assert len(started) == 4
     for pid in started:
