@@ -456,9 +456,41 @@ def bench_startup(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     return rows
 
 
+#: Kernels reported by the ``kernels`` suite, the largest first.
+KERNEL_ROWS = 10
+
+
+def bench_kernels(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
+    """Registers, spills and shared memory of the CUDA kernels compiled so far (``ptxas -v`` on the PTX the
+    shader cache keeps: run this suite after those whose kernels it should see), the largest first, and the
+    warps an SM holds of each (kernel_resources.py says why this stands in for a profiler)."""
+    from .gpu import cuda_architecture
+    from .kernel_resources import find_ptxas, ptx_programs, ptxas_resources
+
+    if gpu.backend != "cuda":
+        return [BenchRow("kernels", "not measured", float("nan"), "",
+                         f"ptxas reads CUDA kernels; this device is {gpu.backend}")]
+    ptxas, architecture = find_ptxas(), cuda_architecture()
+    if ptxas is None or architecture is None:
+        why = "needs the CUDA toolkit's ptxas" if ptxas is None else "no CUDA compute capability found"
+        return [BenchRow("kernels", "not measured", float("nan"), "", why)]
+    programs = ptx_programs(gpu.report.shader_cache)
+    rows = [BenchRow("kernels", "kernels in the shader cache", len(programs), "",
+                     f"PTX programs, the {min(KERNEL_ROWS, len(programs))} largest below, assembled for "
+                     f"{architecture}")]
+    for index, ptx in enumerate(programs[:KERNEL_ROWS]):
+        progress(f"kernels: ptxas on kernel {index + 1}", index / KERNEL_ROWS)
+        kernel = ptxas_resources(ptx, architecture, ptxas)
+        rows.append(BenchRow("kernels", f"kernel {index + 1}: registers a thread", kernel.registers, "",
+                             f"PTX {kernel.ptx_bytes / 1024:.0f} KB; spill stores / loads {kernel.spill_stores} / "
+                             f"{kernel.spill_loads} bytes; shared memory {kernel.shared_bytes} bytes; "
+                             f"{kernel.warps_per_sm()} of 64 warps per SM in slangpy's groups of 32 threads"))
+    return rows
+
+
 SUITES: dict[str, Callable] = {"reference": bench_reference, "sdf_fit": bench_sdf_fit, "train": bench_train,
                                "mesh_accuracy": bench_mesh_accuracy, "torch_peer": bench_torch_peer,
-                               "startup": bench_startup}
+                               "startup": bench_startup, "kernels": bench_kernels}
 
 
 def run_bench(gpu: GpuContext, prepared, study_name: str, suites: list[str], quick: bool, command: str,

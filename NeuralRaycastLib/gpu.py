@@ -181,6 +181,13 @@ def _cuda_compute_capability(driver) -> int | None:
     return 10 * major.value + minor.value
 
 
+def cuda_architecture() -> str | None:
+    """``sm_XY`` of the first CUDA GPU (``sm_90`` on an H100), or None without a CUDA driver."""
+    driver = _cuda_driver()
+    capability = _cuda_compute_capability(driver) if driver is not None else None
+    return f"sm_{capability}" if capability else None
+
+
 @contextmanager
 def _cuda_context(gpu: GpuContext) -> Iterator[Any]:
     """The CUDA driver with the device's own context current (popped after), or None where there is none
