@@ -845,10 +845,15 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     # -- training -------------------------------------------------------------------------------------
 
     @staticmethod
-    def workerPython() -> str:
-        """The interpreter for worker processes: Slicer's ``PythonSlicer`` (same packages as Slicer), else
-        this process's own (outside Slicer)."""
-        return shutil.which("PythonSlicer") or sys.executable
+    def workerPython() -> str | None:
+        """The interpreter for worker processes: Slicer's ``PythonSlicer`` (on Slicer's PATH, with Slicer's
+        packages). Outside the Slicer application (headless tests) this process's own; None in a Slicer
+        without PythonSlicer, whose own executable would start another Slicer."""
+        if found := shutil.which("PythonSlicer"):
+            return found
+        if hasattr(slicer.app, "slicerHome"):  # the application itself, not a headless stand-in
+            return None
+        return sys.executable
 
     @staticmethod
     def gpuContext(device: str = "auto"):
@@ -905,10 +910,13 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         startTime = time.time()
         prepared = prepare_study_for_run(study, settings, progress)
         report = progress or (lambda message, fraction: None)
-        ensure_warm_for_study(gpu, study, prepared, settings,
-                              lambda message, fraction: report(f"compiling kernels (once per machine): {message}",
-                                                               fraction),
-                              None if device in (None, "", "auto") else device, shouldStop, self.workerPython())
+        if (python := self.workerPython()) is not None:  # else the run compiles its kernels itself
+            ensure_warm_for_study(gpu, study, prepared, settings,
+                                  lambda message, fraction: report(f"compiling kernels (once per machine): {message}",
+                                                                   fraction),
+                                  None if device in (None, "", "auto") else device, shouldStop, python)
+        elif not gpu.report.software:
+            logging.warning("PythonSlicer not found: the kernels compile in Slicer's own process (slower)")
         folder = str(runFolder) if runFolder and str(runFolder) not in ("", ".") else self.defaultRunFolder(study.name)
         self.run = train_prepared(gpu, prepared, folder, settings, progress, shouldStop, config=config)
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "

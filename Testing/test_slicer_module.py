@@ -270,6 +270,25 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
     assert logic.run is None and not (tmp_path / "run").exists() and node_ids(scene) == before
 
 
+def test_worker_processes_run_in_pythonslicer_and_never_start_another_slicer(module, monkeypatch):
+    """The warm-up's workers need Slicer's Python without its GUI: PythonSlicer where Slicer has one; in a
+    Slicer without it none (its own executable would start another Slicer; the run then compiles itself);
+    outside the application (these headless tests) this interpreter."""
+    import shutil
+    import sys
+
+    import slicer
+
+    logic = module.NeuralRaycastLogic
+    installed = {"PythonSlicer": "/opt/Slicer/bin/PythonSlicer"}
+    monkeypatch.setattr(shutil, "which", installed.get)
+    assert logic.workerPython() == "/opt/Slicer/bin/PythonSlicer"
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert logic.workerPython() == sys.executable
+    monkeypatch.setattr(slicer.app, "slicerHome", "/opt/Slicer", raising=False)
+    assert logic.workerPython() is None
+
+
 class TetrahedraRun:
     """Stands in for a trained run: three small tetrahedra as the learned surfaces."""
 
