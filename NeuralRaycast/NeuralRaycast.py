@@ -909,11 +909,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
         startTime = time.time()
         prepared = prepare_study_for_run(study, settings, progress)
-        report = progress or (lambda message, fraction: None)
         if (python := self.workerPython()) is not None:  # else the run compiles its kernels itself
-            ensure_warm_for_study(gpu, study, prepared, settings,
-                                  lambda message, fraction: report(f"compiling kernels (once per machine): {message}",
-                                                                   fraction),
+            ensure_warm_for_study(gpu, study, prepared, settings, progress,
                                   None if device in (None, "", "auto") else device, shouldStop, python)
         elif not gpu.report.software:
             logging.warning("PythonSlicer not found: the kernels compile in Slicer's own process (slower)")

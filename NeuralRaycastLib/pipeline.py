@@ -144,10 +144,7 @@ def train_run(
     if warm_up_first:
         from .warmup import ensure_warm
 
-        report = progress or (lambda message, fraction: None)
-        ensure_warm(gpu, study_path, prepared, settings,
-                    lambda message, fraction: report(f"compiling kernels (once per machine): {message}", fraction),
-                    device)
+        ensure_warm(gpu, study_path, prepared, settings, progress, device)
     return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
 
 

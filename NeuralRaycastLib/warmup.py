@@ -189,16 +189,19 @@ def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy
     where a warm-up compiles everything in 5.4-6.9 minutes (BENCHMARKS.md). A software device compiles in
     the run's own process either way: nothing to do there. A failed warm-up is reported and the run goes
     on, compiling what it needs itself. ``prepared``: the study file's, as the run prepared it (it gives the
-    kernels' sizes). ``should_stop`` and ``python``: see :func:`warm_up` (a cancel raises
-    :class:`WarmUpCancelled`). Returns the warm-up's seconds, or None where none ran."""
+    kernels' sizes). Its progress messages say that the kernels compile once per machine. ``should_stop``
+    and ``python``: see :func:`warm_up` (a cancel raises :class:`WarmUpCancelled`). Returns the warm-up's
+    seconds, or None where none ran."""
     if gpu.report.software:
         return None
     stamp = warm_up_stamp(gpu, prepared, settings)
     if stamp.exists():
         return None
     try:
-        return warm_up(gpu, study_path, settings, progress, jobs=default_jobs(gpu), device=device,
-                       should_stop=should_stop, python=python)
+        report = progress or (lambda message, fraction: None)
+        return warm_up(gpu, study_path, settings,
+                       lambda message, fraction: report(f"compiling kernels (once per machine): {message}", fraction),
+                       jobs=default_jobs(gpu), device=device, should_stop=should_stop, python=python)
     except RuntimeError as error:
         print(f"warning: the warm-up failed ({error}); the run compiles its kernels itself", file=sys.stderr)
         return None

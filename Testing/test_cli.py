@@ -316,7 +316,10 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
             software=software, shader_cache=str(tmp_path / "cache"), slangpy_version="0.43.1", adapter="a GPU"))
 
     gpu, settings = device(False), RunSettings("standard")
-    assert warmup.ensure_warm(gpu, "study", prepared, settings) is not None and len(warm_ups) == 1
+    messages = []
+    assert warmup.ensure_warm(gpu, "study", prepared, settings, lambda message, fraction: messages.append(message))
+    assert len(warm_ups) == 1 and messages  # its progress says why the run waits
+    assert all(message.startswith("compiling kernels (once per machine): ") for message in messages)
     assert warmup.warm_up_stamp(gpu, prepared, settings).exists()
     assert warmup.ensure_warm(gpu, "study", prepared, settings) is None and len(warm_ups) == 1  # stamped
     with open(shaders / "composite.slang", "a") as source:

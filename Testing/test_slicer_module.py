@@ -266,7 +266,7 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
         logic.train(volumes, segmentation, preset="quick", views=4, size=32, runFolder=tmp_path / "run",
                     progress=lambda message, fraction: messages.append(message), shouldStop=lambda: True)
     assert calls == [(sorted(_study.structures), logic.workerPython())]
-    assert "compiling kernels (once per machine): SDF fit (stage 1): compiled" in messages
+    assert "SDF fit (stage 1): compiled" in messages  # the warm-up's progress reaches the bar
     assert logic.run is None and not (tmp_path / "run").exists() and node_ids(scene) == before
 
 
