@@ -54,9 +54,9 @@ def test_the_entry_functions_figures_are_read_from_a_ptxas_report():
     assert kernel.warps_per_sm() == 8
 
 
-def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path):
+def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path, monkeypatch):
     """PTX kept in a database file among other bytes is found once each, largest first, and ptxas reads it
-    (with the CUDA toolkit on this machine; no GPU is needed)."""
+    (with the CUDA toolkit on this machine; no GPU is needed); the kernels suite reports each."""
     from NeuralRaycastLib.kernel_resources import find_ptxas, ptx_programs, ptxas_resources
 
     if shutil.which("nvcc") is None or find_ptxas() is None:
@@ -92,6 +92,18 @@ def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path):
     small = ptxas_resources(programs[1], "sm_90", find_ptxas())
     assert big.shared_bytes == 1024 and small.shared_bytes == 0
     assert big.registers > small.registers > 0 and big.spill_stores == small.spill_stores == 0
+
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib import gpu
+    from NeuralRaycastLib.bench import bench_kernels
+
+    monkeypatch.setattr(gpu, "cuda_architecture", lambda: "sm_90")
+    device = SimpleNamespace(backend="cuda", report=SimpleNamespace(shader_cache=str(cache)))
+    count, first, second = bench_kernels(device, None, True, lambda *_: None)
+    assert count.value == 2 and "sm_90" in count.notes
+    assert (first.value, second.value) == (big.registers, small.registers)
+    assert f"{big.warps_per_sm()} of 64 warps per SM" in first.notes and "shared memory 1024 bytes" in first.notes
 
 
 def test_the_kernels_suite_says_why_it_has_nothing_off_cuda():
