@@ -192,13 +192,24 @@ def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy
     kernels' sizes). Its progress messages say that the kernels compile once per machine. ``should_stop``
     and ``python``: see :func:`warm_up` (a cancel raises :class:`WarmUpCancelled`). Returns the warm-up's
     seconds, or None where none ran."""
-    if gpu.report.software:
+    if not needs_warm_up(gpu, prepared, settings):
         return None
-    stamp = warm_up_stamp(gpu, prepared, settings)
-    if stamp.exists():
-        return None
+    return _warm_up_before_run(gpu, study_path, settings, progress, device, should_stop, python)
+
+
+def needs_warm_up(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> bool:
+    """Whether a run of ``settings`` on this study should warm up first: on a GPU with no stamp of a warm-up
+    of these kernels (a software device compiles in the run's own process either way)."""
+    return not gpu.report.software and not warm_up_stamp(gpu, prepared, settings).exists()
+
+
+def _warm_up_before_run(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None,
+                        device: str | None, should_stop: Callable[[], bool] | None, python: str | None
+                        ) -> dict[str, float] | None:
+    """:func:`warm_up` in processes side by side, its progress saying why the run waits; a failure is
+    reported and the run goes on (None)."""
+    report = progress or (lambda message, fraction: None)
     try:
-        report = progress or (lambda message, fraction: None)
         return warm_up(gpu, study_path, settings,
                        lambda message, fraction: report(f"compiling kernels (once per machine): {message}", fraction),
                        jobs=default_jobs(gpu), device=device, should_stop=should_stop, python=python)
@@ -223,7 +234,7 @@ def ensure_warm_for_study(gpu: GpuContext, study: Study, prepared: PreparedStudy
     structures and channels, so its kernels (which depend on those counts and the settings alone) are the
     study's; where the downsampling loses a structure or the kernels would differ, the whole study is
     written instead. Where it cannot be written, the run compiles its kernels itself (a warning says so)."""
-    if gpu.report.software or warm_up_stamp(gpu, prepared, settings).exists():
+    if not needs_warm_up(gpu, prepared, settings):
         return None
     with tempfile.TemporaryDirectory(prefix="neuralraycast-warm-up-") as folder:
         try:
@@ -233,7 +244,7 @@ def ensure_warm_for_study(gpu: GpuContext, study: Study, prepared: PreparedStudy
             print(f"warning: the warm-up could not write the study ({error}); the run compiles its kernels itself",
                   file=sys.stderr)
             return None
-        return ensure_warm(gpu, path, prepared, settings, progress, device, should_stop, python)
+        return _warm_up_before_run(gpu, path, settings, progress, device, should_stop, python)
 
 
 def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, settings: RunSettings,

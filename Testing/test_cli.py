@@ -188,11 +188,11 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
         software=False, shader_cache=str(tmp_path / "cache"), slangpy_version="0.43.1", adapter="a GPU"))
     seen = []
 
-    def ensure_warm(gpu, path, prepared, settings, progress, device, should_stop, python):
+    def warm_up_before_run(gpu, path, settings, progress, device, should_stop, python):
         seen.append((load_study(path), python, should_stop))
         return {"all parts": 1.0}
 
-    monkeypatch.setattr(warmup, "ensure_warm", ensure_warm)
+    monkeypatch.setattr(warmup, "_warm_up_before_run", warm_up_before_run)
     stop = lambda: False  # noqa: E731
     assert warmup.ensure_warm_for_study(gpu, study, prepared, settings, should_stop=stop, python="PythonSlicer")
     stand_in, python, should_stop = seen[-1]
