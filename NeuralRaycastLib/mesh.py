@@ -27,7 +27,7 @@ class Mesh:
 
     vertices: np.ndarray  # (V, 3) float64, RAS mm
     faces: np.ndarray  # (F, 3) int64
-    normals: np.ndarray  # (V, 3) float64, outward unit vectors
+    normals: np.ndarray  # (V, 3) float64, outward unit vectors; (0, 3) where not computed (mesh_structure)
     name: str
     color: tuple[float, float, float]
 
@@ -79,11 +79,16 @@ def resample_sdf(
     it is called on chunks of points so a fine grid never needs all its points in memory at once.
     """
     shape = tuple(int(n) for n in shape)
-    ijk = np.indices(shape, dtype=np.float32).reshape(3, -1).T
     matrix, offset = np.asarray(affine, np.float64)[:3, :3], np.asarray(affine, np.float64)[:3, 3]
+    # The points of one i-slice, less the slice's own step: every chunk of whole slices adds its steps to it
+    # (cheaper than the (I·J·K, 3) index array of every voxel, which a re-extraction while training paid).
+    jk = np.indices(shape[1:], dtype=np.float64).reshape(2, -1).T
+    plane = jk @ matrix[:, 1:].T + offset
+    slices = max(1, chunk // max(len(plane), 1))
     columns = []
-    for start in range(0, len(ijk), chunk):
-        points = ijk[start : start + chunk] @ matrix.T + offset
+    for first in range(0, shape[0], slices):
+        steps = np.arange(first, min(first + slices, shape[0]), dtype=np.float64)[:, None] * matrix[:, 0]
+        points = (steps[:, None, :] + plane[None]).reshape(-1, 3)
         values = np.asarray(sdf(points), dtype=np.float32)
         columns.append(values.reshape(len(points), -1))
     values = np.concatenate(columns)
@@ -127,11 +132,13 @@ def extract_surface(volume: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray,
     """
     from skimage.measure import marching_cubes
 
-    inside = np.argwhere(volume < 0)
-    if len(inside) == 0 or len(inside) == volume.size:
+    inside = volume < 0
+    if not inside.any() or inside.all():
         return np.zeros((0, 3)), np.zeros((0, 3), np.int64)
-    low = np.maximum(inside.min(axis=0) - 1, 0)
-    high = np.minimum(inside.max(axis=0) + 2, volume.shape)
+    spans = [np.flatnonzero(inside.any(axis=tuple(other for other in range(3) if other != axis)))
+             for axis in range(3)]
+    low = np.maximum([span[0] - 1 for span in spans], 0)
+    high = np.minimum([span[-1] + 2 for span in spans], volume.shape)
     crop = volume[low[0] : high[0], low[1] : high[1], low[2] : high[2]].astype(np.float32)
     outside = max(float(np.abs(crop).max()), 1.0)
     padded = np.pad(crop, 1, constant_values=outside)
@@ -142,6 +149,11 @@ def extract_surface(volume: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray,
     faces = faces.astype(np.int64)
     if np.linalg.det(np.asarray(affine, np.float64)[:3, :3]) < 0:  # a mirroring affine flips the winding
         faces = faces[:, ::-1].copy()
+    # Marching cubes shares each edge's vertex between its cubes; it repeats a vertex only where it lies on a
+    # voxel centre (the SDF exactly 0 there). Without such vertices there is nothing to weld, and the sort
+    # that welding takes (most of a mesh's time on a learned SDF, whose values are never exactly 0) is skipped.
+    if not np.any(np.all(vertices == np.floor(vertices), axis=1)):
+        return ras, faces
     return _weld(ras, faces)
 
 
@@ -211,16 +223,18 @@ def mesh_structure(
     color: tuple[float, float, float],
     smoothing_iterations: int = 0,
     decimation: float = 0.0,
+    normals: bool = True,
 ) -> Mesh:
     """The mesh of one SDF grid (I, J, K): marching cubes, optional smoothing and decimation, normals
-    from the SDF at the final vertex positions (so they stay exact whatever moved the vertices)."""
+    from the SDF at the final vertex positions (so they stay exact whatever moved the vertices); without
+    ``normals``, none (a (0, 3) array: meshes that only shadow rays see)."""
     vertices, faces = extract_surface(volume, affine)
     if len(faces) and smoothing_iterations > 0:
         vertices, faces = smooth(vertices, faces, smoothing_iterations)
     if len(faces) and decimation > 0:
         vertices, faces = decimate(vertices, faces, decimation)
-    normals = sdf_normals(volume, affine, vertices) if len(vertices) else np.zeros((0, 3))
-    return Mesh(vertices, faces, normals, name, tuple(float(c) for c in color))
+    vertex_normals = sdf_normals(volume, affine, vertices) if normals and len(vertices) else np.zeros((0, 3))
+    return Mesh(vertices, faces, vertex_normals, name, tuple(float(c) for c in color))
 
 
 def mesh_sdf_grid(
@@ -229,13 +243,14 @@ def mesh_sdf_grid(
     structures: Sequence[Structure],
     smoothing_iterations: int = 0,
     decimation: float = 0.0,
+    normals: bool = True,
 ) -> list[Mesh]:
     """One mesh per structure of an (S, I, J, K) signed distance grid (structures without a surface
-    give empty meshes, so indices keep matching the structures)."""
+    give empty meshes, so indices keep matching the structures; ``normals`` as for mesh_structure)."""
     if len(sdf) != len(structures):
         raise ValueError(f"{len(sdf)} distance volumes for {len(structures)} structures")
     return [
-        mesh_structure(volume, affine, structure.name, structure.color, smoothing_iterations, decimation)
+        mesh_structure(volume, affine, structure.name, structure.color, smoothing_iterations, decimation, normals)
         for volume, structure in zip(sdf, structures, strict=True)
     ]
 

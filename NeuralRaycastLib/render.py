@@ -129,7 +129,8 @@ def hybrid_shadows(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle,
     from .mesh_shadows import MeshShadows
 
     affine = prepared.affine if affine is None else np.asarray(affine)
-    meshes = mesh_sdf_grid(prepared.boundary if boundary is None else boundary, affine, prepared.structures)
+    meshes = mesh_sdf_grid(prepared.boundary if boundary is None else boundary, affine, prepared.structures,
+                           normals=False)  # shadow rays need only the triangles
     opacities = [style.structures[s.name].opacity if s.name in style.structures else 1.0
                  for s in prepared.structures]
     # Shadow rays start from the distance field's surface, which the mesh facets approximate to a

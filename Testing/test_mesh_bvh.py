@@ -88,6 +88,45 @@ def test_coarsened_grid_holds_every_nth_voxel_centre():
     np.testing.assert_allclose(grid_points(coarse_affine, coarse_shape), grid_points(affine, shape)[::2, ::2, ::2])
 
 
+def test_resampling_evaluates_every_voxel_centre_in_order_in_chunks():
+    affine = np.array([[0.0, -1.5, 0.3, 20.0], [1.2, 0.0, 0.0, -30.0], [0.2, 0.4, 2.0, 5.0], [0, 0, 0, 1]])
+    shape = (7, 6, 5)
+    calls = []
+
+    def sdf(points):
+        calls.append(len(points))
+        return np.stack([points @ [1.0, 10.0, 100.0], -points[:, 0]], axis=1)
+
+    grid = resample_sdf(sdf, affine, shape, chunk=70)  # two slices of 30 points per call
+    points = grid_points(affine, shape)
+    np.testing.assert_allclose(grid[0], points @ [1.0, 10.0, 100.0], rtol=1e-6, atol=1e-3)
+    np.testing.assert_allclose(grid[1], -points[..., 0], rtol=1e-6, atol=1e-4)
+    assert calls == [60, 60, 60, 30]
+
+
+@pytest.mark.parametrize("volume", ["smooth", "zero on voxels"])
+def test_marching_cubes_gives_each_vertex_once_and_uses_it(volume):
+    """The welding the exports rely on, with and without vertices on voxel centres (where a vertex can
+    repeat); shadow meshes without normals have the same triangles."""
+    if volume == "smooth":
+        grid = ndimage.gaussian_filter(np.random.default_rng(3).normal(size=(24, 24, 24)), 3)
+        grid = (grid - grid.mean()).astype(np.float32)
+    else:  # a sphere of radius 5 centred on a voxel: exact zeros on the lattice
+        offsets = np.indices((21, 21, 21)).astype(np.float32) - 10
+        grid = (np.sqrt((offsets**2).sum(axis=0)) - 5).astype(np.float32)
+    affine = np.diag([1.0, 1.5, 2.0, 1.0])
+    mesh = mesh_structure(grid, affine, "s", (1.0, 0.0, 0.0))
+    assert len(np.unique(mesh.vertices, axis=0)) == len(mesh.vertices)
+    assert np.array_equal(np.unique(mesh.faces), np.arange(len(mesh.vertices)))
+    assert np.all((mesh.faces[:, 0] != mesh.faces[:, 1]) & (mesh.faces[:, 1] != mesh.faces[:, 2])
+                  & (mesh.faces[:, 0] != mesh.faces[:, 2]))
+    assert mesh.normals.shape == mesh.vertices.shape
+    bare = mesh_structure(grid, affine, "s", (1.0, 0.0, 0.0), normals=False)
+    assert bare.normals.shape == (0, 3)
+    np.testing.assert_array_equal(bare.vertices, mesh.vertices)
+    np.testing.assert_array_equal(bare.faces, mesh.faces)
+
+
 def test_smoothing_and_decimation_keep_the_surface_and_its_orientation():
     affine = np.eye(4)
     affine[:3, 3] = -14
