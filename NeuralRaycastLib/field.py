@@ -462,21 +462,28 @@ class NeuralField:
         low = np.asarray(self.layout.origin, np.float64)
         clamped = np.clip(points, low, low + np.asarray(self.layout.extent, np.float64))
         beyond = np.linalg.norm(points - clamped, axis=1).astype(np.float32)
-        inside = np.ascontiguousarray(clamped, dtype=np.float32)
-        struct = self.shader_struct()
-        columns = [self.module.distanceAt(struct, k, inside, _result="numpy") for k in range(self.structures)]
-        return np.stack(columns, axis=-1).reshape(-1, self.structures) + beyond[:, None]
+        distances = self._query("distancesAt", clamped, self.structures)
+        return distances.reshape(-1, self.structures) + beyond[:, None]
 
     def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
         """∇s_k (N, K, 3) by tetrahedral differences (the same ones the Eikonal term uses)."""
-        points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
         step = float(step_mm or self.default_step_mm())
-        struct = self.shader_struct()
-        columns = [
-            np.asarray(self.module.gradientAt(struct, k, points, step, _result="numpy")).reshape(-1, 3)
-            for k in range(self.structures)
-        ]
-        return np.stack(columns, axis=1)
+        return self._query("gradientsAt", points, 3 * self.structures, step).reshape(-1, self.structures, 3)
+
+    def _query(self, kernel: str, points: np.ndarray, per_point: int, *settings: float) -> np.ndarray:
+        """``per_point`` values a point from one of the module's query kernels (a thread a point, every
+        structure from the same network evaluations)."""
+        import slangpy as spy
+
+        points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
+        if len(points) == 0:
+            return np.zeros((0, per_point), np.float32)
+        device = self.gpu.device
+        uploaded = spy.Tensor.from_numpy(device, points.reshape(-1))
+        result = spy.Tensor.zeros(device, shape=(len(points) * per_point,), dtype=float)
+        getattr(self.module, kernel)(spy.grid((len(points),)), len(points), self.shader_struct(),
+                                     uploaded.storage.device_address, *settings, result.storage.device_address)
+        return np.asarray(result.to_numpy()).reshape(-1, per_point)
 
     def normals(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
         """Outward unit normals (N, K, 3)."""
