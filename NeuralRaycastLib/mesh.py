@@ -113,15 +113,19 @@ def sdf_normals(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> n
     return np.where(length > 1e-12, gradient / np.maximum(length, 1e-12), np.array([0.0, 0.0, 1.0]))
 
 
-def _weld(vertices: np.ndarray, faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge identical vertices (marching cubes repeats one where the SDF is exactly 0 at a voxel) and
-    drop the triangles that collapse, so every export format reads back with the same counts."""
-    unique, inverse = np.unique(vertices, axis=0, return_inverse=True)
-    faces = inverse.reshape(-1)[faces]
+def _weld(vertices: np.ndarray, faces: np.ndarray, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge identical vertices among ``candidates`` (indices: the only ones that can repeat) and drop the
+    triangles that collapse and the vertices no triangle keeps, so every export format reads back with the
+    same counts. Vertices keep their order."""
+    _, first, group = np.unique(vertices[candidates], axis=0, return_index=True, return_inverse=True)
+    keeper = np.arange(len(vertices))
+    keeper[candidates] = candidates[first[group.reshape(-1)]]
+    faces = keeper[faces]
     keep = (faces[:, 0] != faces[:, 1]) & (faces[:, 1] != faces[:, 2]) & (faces[:, 0] != faces[:, 2])
     faces = faces[keep]
-    used, faces = np.unique(faces, return_inverse=True)
-    return unique[used], faces.reshape(-1, 3)
+    used = np.zeros(len(vertices), bool)
+    used[faces] = True
+    return vertices[used], (np.cumsum(used) - 1)[faces]
 
 
 def extract_surface(volume: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -150,11 +154,12 @@ def extract_surface(volume: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray,
     if np.linalg.det(np.asarray(affine, np.float64)[:3, :3]) < 0:  # a mirroring affine flips the winding
         faces = faces[:, ::-1].copy()
     # Marching cubes shares each edge's vertex between its cubes; it repeats a vertex only where it lies on a
-    # voxel centre (the SDF exactly 0 there). Without such vertices there is nothing to weld, and the sort
-    # that welding takes (most of a mesh's time on a learned SDF, whose values are never exactly 0) is skipped.
-    if not np.any(np.all(vertices == np.floor(vertices), axis=1)):
+    # voxel centre (the SDF exactly 0 there), so only those are welded: none on a learned SDF, whose values
+    # are never exactly 0, and a sort of the whole mesh's vertices took most of its time.
+    on_voxel = np.flatnonzero(np.all(vertices == np.floor(vertices), axis=1))
+    if len(on_voxel) == 0:
         return ras, faces
-    return _weld(ras, faces)
+    return _weld(ras, faces, on_voxel)
 
 
 def _polydata(vertices: np.ndarray, faces: np.ndarray, normals: np.ndarray | None = None):

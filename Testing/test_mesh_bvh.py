@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from conftest import analytic_prepared
@@ -104,18 +106,32 @@ def test_resampling_evaluates_every_voxel_centre_in_order_in_chunks():
     assert calls == [60, 60, 60, 30]
 
 
-@pytest.mark.parametrize("volume", ["smooth", "zero on voxels"])
+@pytest.mark.parametrize("volume", ["smooth", "zero on voxels", "integers"])
 def test_marching_cubes_gives_each_vertex_once_and_uses_it(volume):
-    """The welding the exports rely on, with and without vertices on voxel centres (where a vertex can
-    repeat); shadow meshes without normals have the same triangles."""
+    """The welding the exports rely on, with and without vertices on voxel centres (where marching cubes can
+    repeat a vertex: it does on the integer grid); shadow meshes without normals have the same triangles."""
     if volume == "smooth":
         grid = ndimage.gaussian_filter(np.random.default_rng(3).normal(size=(24, 24, 24)), 3)
         grid = (grid - grid.mean()).astype(np.float32)
-    else:  # a sphere of radius 5 centred on a voxel: exact zeros on the lattice
+    elif volume == "zero on voxels":  # a sphere of radius 5 centred on a voxel
         offsets = np.indices((21, 21, 21)).astype(np.float32) - 10
         grid = (np.sqrt((offsets**2).sum(axis=0)) - 5).astype(np.float32)
+    else:
+        grid = np.random.default_rng(0).integers(-1, 2, size=(12, 12, 12)).astype(np.float32)
     affine = np.diag([1.0, 1.5, 2.0, 1.0])
     mesh = mesh_structure(grid, affine, "s", (1.0, 0.0, 0.0))
+    if volume == "integers":  # the same triangles, by their corners' positions, as marching cubes gave
+        from skimage.measure import marching_cubes
+
+        raw, raw_faces, _, _ = marching_cubes(np.pad(grid, 1, constant_values=1.0), 0.0, allow_degenerate=False)
+        assert len(np.unique(raw, axis=0)) < len(raw)  # it did repeat vertices
+        corners = (raw - 1.0) * np.diag(affine)[:3]
+
+        def triangles(points, faces):
+            return Counter(tuple(sorted(map(tuple, np.round(points[f], 4)))) for f in faces)
+
+        expected = Counter({t: n for t, n in triangles(corners, raw_faces).items() if len(set(t)) == 3})
+        assert triangles(mesh.vertices, mesh.faces) == expected
     assert len(np.unique(mesh.vertices, axis=0)) == len(mesh.vertices)
     assert np.array_equal(np.unique(mesh.faces), np.arange(len(mesh.vertices)))
     assert np.all((mesh.faces[:, 0] != mesh.faces[:, 1]) & (mesh.faces[:, 1] != mesh.faces[:, 2])
