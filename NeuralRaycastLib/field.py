@@ -458,10 +458,14 @@ class NeuralField:
         it the network's values mean nothing, so a point there gets the distance at the nearest point of
         the box plus its distance to the box (every structure is outside, as it should be).
         """
-        points = np.asarray(points, dtype=np.float64).reshape(-1, 3)
+        # In float32, as the kernel reads them, and without np.clip and np.linalg.norm: on a fine grid's
+        # millions of points these took longer than the queries themselves.
+        points = np.asarray(points, dtype=np.float32).reshape(-1, 3)
         low = np.asarray(self.layout.origin, np.float64)
-        clamped = np.clip(points, low, low + np.asarray(self.layout.extent, np.float64))
-        beyond = np.linalg.norm(points - clamped, axis=1).astype(np.float32)
+        high = (low + np.asarray(self.layout.extent, np.float64)).astype(np.float32)
+        clamped = np.minimum(np.maximum(points, low.astype(np.float32)), high)
+        outside = points - clamped
+        beyond = np.sqrt(np.einsum("ij,ij->i", outside, outside))
         distances = self._query("distancesAt", clamped, self.structures)
         return distances.reshape(-1, self.structures) + beyond[:, None]
 

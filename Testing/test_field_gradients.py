@@ -207,6 +207,13 @@ def test_geometry_network_values_and_gradients(field, layout, params, points):
     np.testing.assert_allclose(values, reference(params, points), rtol=1e-4, atol=1e-4)
     distances = field.distances(points)
     np.testing.assert_allclose(distances, geometry(layout, params, points)[0], rtol=1e-4, atol=1e-4)
+    # Outside the field's box: the distances at the box's nearest point plus the way to it.
+    low = np.asarray(layout.origin)
+    high = low + np.asarray(layout.extent)
+    away = np.array([[low[0] - 3.0, *(0.5 * (low + high))[1:]], [high[0] + 1.0, high[1] + 2.0, low[2] - 2.0]])
+    nearest = np.clip(away, low, high)
+    expected = geometry(layout, params, nearest)[0] + np.linalg.norm(away - nearest, axis=1)[:, None]
+    np.testing.assert_allclose(field.distances(away), expected, rtol=1e-4, atol=1e-4)
 
     dx, gradient = device_backward(field, field.module.geometryBackward, f32(points), list(w))
     assert_parameter_gradient(lambda p: reference(p, points).sum(), params, gradient)
