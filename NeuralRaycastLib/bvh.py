@@ -78,6 +78,12 @@ def _split_positions(codes: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.nd
     return np.where(differ > 0, split, (lo + hi) // 2)
 
 
+def _over_corners(ufunc: np.ufunc, corners: np.ndarray, dtype: type = np.float32) -> np.ndarray:
+    """``ufunc`` over each triangle's three corners (F, 3, 3) -> (F, 3), written out: numpy's own reduction
+    over an axis of length 3 took half of a BVH's build."""
+    return ufunc(ufunc(corners[:, 0].astype(dtype, copy=False), corners[:, 1]), corners[:, 2])
+
+
 def build_bvh(meshes: Sequence[Mesh] | Mesh, leaf_size: int = 4) -> Bvh:
     """A BVH over all triangles of one or several meshes (their indices are kept per triangle)."""
     meshes = [meshes] if isinstance(meshes, Mesh) else list(meshes)
@@ -88,10 +94,7 @@ def build_bvh(meshes: Sequence[Mesh] | Mesh, leaf_size: int = 4) -> Bvh:
     corners = np.concatenate([m.vertices[m.faces] for m in meshes]).astype(np.float32)
     mesh_of = np.concatenate([np.full(len(m.faces), i, np.int32) for i, m in enumerate(meshes)])
 
-    # Per-triangle sums, minima and maxima over the three corners written out: numpy's reductions over an
-    # axis of length 3 took half of the build.
-    first, second, third = corners[:, 0], corners[:, 1], corners[:, 2]
-    centroids = (first.astype(np.float64) + second + third) / 3.0
+    centroids = _over_corners(np.add, corners, np.float64) / 3.0
     codes = morton_codes(centroids, centroids.min(axis=0), centroids.max(axis=0))
     order = np.argsort(codes, kind="stable")
     codes, corners, mesh_of = codes[order].astype(np.int64), corners[order], mesh_of[order]
@@ -123,9 +126,8 @@ def build_bvh(meshes: Sequence[Mesh] | Mesh, leaf_size: int = 4) -> Bvh:
     box_max = np.empty((len(links), 3), np.float32)
     leaves = np.flatnonzero(links[:, 1] < 0)
     leaves = leaves[np.argsort(lo[leaves])]
-    first, second, third = corners[:, 0], corners[:, 1], corners[:, 2]  # in the sorted order
-    box_min[leaves] = np.minimum.reduceat(np.minimum(np.minimum(first, second), third), lo[leaves])
-    box_max[leaves] = np.maximum.reduceat(np.maximum(np.maximum(first, second), third), lo[leaves])
+    box_min[leaves] = np.minimum.reduceat(_over_corners(np.minimum, corners), lo[leaves])
+    box_max[leaves] = np.maximum.reduceat(_over_corners(np.maximum, corners), lo[leaves])
     for level in reversed(levels):
         inner = level[links[level, 1] >= 0]
         left, right = links[inner, 0], links[inner, 1]
