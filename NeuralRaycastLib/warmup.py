@@ -52,6 +52,7 @@ Progress = Callable[[str, float], None]
 class WarmUpCancelled(Exception):
     """A warm-up stopped by its caller's ``should_stop`` (its worker processes killed); nothing was trained."""
 
+
 PARTS = {
     "fit": "SDF fit (stage 1)",
     "appearance": "render forward, appearance backward (stage 2), evaluation renders",
