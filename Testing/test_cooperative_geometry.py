@@ -100,7 +100,8 @@ def test_tensor_core_fit_reaches_the_phantom_surfaces(cuda, phantom):
 FROZEN_KERNELS = """
 import params;
 import cooperative_mlp;
-typealias Net = CooperativeMlp<SIZES, TargetEnum.CUDA>;
+import mma_mlp;
+typealias Net = NETWORK;
 
 int tiledCount() { return Net.TiledCount; }
 int transposedCount() { return Net.TransposedCount; }
@@ -148,15 +149,21 @@ void inputGradient(int row, int frozen, float* tiled, float* grads, float* trans
 """
 
 
-def network_case(cuda, sizes: tuple[int, int, int, int], seed: int):
-    """FROZEN_KERNELS for a network of these sizes (inputs, hidden, outputs, hidden layers), random weights
+# The two tensor-core networks: slang.neural's (the appearance network) and the one on the m16n8k16
+# instruction (the geometry network).
+NETWORKS = {"CooperativeMlp": "CooperativeMlp<SIZES, TargetEnum.CUDA>", "MmaMlp": "MmaMlp<SIZES>"}
+
+
+def network_case(cuda, network: str, sizes: tuple[int, int, int, int], seed: int):
+    """FROZEN_KERNELS for a network (NETWORKS) of these sizes (inputs, hidden, outputs, hidden layers), random weights
     (row-major with their biases, layer by layer), 256 rows of inputs and output gradients, and two helpers
     making device buffers (of values, of zeros)."""
     import slangpy as spy
 
     inputs, hidden, outputs, layers = sizes
-    module = spy.Module.load_from_source(cuda.device, f"frozen_{'_'.join(map(str, sizes))}",
-                                         FROZEN_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
+    module = spy.Module.load_from_source(cuda.device, f"frozen_{network}_{'_'.join(map(str, sizes))}",
+                                         FROZEN_KERNELS.replace("NETWORK", NETWORKS[network])
+                                         .replace("SIZES", ", ".join(map(str, sizes)))
                                          .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
     rng = np.random.default_rng(seed)
     shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
@@ -174,15 +181,16 @@ def network_case(cuda, sizes: tuple[int, int, int, int], seed: int):
     return module, weights, row_major, xs, dys, buffer, zeros
 
 
+@pytest.mark.parametrize("network", NETWORKS)
 @pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
-def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
+def test_frozen_backward_gives_the_input_gradient(cuda, network, sizes):
     """The renderer's backward with the geometry weights frozen (CooperativeMlp.frozenBackward: the
     transposed layers, no weight gradients) gives the input gradient of the network as numpy computes it in
     float64 from the same weights, to half precision and as closely as the generated backward pass does, and
     leaves the gradient buffer alone. Sizes: the small test field's and the default network's."""
     import slangpy as spy
 
-    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, sizes, seed=7)
+    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, network, sizes, seed=7)
     inputs, rows = sizes[0], len(xs)
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
     scratch, transposed = zeros(module.transposedRowMajorCount()), zeros(module.transposedCount())
@@ -358,14 +366,15 @@ def test_tensor_core_geometry_weight_gradients_layer_by_layer(cuda, appearance_c
     assert min(cosines) > 0.995
 
 
+@pytest.mark.parametrize("network", NETWORKS)
 @pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
-def test_tensor_core_weight_gradients_in_the_weights_order(cuda, sizes):
+def test_tensor_core_weight_gradients_in_the_weights_order(cuda, network, sizes):
     """slang.neural's backward pass (the generated one, weight gradients into a tiled buffer): once put in
     the weights' tiled order (CooperativeMlp.gradientsToWeightOrder) and made row-major (fromTiled), every
     layer's weight and bias gradients are numpy's float64 ones, to half precision."""
     import slangpy as spy
 
-    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, sizes, seed=8)
+    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, network, sizes, seed=8)
     inputs, rows = sizes[0], len(xs)
     threads = 1024
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
