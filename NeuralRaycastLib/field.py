@@ -307,7 +307,6 @@ class NeuralField:
         self.active_levels = len(layout.levels)
         self._tiled: dict[str, Any] | None = None  # addresses of the tiled copies (tiled_networks)
         self._tiled_buffers: list[Any] = []
-        self._transposed: dict[str, Any] | None = None
         self._cooperative_module = None
         self._frozen_module = None
 
@@ -323,7 +322,7 @@ class NeuralField:
     @property
     def frozen_module(self):
         """The renderer's backward kernels for ``cooperative`` fields: both networks on tensor cores, the
-        geometry network's weights frozen (its transposed layers give the input gradient alone)."""
+        geometry network's weights frozen (its backward pass gives the input gradient alone)."""
         if self._frozen_module is None:
             self._frozen_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, frozen_geometry=True)
         return self._frozen_module
@@ -348,10 +347,6 @@ class NeuralField:
                            "appearance": {"values": address[2], "grads": address[3]}, "scratch": address[4]}
         return self._tiled
 
-    def _geometry_address(self, tensor) -> int:
-        """Device address of the geometry network's first parameter in a buffer of the field's layout."""
-        return tensor.storage.device_address + 4 * self.layout.geometry_offset
-
     def upload_tiled_networks(self) -> None:
         """Copy both networks' current weights into the tiled layout and zero those copies' gradients (before
         each pass of the kernels on tensor cores that reads or trains them)."""
@@ -362,26 +357,6 @@ class NeuralField:
             spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self.values.storage.device_address,
             self.layout.geometry_offset, self.layout.appearance_offset,
             {"geometry": tiled["geometry"], "appearance": tiled["appearance"]})
-
-    def upload_transposed_geometry(self) -> None:
-        """Copy the geometry network's current weights into the tiled layout, and its transposed layers into
-        theirs (before each backward pass of ``frozen_module``)."""
-        import slangpy as spy
-
-        module = self.frozen_module
-        if self._transposed is None:
-            self._transposed = {
-                "scratch": spy.Tensor.zeros(self.gpu.device, shape=(int(module.geometryTransposedRowMajorCount()),),
-                                            dtype=float),
-                "tiled": spy.Tensor.zeros(self.gpu.device, shape=(int(module.geometryTransposedCount()),),
-                                          dtype=float),
-            }
-        self.upload_tiled_networks()
-        grid = spy.grid((CONVERT_THREADS,))
-        scratch = self._transposed["scratch"].storage.device_address
-        module.geometryTransposed(grid, CONVERT_THREADS, self._geometry_address(self.values), scratch)
-        module.geometryTransposedToTiled(grid, CONVERT_THREADS, scratch,
-                                         self._transposed["tiled"].storage.device_address)
 
     def add_tiled_gradients(self) -> None:
         """Add the tiled copies' gradients to the field's (after a pass of the kernels on tensor cores that
@@ -430,17 +405,13 @@ class NeuralField:
         ]
         params = {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address}
         tiled = {"geometry": {"values": 0, "grads": 0}, "appearance": {"values": 0, "grads": 0}}
-        transposed = 0
         if cooperative:
             tiled = self.tiled_networks()
-            if self._transposed is not None:
-                transposed = self._transposed["tiled"].storage.device_address
         return {
             "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
             "geometryOffset": self.layout.geometry_offset,
             "tiledGeometry": tiled["geometry"],
-            "tiledTransposed": transposed,
             "tiledAppearance": tiled["appearance"],
             "geometryNetworkGradients": int(geometry_network_gradients),
             "appearanceOffset": self.layout.appearance_offset,

@@ -19,7 +19,8 @@ partly a fault found later: every tensor-core weight gradient was read back in t
 tiles (cosine 0.38-0.67 layer by layer against the per-thread or float64 ones, biases exact) until
 CooperativeMlp.gradientsToWeightOrder; the comparison has not been repeated since. Neither backward
 computes that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang),
-the tensor-core one runs the network's transposed layers (the field's ``frozen_module``)."""
+the tensor-core one runs its backward pass without the weights' part (MmaMlp.frozenBackward, in the field's
+``frozen_module``)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class FieldScene:
         ``timings``: each pass's seconds added there (waiting for the device after each; for profiling)."""
         clock = PassClock(self.field.gpu, timings)
         if self.cooperative:
-            self.field.upload_transposed_geometry()  # and the tiled networks, their gradients zeroed
+            self.field.upload_tiled_networks()  # their gradients zeroed
             clock.lap("scene backward: weights to tensor-core layout")
             module, struct = self.field.frozen_module, self.struct(True)
         else:
