@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .gpu import GpuContext
+from .gpu import GpuContext, cuda_compute_capability
 from .paths import shader_dir
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
@@ -25,6 +25,9 @@ GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
 COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core geometry network
+#: The tensor-core networks' oldest GPUs: compute capability 8.0 (A100), whose half-precision m16n8k16
+#: instruction shaders/tensor_core.slang uses.
+TENSOR_CORE_CAPABILITY = 80
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
@@ -278,6 +281,13 @@ def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ..
     return _MODULES[key]
 
 
+def tensor_cores_by_default(backend: str, capability: int | None, setting: str) -> bool:
+    """Whether the SDF fit and the renderer run the networks on tensor cores: on CUDA GPUs of compute
+    capability 8.0 and newer (capability: 10 * major + minor, None where unknown), unless the
+    NEURALRAYCAST_COOPERATIVE ``setting`` is "0". Elsewhere the per-thread networks compute the same."""
+    return backend == "cuda" and capability is not None and capability >= TENSOR_CORE_CAPABILITY and setting != "0"
+
+
 class NeuralField:
     """A field on the device: its parameters, gradient buffer and kernels."""
 
@@ -293,10 +303,13 @@ class NeuralField:
         import slangpy as spy
 
         self.gpu, self.layout = gpu, layout
-        # Whether the SDF fit and the renderer run the geometry network on tensor cores: by default on CUDA
-        # (through WMMA, which every GPU since Volta has), unless NEURALRAYCAST_COOPERATIVE=0.
+        capability = cuda_compute_capability() if gpu.backend == "cuda" else None
         if cooperative is None:
-            cooperative = gpu.backend == "cuda" and os.environ.get(COOPERATIVE_ENV, "1") != "0"
+            cooperative = tensor_cores_by_default(gpu.backend, capability, os.environ.get(COOPERATIVE_ENV, "1"))
+        elif cooperative and not tensor_cores_by_default(gpu.backend, capability, "1"):
+            raise FieldConfigError(f"the tensor-core networks need CUDA on a GPU of compute capability "
+                                   f"{TENSOR_CORE_CAPABILITY / 10:.1f} or newer (this device: {gpu.backend}"
+                                   + (f", {capability / 10:.1f})" if capability else ")"))
         self.cooperative = cooperative
         self.module = load_field_module(gpu, layout, parts)
         values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)

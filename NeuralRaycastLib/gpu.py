@@ -181,10 +181,16 @@ def _cuda_compute_capability(driver) -> int | None:
     return 10 * major.value + minor.value
 
 
+def cuda_compute_capability() -> int | None:
+    """10 * major + minor of the first CUDA GPU's compute capability (90 on an H100), or None without a CUDA
+    driver."""
+    driver = _cuda_driver()
+    return _cuda_compute_capability(driver) if driver is not None else None
+
+
 def cuda_architecture() -> str | None:
     """``sm_XY`` of the first CUDA GPU (``sm_90`` on an H100), or None without a CUDA driver."""
-    driver = _cuda_driver()
-    capability = _cuda_compute_capability(driver) if driver is not None else None
+    capability = cuda_compute_capability()
     return f"sm_{capability}" if capability else None
 
 

@@ -28,7 +28,7 @@ SPACING = 2.0
 @pytest.fixture(scope="module")
 def cuda(gpu):
     if gpu.backend != "cuda":
-        pytest.skip("needs CUDA (tensor cores through WMMA)")
+        pytest.skip("needs CUDA (tensor cores)")
     return gpu
 
 

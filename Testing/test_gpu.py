@@ -194,3 +194,16 @@ def test_device_memory_in_use_is_read_on_cuda_and_none_elsewhere(gpu):
     after = gpu_module.device_memory_in_use(gpu)
     assert before > 0 and after - before >= 200 << 20
     del tensor
+
+
+def test_tensor_core_networks_only_on_cuda_gpus_that_have_their_instruction():
+    """The fit and the renderer pick the tensor-core networks on CUDA GPUs of compute capability 8.0 and newer
+    (their m16n8k16 half instruction), never on older ones, other backends or an unknown GPU, and not where
+    NEURALRAYCAST_COOPERATIVE is 0: there the per-thread networks run instead of kernels that cannot load."""
+    from NeuralRaycastLib.field import tensor_cores_by_default
+
+    assert tensor_cores_by_default("cuda", 90, "1") and tensor_cores_by_default("cuda", 80, "1")
+    assert not tensor_cores_by_default("cuda", 75, "1")  # Turing: no m16n8k16 with half operands
+    assert not tensor_cores_by_default("cuda", None, "1")
+    assert not tensor_cores_by_default("cuda", 90, "0")
+    assert not tensor_cores_by_default("vulkan", None, "1")
