@@ -117,7 +117,7 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     points = near @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
     reference = prepared.boundary[:, near[:, 0], near[:, 1], near[:, 2]].T
 
-    # The first step compiles the fit kernels (minutes for the tensor-core ones, once per machine with a
+    # The first step compiles the fit kernels (seconds on CUDA, a minute or more on lavapipe; once per machine with a
     # persistent cache; `neuralraycast warmup` does it ahead): timed apart, then the fit starts afresh.
     start = time.perf_counter()
     fitter.step()
