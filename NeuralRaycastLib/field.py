@@ -75,6 +75,11 @@ class NetworkConfig:
         if self.geometry_features < 1 or self.materials < 1 or self.distance_scale_mm <= 0:
             raise FieldConfigError("network: geometry_features and materials must be >= 1, distance_scale_mm > 0")
 
+    @property
+    def tile_sized(self) -> bool:
+        """Whether both hidden widths are whole 16-wide tiles, as the tensor-core networks need."""
+        return self.hidden % 16 == 0 and self.appearance_hidden % 16 == 0
+
 
 @dataclass(frozen=True)
 class FieldConfig:
@@ -304,12 +309,18 @@ class NeuralField:
 
         self.gpu, self.layout = gpu, layout
         capability = cuda_compute_capability() if gpu.backend == "cuda" else None
+        tile_sized = layout.config.network.tile_sized
         if cooperative is None:
-            cooperative = tensor_cores_by_default(gpu.backend, capability, os.environ.get(COOPERATIVE_ENV, "1"))
+            cooperative = tile_sized and tensor_cores_by_default(gpu.backend, capability,
+                                                                 os.environ.get(COOPERATIVE_ENV, "1"))
         elif cooperative and not tensor_cores_by_default(gpu.backend, capability, "1"):
             raise FieldConfigError(f"the tensor-core networks need CUDA on a GPU of compute capability "
                                    f"{TENSOR_CORE_CAPABILITY / 10:.1f} or newer (this device: {gpu.backend}"
                                    + (f", {capability / 10:.1f})" if capability else ")"))
+        elif cooperative and not tile_sized:
+            raise FieldConfigError("the tensor-core networks need hidden widths that are multiples of 16 "
+                                   f"(got {layout.config.network.hidden} and "
+                                   f"{layout.config.network.appearance_hidden})")
         self.cooperative = cooperative
         self.module = load_field_module(gpu, layout, parts)
         values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)

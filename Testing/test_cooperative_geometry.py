@@ -173,12 +173,13 @@ def network_case(cuda, network: str, sizes: tuple[int, int, int, int], seed: int
     return module, weights, row_major, xs, dys, buffer, zeros
 
 
-@pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
+@pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2), (20, 64, 20, 1)])
 def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
     """The renderer's backward with the geometry weights frozen (MmaMlp.frozenBackward: no weight gradients)
     gives the input gradient of the network as numpy computes it in float64 from the same weights, to half
     precision and as the backward pass that trains the weights does, and leaves the gradient buffer alone.
-    Sizes: the small test field's and the default network's."""
+    Sizes: the small test field's geometry network, the default geometry and appearance networks (20 inputs:
+    not a whole number of 16-wide tiles)."""
     import slangpy as spy
 
     module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, "MmaMlp", sizes, seed=7)
@@ -354,7 +355,7 @@ def test_tensor_core_geometry_weight_gradients_layer_by_layer(cuda, appearance_c
 
 
 @pytest.mark.parametrize("network", NETWORKS)
-@pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2)])
+@pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2), (20, 64, 20, 1)])
 def test_tensor_core_weight_gradients_in_the_weights_order(cuda, network, sizes):
     """Each tensor-core network's backward pass (weight gradients into its own layout: slang.neural's tiles,
     MmaMlp's lanes' tiles): once put in the weights' order (gradientsToWeightOrder, a no-op for MmaMlp) and

@@ -207,3 +207,13 @@ def test_tensor_core_networks_only_on_cuda_gpus_that_have_their_instruction():
     assert not tensor_cores_by_default("cuda", None, "1")
     assert not tensor_cores_by_default("cuda", 90, "0")
     assert not tensor_cores_by_default("vulkan", None, "1")
+
+
+
+def test_tensor_core_networks_need_hidden_widths_of_whole_tiles():
+    """Hidden widths that are not multiples of 16 keep a field on the per-thread networks (its tensor-core
+    kernels work on 16-wide tiles of the hidden layers)."""
+    from NeuralRaycastLib.field import NetworkConfig, field_config_for
+
+    assert NetworkConfig().tile_sized and field_config_for(1.0, small=True).network.tile_sized
+    assert not NetworkConfig(hidden=24).tile_sized and not NetworkConfig(appearance_hidden=40).tile_sized
