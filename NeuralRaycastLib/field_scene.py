@@ -17,7 +17,7 @@ every backend alike, and made a joint training step 5× faster on the H100 (BENC
 scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). That cosine was at least
 partly a fault found later: every tensor-core weight gradient was read back in the wrong order within its
 tiles (cosine 0.38-0.67 layer by layer against the per-thread or float64 ones, biases exact) until
-CooperativeMlp.gradientsToWeightOrder; the comparison has not been repeated since. Neither backward
+they were put in order (5f55d32); the comparison has not been repeated since. Neither backward
 computes that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang),
 the tensor-core one runs its backward pass without the weights' part (MmaMlp.frozenBackward, in the field's
 ``frozen_module``)."""

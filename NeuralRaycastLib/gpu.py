@@ -124,8 +124,8 @@ def shader_cache_path(backend: str) -> Path:
 # Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a
 # second instead of parsing slangpy's and our modules again (about 3 s of a start on a 2-core CPU; on an H100
 # machine opening the device went from 2.7 to 0.7 s). Slang checks each cached module against its sources and
-# imports. It needs the folder of Slang's standard modules among the include paths, or `import slang.neural`
-# fails to resolve; a slangpy without that folder gets no module cache.
+# imports. It needs the folder of Slang's standard modules among the include paths, or a module importing one
+# of them (`import slang.neural`) fails to resolve; a slangpy without that folder gets no module cache.
 def module_cache_path(backend: str) -> Path:
     return cache_folder("modules") / backend
 
@@ -273,7 +273,7 @@ def _open(backend: str):
         type=getattr(spy.DeviceType, backend),
         compiler_options={
             "include_paths": include_paths,
-            "enable_experimental_features": True,  # `import slang.neural;`
+            "enable_experimental_features": True,  # `import slang.neural;` in a user's own modules
             "defines": defines,
         },
         shader_cache_path=str(cache),

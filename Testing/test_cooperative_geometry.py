@@ -99,26 +99,21 @@ def test_tensor_core_fit_reaches_the_phantom_surfaces(cuda, phantom):
 
 NETWORK_KERNELS = """
 import params;
-import cooperative_mlp;
 import mma_mlp;
-typealias Net = NETWORK;
+typealias Net = MmaMlp<SIZES>;
 
 int tiledCount() { return Net.TiledCount; }
 void toTiled(int thread, int threads, float* rowMajor, float* tiled)
 {
     Net.toTiled(rowMajor, tiled, uint(thread), uint(threads));
 }
-void reorder(int thread, int threads, float* grads)
-{
-    Net.gradientsToWeightOrder(grads, uint(thread), uint(threads));
-}
 void fromTiled(int thread, int threads, float* tiled, float* rowMajor)
 {
     Net.fromTiled(tiled, rowMajor, uint(thread), uint(threads));
 }
-// One thread per row (whole waves): the input gradient for dy, with the weights frozen (MmaMlp alone has
-// that pass: the geometry network's in the renderer's backward) or through the backward pass that also adds
-// the weights' gradients to `grads`.
+// One thread per row (whole waves): the input gradient for dy, with the weights frozen (the geometry
+// network's pass in the renderer's backward) or through the backward pass that also adds the weights'
+// gradients to `grads`.
 void inputGradient(int row, int frozen, float* tiled, float* grads, float* xs, float* dys, float* dxs)
 {
     float x[INPUTS];
@@ -130,7 +125,7 @@ void inputGradient(int row, int frozen, float* tiled, float* grads, float* xs, f
     Params p = { tiled, grads };
     var pair = diffPair(x);
     if (frozen != 0)
-        FROZEN_BACKWARD;
+        Net.frozenBackward(p, pair, dy);
     else
         Net.backward(p, pair, dy);
     for (int i = 0; i < INPUTS; i++)
@@ -138,24 +133,15 @@ void inputGradient(int row, int frozen, float* tiled, float* grads, float* xs, f
 }
 """
 
-# The two tensor-core networks: slang.neural's (the appearance network) and the one on the m16n8k16
-# instruction (the geometry network), each with the call inputGradient makes where `frozen` (CooperativeMlp
-# has no frozen pass: there it is the training one, and no test asks for it).
-NETWORKS = {"CooperativeMlp": ("CooperativeMlp<SIZES, TargetEnum.CUDA>", "Net.backward(p, pair, dy)"),
-            "MmaMlp": ("MmaMlp<SIZES>", "Net.frozenBackward(p, pair, dy)")}
-
-
-def network_case(cuda, network: str, sizes: tuple[int, int, int, int], seed: int):
-    """NETWORK_KERNELS for a network (NETWORKS) of these sizes (inputs, hidden, outputs, hidden layers), random weights
+def network_case(cuda, sizes: tuple[int, int, int, int], seed: int):
+    """NETWORK_KERNELS for a network of these sizes (inputs, hidden, outputs, hidden layers), random weights
     (row-major with their biases, layer by layer), 256 rows of inputs and output gradients, and two helpers
     making device buffers (of values, of zeros)."""
     import slangpy as spy
 
     inputs, hidden, outputs, layers = sizes
-    module = spy.Module.load_from_source(cuda.device, f"frozen_{network}_{'_'.join(map(str, sizes))}",
-                                         NETWORK_KERNELS.replace("NETWORK", NETWORKS[network][0])
-                                         .replace("FROZEN_BACKWARD", NETWORKS[network][1])
-                                         .replace("SIZES", ", ".join(map(str, sizes)))
+    module = spy.Module.load_from_source(cuda.device, f"mma_mlp_{'_'.join(map(str, sizes))}",
+                                         NETWORK_KERNELS.replace("SIZES", ", ".join(map(str, sizes)))
                                          .replace("INPUTS", str(inputs)).replace("OUTPUTS", str(outputs)))
     rng = np.random.default_rng(seed)
     shapes = [(hidden, inputs)] + [(hidden, hidden)] * (layers - 1) + [(outputs, hidden)]
@@ -182,7 +168,7 @@ def test_frozen_backward_gives_the_input_gradient(cuda, sizes):
     not a whole number of 16-wide tiles)."""
     import slangpy as spy
 
-    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, "MmaMlp", sizes, seed=7)
+    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, sizes, seed=7)
     inputs, rows = sizes[0], len(xs)
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
     threads = 1024
@@ -354,16 +340,13 @@ def test_tensor_core_geometry_weight_gradients_layer_by_layer(cuda, appearance_c
     assert min(cosines) > 0.995
 
 
-@pytest.mark.parametrize("network", NETWORKS)
 @pytest.mark.parametrize("sizes", [(16, 32, 7, 1), (32, 64, 19, 2), (20, 64, 20, 1)])
-def test_tensor_core_weight_gradients_in_the_weights_order(cuda, network, sizes):
-    """Each tensor-core network's backward pass (weight gradients into its own layout: slang.neural's tiles,
-    MmaMlp's lanes' tiles): once put in the weights' order (gradientsToWeightOrder, a no-op for MmaMlp) and
-    made row-major (fromTiled), every layer's weight and bias gradients are numpy's float64 ones, to half
-    precision."""
+def test_tensor_core_weight_gradients_match_float64(cuda, sizes):
+    """The tensor-core backward pass adds the weight gradients in the lanes' tiles: made row-major
+    (fromTiled), every layer's weight and bias gradients are numpy's float64 ones, to half precision."""
     import slangpy as spy
 
-    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, network, sizes, seed=8)
+    module, weights, row_major, xs, dys, buffer, zeros = network_case(cuda, sizes, seed=8)
     inputs, rows = sizes[0], len(xs)
     threads = 1024
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
@@ -371,14 +354,9 @@ def test_tensor_core_weight_gradients_in_the_weights_order(cuda, network, sizes)
     module.inputGradient(spy.grid((rows,)), 0, tiled.storage.device_address, grads.storage.device_address,
                          buffer(xs).storage.device_address, buffer(dys).storage.device_address,
                          zeros(rows * inputs).storage.device_address)
-    results = {}
-    for name, reorder in (("as stored", False), ("in the weights' order", True)):
-        work = buffer(grads.to_numpy())
-        if reorder:
-            module.reorder(spy.grid((threads,)), threads, work.storage.device_address)
-        out = zeros(row_major.size)
-        module.fromTiled(spy.grid((threads,)), threads, work.storage.device_address, out.storage.device_address)
-        results[name] = out.to_numpy().astype(np.float64)
+    out = zeros(row_major.size)
+    module.fromTiled(spy.grid((threads,)), threads, grads.storage.device_address, out.storage.device_address)
+    result = out.to_numpy().astype(np.float64)
 
     layer_inputs, h = [xs.astype(np.float64)], xs.astype(np.float64)
     for w, b in weights[:-1]:
@@ -389,12 +367,10 @@ def test_tensor_core_weight_gradients_in_the_weights_order(cuda, network, sizes)
         exact.insert(0, np.concatenate([(g.T @ x).ravel(), g.sum(0)]))
         g = (g @ w) * (x > 0)
     exact, blocks = np.concatenate(exact), mlp_blocks(*sizes)
-    for name, result in results.items():
-        cosines = gradient_cosines(exact, result, blocks)
-        print(f"{sizes}, weight gradients {name}: cosines with float64 (weights, biases per layer) "
-              + ", ".join(f"{c:.5f}" for c in cosines))
-        results[name] = min(cosines)
-    assert results["in the weights' order"] > 0.999
+    cosines = gradient_cosines(exact, result, blocks)
+    print(f"{sizes}, weight gradients: cosines with float64 (weights, biases per layer) "
+          + ", ".join(f"{c:.5f}" for c in cosines))
+    assert min(cosines) > 0.999
 
 
 def test_cooperative_can_be_switched_off(cuda, monkeypatch, phantom):
