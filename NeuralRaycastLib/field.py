@@ -24,7 +24,7 @@ FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module,
 GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
-COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core geometry network
+COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core networks
 #: The tensor-core networks' oldest GPUs: compute capability 8.0 (A100), whose half-precision m16n8k16
 #: instruction shaders/tensor_core.slang uses.
 TENSOR_CORE_CAPABILITY = 80
