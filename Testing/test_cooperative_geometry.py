@@ -133,6 +133,7 @@ void inputGradient(int row, int frozen, float* tiled, float* grads, float* xs, f
 }
 """
 
+
 def network_case(cuda, sizes: tuple[int, int, int, int], seed: int):
     """NETWORK_KERNELS for a network of these sizes (inputs, hidden, outputs, hidden layers), random weights
     (row-major with their biases, layer by layer), 256 rows of inputs and output gradients, and two helpers
