@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on a GPU whose kernels this machine has not compiled yet, compile them in the run "
                             "itself (much slower) instead of running 'neuralraycast warmup' first")
 
-    p = sub.add_parser("info", help="show the GPU device, its features, versions and the shader cache")
+    p = sub.add_parser("info", help="show the GPU device, its features, versions, the shader cache and whether the "
+                       "networks run on tensor cores there")
     device_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_info)

@@ -16,7 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from .gpu import GpuContext, cuda_compute_capability
+from .gpu import (
+    COOPERATIVE_ENV,
+    GpuContext,
+    cuda_compute_capability,
+    tensor_core_networks,
+)
 from .paths import shader_dir
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
@@ -24,10 +29,6 @@ FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module,
 GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
-COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core networks
-#: The tensor-core networks' oldest GPUs: compute capability 8.0 (A100), whose half-precision m16n8k16
-#: instruction shaders/tensor_core.slang uses.
-TENSOR_CORE_CAPABILITY = 80
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
@@ -286,13 +287,6 @@ def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ..
     return _MODULES[key]
 
 
-def tensor_cores_by_default(backend: str, capability: int | None, setting: str) -> bool:
-    """Whether the SDF fit and the renderer run the networks on tensor cores: on CUDA GPUs of compute
-    capability 8.0 and newer (capability: 10 * major + minor, None where unknown), unless the
-    NEURALRAYCAST_COOPERATIVE ``setting`` is "0". Elsewhere the per-thread networks compute the same."""
-    return backend == "cuda" and capability is not None and capability >= TENSOR_CORE_CAPABILITY and setting != "0"
-
-
 class NeuralField:
     """A field on the device: its parameters, gradient buffer and kernels."""
 
@@ -311,12 +305,10 @@ class NeuralField:
         capability = cuda_compute_capability() if gpu.backend == "cuda" else None
         tile_sized = layout.config.network.tile_sized
         if cooperative is None:
-            cooperative = tile_sized and tensor_cores_by_default(gpu.backend, capability,
-                                                                 os.environ.get(COOPERATIVE_ENV, "1"))
-        elif cooperative and not tensor_cores_by_default(gpu.backend, capability, "1"):
-            raise FieldConfigError(f"the tensor-core networks need CUDA on a GPU of compute capability "
-                                   f"{TENSOR_CORE_CAPABILITY / 10:.1f} or newer (this device: {gpu.backend}"
-                                   + (f", {capability / 10:.1f})" if capability else ")"))
+            cooperative = tile_sized and tensor_core_networks(gpu.backend, capability,
+                                                              os.environ.get(COOPERATIVE_ENV, "1"))[0]
+        elif cooperative and not (here := tensor_core_networks(gpu.backend, capability, "1"))[0]:
+            raise FieldConfigError(f"the tensor-core networks cannot run on this device: {here[1]}")
         elif cooperative and not tile_sized:
             raise FieldConfigError("the tensor-core networks need hidden widths that are multiples of 16 "
                                    f"(got {layout.config.network.hidden} and "

@@ -73,6 +73,7 @@ class DeviceReport:
     shader_dir: str
     tried: dict[str, str] = field(default_factory=dict)
     module_cache: str = ""  # Slang's parsed modules on disk ("" where slangpy ships no standard modules)
+    tensor_cores: str = ""  # whether fields run their networks on tensor cores here (tensor_core_networks)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +84,7 @@ class DeviceReport:
             f"adapter            {self.adapter}",
             f"cooperative vector {'yes' if self.cooperative_vector else 'no'}",
             f"cooperative matrix {'yes' if self.cooperative_matrix else 'no'}",
+            f"tensor-core MLPs   {self.tensor_cores}",
             f"features           {', '.join(self.features)}",
             f"slangpy            {self.slangpy_version}",
             f"python             {self.python_version}",
@@ -179,6 +181,27 @@ def _cuda_compute_capability(driver) -> int | None:
     except AttributeError:
         return None
     return 10 * major.value + minor.value
+
+
+COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core networks
+#: The tensor-core networks' oldest GPUs: compute capability 8.0 (A100), whose half-precision m16n8k16
+#: instruction shaders/tensor_core.slang uses.
+TENSOR_CORE_CAPABILITY = 80
+
+
+def tensor_core_networks(backend: str, capability: int | None, setting: str) -> tuple[bool, str]:
+    """Whether fields run their networks on tensor cores here, and why (or why not): on CUDA GPUs of compute
+    capability 8.0 and newer (capability: 10 * major + minor, None where unknown), unless the
+    NEURALRAYCAST_COOPERATIVE ``setting`` is "0". Elsewhere the per-thread networks compute the same."""
+    if backend != "cuda":
+        return False, "no (CUDA only; the per-thread networks run here)"
+    if capability is None:
+        return False, "no (the GPU's compute capability is unknown)"
+    if capability < TENSOR_CORE_CAPABILITY:
+        return False, f"no (compute capability {capability / 10:.1f}; they need {TENSOR_CORE_CAPABILITY / 10:.1f})"
+    if setting == "0":
+        return False, f"no ({COOPERATIVE_ENV}=0)"
+    return True, f"yes (compute capability {capability / 10:.1f})"
 
 
 def cuda_compute_capability() -> int | None:
@@ -310,6 +333,8 @@ def _report(device, backend: str, tried: dict[str, str]) -> DeviceReport:
         module_cache=str(device.desc.module_cache_path or ""),
         shader_dir=str(shader_dir()),
         tried=tried,
+        tensor_cores=tensor_core_networks(backend, cuda_compute_capability() if backend == "cuda" else None,
+                                          os.environ.get(COOPERATIVE_ENV, "1"))[1],
     )
 
 

@@ -46,6 +46,12 @@ def test_info_json_reports_the_device(capsys):
     assert main(["info", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["backend"] in ("cuda", "vulkan") and report["adapter"]
+    # whether the networks run on tensor cores here, and why not where they do not
+    tensor_cores = report["tensor_cores"]
+    if report["backend"] == "cuda":
+        assert tensor_cores.startswith(("yes (compute capability", "no ("))
+    else:
+        assert tensor_cores == "no (CUDA only; the per-thread networks run here)"
 
 
 def test_unknown_case_is_rejected_by_the_parser():

@@ -199,15 +199,16 @@ def test_device_memory_in_use_is_read_on_cuda_and_none_elsewhere(gpu):
 def test_tensor_core_networks_only_on_cuda_gpus_that_have_their_instruction():
     """The fit and the renderer pick the tensor-core networks on CUDA GPUs of compute capability 8.0 and newer
     (their m16n8k16 half instruction), never on older ones, other backends or an unknown GPU, and not where
-    NEURALRAYCAST_COOPERATIVE is 0: there the per-thread networks run instead of kernels that cannot load."""
-    from NeuralRaycastLib.field import tensor_cores_by_default
+    NEURALRAYCAST_COOPERATIVE is 0: there the per-thread networks run instead of kernels that cannot load.
+    The reason is what `neuralraycast info` prints."""
+    from NeuralRaycastLib.gpu import tensor_core_networks
 
-    assert tensor_cores_by_default("cuda", 90, "1") and tensor_cores_by_default("cuda", 80, "1")
-    assert not tensor_cores_by_default("cuda", 75, "1")  # Turing: no m16n8k16 with half operands
-    assert not tensor_cores_by_default("cuda", None, "1")
-    assert not tensor_cores_by_default("cuda", 90, "0")
-    assert not tensor_cores_by_default("vulkan", None, "1")
-
+    assert tensor_core_networks("cuda", 90, "1") == (True, "yes (compute capability 9.0)")
+    assert tensor_core_networks("cuda", 80, "1")[0]
+    assert tensor_core_networks("cuda", 75, "1") == (False, "no (compute capability 7.5; they need 8.0)")
+    assert not tensor_core_networks("cuda", None, "1")[0]
+    assert tensor_core_networks("cuda", 90, "0") == (False, "no (NEURALRAYCAST_COOPERATIVE=0)")
+    assert tensor_core_networks("vulkan", None, "1") == (False, "no (CUDA only; the per-thread networks run here)")
 
 
 def test_tensor_core_networks_need_hidden_widths_of_whole_tiles():
