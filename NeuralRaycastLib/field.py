@@ -308,7 +308,8 @@ class NeuralField:
             cooperative = tile_sized and tensor_core_networks(gpu.backend, capability,
                                                               os.environ.get(COOPERATIVE_ENV, "1"))[0]
         elif cooperative and not (here := tensor_core_networks(gpu.backend, capability, "1"))[0]:
-            raise FieldConfigError(f"the tensor-core networks cannot run on this device: {here[1]}")
+            raise FieldConfigError("the tensor-core networks cannot run on this device "
+                                   f"({here[1].removeprefix('no (').removesuffix(')')})")
         elif cooperative and not tile_sized:
             raise FieldConfigError("the tensor-core networks need hidden widths that are multiples of 16 "
                                    f"(got {layout.config.network.hidden} and "

@@ -218,3 +218,24 @@ def test_tensor_core_networks_need_hidden_widths_of_whole_tiles():
 
     assert NetworkConfig().tile_sized and field_config_for(1.0, small=True).network.tile_sized
     assert not NetworkConfig(hidden=24).tile_sized and not NetworkConfig(appearance_hidden=40).tile_sized
+
+
+def test_a_field_asked_for_tensor_cores_where_they_cannot_run_says_why(gpu):
+    """Asking for the tensor-core networks on a device without them fails at once with the reason, rather
+    than with kernels that do not compile or load."""
+    from field_reference import tiny_config
+
+    from NeuralRaycastLib.field import FieldConfigError, FieldLayout, NeuralField
+
+    if tensor_core_networks_here(gpu):
+        pytest.skip("this device runs the tensor-core networks")
+    layout = FieldLayout.build(tiny_config(), np.array([[0.0, 0.0, 0.0], [40.0, 40.0, 40.0]]), 2, 1)
+    with pytest.raises(FieldConfigError, match="cannot run on this device"):
+        NeuralField(gpu, layout, cooperative=True)
+
+
+def tensor_core_networks_here(gpu) -> bool:
+    from NeuralRaycastLib.gpu import cuda_compute_capability, tensor_core_networks
+
+    capability = cuda_compute_capability() if gpu.backend == "cuda" else None
+    return tensor_core_networks(gpu.backend, capability, "1")[0]
