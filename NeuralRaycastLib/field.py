@@ -16,12 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .gpu import (
-    COOPERATIVE_ENV,
-    GpuContext,
-    cuda_compute_capability,
-    tensor_core_networks,
-)
+from .gpu import COOPERATIVE_ENV, GpuContext, tensor_core_networks
 from .paths import shader_dir
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
@@ -302,14 +297,13 @@ class NeuralField:
         import slangpy as spy
 
         self.gpu, self.layout = gpu, layout
-        capability = cuda_compute_capability() if gpu.backend == "cuda" else None
+        capability = gpu.report.compute_capability
         tile_sized = layout.config.network.tile_sized
         if cooperative is None:
             cooperative = tile_sized and tensor_core_networks(gpu.backend, capability,
                                                               os.environ.get(COOPERATIVE_ENV, "1"))[0]
         elif cooperative and not (here := tensor_core_networks(gpu.backend, capability, "1"))[0]:
-            raise FieldConfigError("the tensor-core networks cannot run on this device "
-                                   f"({here[1].removeprefix('no (').removesuffix(')')})")
+            raise FieldConfigError(f"the tensor-core networks cannot run on this device ({here[1]})")
         elif cooperative and not tile_sized:
             raise FieldConfigError("the tensor-core networks need hidden widths that are multiples of 16 "
                                    f"(got {layout.config.network.hidden} and "

@@ -73,6 +73,7 @@ class DeviceReport:
     shader_dir: str
     tried: dict[str, str] = field(default_factory=dict)
     module_cache: str = ""  # Slang's parsed modules on disk ("" where slangpy ships no standard modules)
+    compute_capability: int | None = None  # CUDA: 10 * major + minor (90 on an H100); None elsewhere
     tensor_cores: str = ""  # whether fields run their networks on tensor cores here (tensor_core_networks)
 
     def as_dict(self) -> dict[str, Any]:
@@ -190,18 +191,18 @@ TENSOR_CORE_CAPABILITY = 80
 
 
 def tensor_core_networks(backend: str, capability: int | None, setting: str) -> tuple[bool, str]:
-    """Whether fields run their networks on tensor cores here, and why (or why not): on CUDA GPUs of compute
+    """Whether fields run their networks on tensor cores here, and the reason: on CUDA GPUs of compute
     capability 8.0 and newer (capability: 10 * major + minor, None where unknown), unless the
     NEURALRAYCAST_COOPERATIVE ``setting`` is "0". Elsewhere the per-thread networks compute the same."""
     if backend != "cuda":
-        return False, "no (CUDA only; the per-thread networks run here)"
+        return False, "CUDA only; the per-thread networks run here"
     if capability is None:
-        return False, "no (the GPU's compute capability is unknown)"
+        return False, "the GPU's compute capability is unknown"
     if capability < TENSOR_CORE_CAPABILITY:
-        return False, f"no (compute capability {capability / 10:.1f}; they need {TENSOR_CORE_CAPABILITY / 10:.1f})"
+        return False, f"compute capability {capability / 10:.1f}; they need {TENSOR_CORE_CAPABILITY / 10:.1f}"
     if setting == "0":
-        return False, f"no ({COOPERATIVE_ENV}=0)"
-    return True, f"yes (compute capability {capability / 10:.1f})"
+        return False, f"{COOPERATIVE_ENV}=0"
+    return True, f"compute capability {capability / 10:.1f}"
 
 
 def cuda_compute_capability() -> int | None:
@@ -320,6 +321,8 @@ def _report(device, backend: str, tried: dict[str, str]) -> DeviceReport:
     import slangpy as spy
 
     names = sorted(str(f).split(".")[-1] for f in device.features)
+    capability = cuda_compute_capability() if backend == "cuda" else None
+    tensor_cores, why = tensor_core_networks(backend, capability, os.environ.get(COOPERATIVE_ENV, "1"))
     return DeviceReport(
         backend=backend,
         adapter=device.info.adapter_name,
@@ -333,8 +336,8 @@ def _report(device, backend: str, tried: dict[str, str]) -> DeviceReport:
         module_cache=str(device.desc.module_cache_path or ""),
         shader_dir=str(shader_dir()),
         tried=tried,
-        tensor_cores=tensor_core_networks(backend, cuda_compute_capability() if backend == "cuda" else None,
-                                          os.environ.get(COOPERATIVE_ENV, "1"))[1],
+        compute_capability=capability,
+        tensor_cores=f"{'yes' if tensor_cores else 'no'} ({why})",
     )
 
 

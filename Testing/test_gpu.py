@@ -203,12 +203,12 @@ def test_tensor_core_networks_only_on_cuda_gpus_that_have_their_instruction():
     The reason is what `neuralraycast info` prints."""
     from NeuralRaycastLib.gpu import tensor_core_networks
 
-    assert tensor_core_networks("cuda", 90, "1") == (True, "yes (compute capability 9.0)")
+    assert tensor_core_networks("cuda", 90, "1") == (True, "compute capability 9.0")
     assert tensor_core_networks("cuda", 80, "1")[0]
-    assert tensor_core_networks("cuda", 75, "1") == (False, "no (compute capability 7.5; they need 8.0)")
+    assert tensor_core_networks("cuda", 75, "1") == (False, "compute capability 7.5; they need 8.0")
     assert not tensor_core_networks("cuda", None, "1")[0]
-    assert tensor_core_networks("cuda", 90, "0") == (False, "no (NEURALRAYCAST_COOPERATIVE=0)")
-    assert tensor_core_networks("vulkan", None, "1") == (False, "no (CUDA only; the per-thread networks run here)")
+    assert tensor_core_networks("cuda", 90, "0") == (False, "NEURALRAYCAST_COOPERATIVE=0")
+    assert tensor_core_networks("vulkan", None, "1") == (False, "CUDA only; the per-thread networks run here")
 
 
 def test_tensor_core_networks_need_hidden_widths_of_whole_tiles():
@@ -235,7 +235,6 @@ def test_a_field_asked_for_tensor_cores_where_they_cannot_run_says_why(gpu):
 
 
 def tensor_core_networks_here(gpu) -> bool:
-    from NeuralRaycastLib.gpu import cuda_compute_capability, tensor_core_networks
+    from NeuralRaycastLib.gpu import tensor_core_networks
 
-    capability = cuda_compute_capability() if gpu.backend == "cuda" else None
-    return tensor_core_networks(gpu.backend, capability, "1")[0]
+    return tensor_core_networks(gpu.backend, gpu.report.compute_capability, "1")[0]
