@@ -351,10 +351,12 @@ def test_tensor_core_weight_gradients_match_float64(cuda, sizes):
     inputs, rows = sizes[0], len(xs)
     threads = 1024
     source, tiled, grads = buffer(row_major), zeros(module.tiledCount()), zeros(module.tiledCount())
+    # held in names until the kernels ran: a buffer made in the argument list would be freed (and its memory
+    # handed to the next one) as soon as its address was read
+    x_buffer, dy_buffer, dxs = buffer(xs), buffer(dys), zeros(rows * inputs)
     module.toTiled(spy.grid((threads,)), threads, source.storage.device_address, tiled.storage.device_address)
     module.inputGradient(spy.grid((rows,)), 0, tiled.storage.device_address, grads.storage.device_address,
-                         buffer(xs).storage.device_address, buffer(dys).storage.device_address,
-                         zeros(rows * inputs).storage.device_address)
+                         x_buffer.storage.device_address, dy_buffer.storage.device_address, dxs.storage.device_address)
     out = zeros(row_major.size)
     module.fromTiled(spy.grid((threads,)), threads, grads.storage.device_address, out.storage.device_address)
     result = out.to_numpy().astype(np.float64)
