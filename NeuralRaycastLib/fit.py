@@ -88,6 +88,7 @@ class Adam:
             "count": layout.count,
             "groupStart": [layout.geometry_offset, layout.appearance_offset, layout.count],
         }
+        self.threads = -(-layout.count // int(self.module.adamWidth()))  # a thread per few parameters
         self.step_count = 0
 
     def settings(self, factor: float, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> dict:
@@ -114,7 +115,7 @@ class Adam:
         import slangpy as spy
 
         self.step_count += 1
-        self.module.adamStep(spy.grid((self.field.layout.count,)), self.buffers, self.settings(factor, group_scales))
+        self.module.adamStep(spy.grid((self.threads,)), self.buffers, self.settings(factor, group_scales))
 
 
 def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
