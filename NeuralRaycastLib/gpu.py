@@ -273,12 +273,14 @@ def cuda_host_pointer(gpu: GpuContext, address: int) -> int | None:
     return host.value or None
 
 
-def _open(backend: str):
+def _open(backend: str) -> tuple[Any, int | None]:
+    """The device, proven to run a kernel, and (CUDA) its GPU's compute capability."""
     import slangpy as spy
 
     # The CUDA compute capability (shaders/params.slang), 0 on other backends: always defined, so the
     # shader compiler has no undefined name in `#if` to warn about.
     defines = {"NEURALRAYCAST_CUDA_SM": "0"}
+    capability = None
     if backend == "cuda":
         if (driver := _cuda_driver()) is None:
             raise RuntimeError("no NVIDIA driver (CUDA driver library not found)")
@@ -314,14 +316,13 @@ def _open(backend: str):
     got = module.deviceCheck(a, 2.0, _result="numpy")
     if not np.allclose(got, a * 2.0 + 1.0):
         raise RuntimeError(f"test kernel returned wrong values {got[:4]}")
-    return device
+    return device, capability
 
 
-def _report(device, backend: str, tried: dict[str, str]) -> DeviceReport:
+def _report(device, backend: str, capability: int | None, tried: dict[str, str]) -> DeviceReport:
     import slangpy as spy
 
     names = sorted(str(f).split(".")[-1] for f in device.features)
-    capability = cuda_compute_capability() if backend == "cuda" else None
     tensor_cores, why = tensor_core_networks(backend, capability, os.environ.get(COOPERATIVE_ENV, "1"))
     return DeviceReport(
         backend=backend,
@@ -401,11 +402,11 @@ def open_device(choice: str | None = None) -> GpuContext:
     try:
         for backend in order:
             try:
-                device = _open(backend)
+                device, capability = _open(backend)
             except Exception as error:  # each backend fails in its own way; keep the reason
                 tried[backend] = " ".join(str(error).split())[:200] or type(error).__name__
                 continue
-            context = GpuContext(device, backend, _report(device, backend, tried))
+            context = GpuContext(device, backend, _report(device, backend, capability, tried))
             _CONTEXTS[wanted] = _CONTEXTS[backend] = context
             return context
     finally:
