@@ -27,6 +27,10 @@ MAX_STRUCTURES = 8
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
+# How a hashed level finds a vertex's entry (EncodingConfig.hash), and HashLevel.indexing in
+# shaders/hash_encoding.slang for each kind of level.
+HASHES = ("x_added", "xor")
+LEVEL_HASHED, LEVEL_DENSE, LEVEL_HASHED_XOR = 0, 1, 2
 
 
 class FieldConfigError(ValueError):
@@ -42,10 +46,16 @@ class EncodingConfig:
     log2_table: int = 19
     coarsest_cells: int = 16  # cells across the longest side of the box at the coarsest level
     finest_cell_mm: float = 0.5
+    # "x_added": x + (y·πy XOR z·πz), so that a vertex's neighbour along x has the next entry and the two
+    # corners' gradients go out in one atomic (the fit's bound); "xor": Instant-NGP's x XOR y·πy XOR z·πz,
+    # which model files of format 1 and 2 were trained with.
+    hash: str = "x_added"
 
     def check(self) -> None:
         if not 1 <= self.levels <= 32 or self.features not in (1, 2, 4, 8):
             raise FieldConfigError(f"encoding: levels must be 1..32 and features 1, 2, 4 or 8 (got {self})")
+        if self.hash not in HASHES:
+            raise FieldConfigError(f"encoding: hash must be one of {', '.join(HASHES)} (got '{self.hash}')")
         if not 8 <= self.log2_table <= 24:
             raise FieldConfigError(f"encoding: log2_table must be 8..24 (got {self.log2_table})")
         if self.coarsest_cells < 1 or self.finest_cell_mm <= 0:
@@ -195,6 +205,25 @@ class FieldLayout:
     def finest_cell_mm(self) -> float:
         return self.levels[-1].cell_mm
 
+    @property
+    def shifted_gradients(self) -> int:
+        """Where the hash table's second gradient copy starts in the field's gradient buffer: after the
+        parameters' gradients, at 2 more than a multiple of 4, so that the pairs of entries that straddle two
+        16-byte blocks of the first copy are whole blocks there (shaders/hash_encoding.slang's scatterPair)."""
+        return self.count + (2 - self.count) % 4
+
+    @property
+    def gradient_count(self) -> int:
+        """Length of the field's gradient buffer: the parameters', the table's second copy, and the four zeros
+        that Adam's vector reads of that copy may reach past its end."""
+        return self.shifted_gradients + self.geometry_offset + 4
+
+    def level_indexing(self, level: LevelLayout) -> int:
+        """HashLevel.indexing of one level (shaders/hash_encoding.slang)."""
+        if level.dense:
+            return LEVEL_DENSE
+        return LEVEL_HASHED_XOR if self.config.encoding.hash == "xor" else LEVEL_HASHED
+
     def defines(self) -> dict[str, int]:
         enc, net = self.config.encoding, self.config.network
         return {
@@ -314,7 +343,7 @@ class NeuralField:
         if values.shape != (layout.count,):
             raise FieldConfigError(f"expected {layout.count} parameters, got {values.shape}")
         self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
-        self.grads = spy.Tensor.zeros_like(self.values)
+        self.grads = spy.Tensor.zeros(gpu.device, shape=(layout.gradient_count,), dtype=float)
         self.active_levels = len(layout.levels)
         self._tiled: dict[str, Any] | None = None  # addresses of the tiled copies (tiled_networks)
         self._tiled_buffers: list[Any] = []
@@ -388,13 +417,18 @@ class NeuralField:
         return np.asarray(self.values.to_numpy(), dtype=np.float32).reshape(-1)
 
     def gradients(self) -> np.ndarray:
-        return np.asarray(self.grads.to_numpy(), dtype=np.float32).reshape(-1)
+        """The parameters' gradients (the hash table's two copies added, as Adam adds them)."""
+        raw = np.asarray(self.grads.to_numpy(), dtype=np.float32).reshape(-1)
+        gradients = raw[: self.layout.count].copy()
+        table, shifted = self.layout.geometry_offset, self.layout.shifted_gradients
+        gradients[:table] += raw[shifted : shifted + table]
+        return gradients
 
     def set_parameters(self, values: np.ndarray) -> None:
         self.values.copy_from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     def zero_gradients(self) -> None:
-        self.grads.copy_from_numpy(np.zeros(self.layout.count, np.float32))
+        self.grads.copy_from_numpy(np.zeros(self.layout.gradient_count, np.float32))
 
     def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
@@ -409,7 +443,7 @@ class NeuralField:
                 "cellInv": 1.0 / level.cell_mm,
                 "offset": level.offset,
                 "size": level.size,
-                "dense": int(level.dense),
+                "indexing": self.layout.level_indexing(level),
             }
             for level in self.layout.levels
         ]
@@ -419,7 +453,8 @@ class NeuralField:
             tiled = self.tiled_networks()
         return {
             "params": params,
-            "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels},
+            "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels,
+                     "shiftedGrads": self.layout.shifted_gradients},
             "geometryOffset": self.layout.geometry_offset,
             "tiledGeometry": tiled["geometry"],
             "tiledAppearance": tiled["appearance"],

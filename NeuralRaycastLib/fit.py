@@ -87,6 +87,8 @@ class Adam:
             "v": self.v.storage.device_address,
             "count": layout.count,
             "groupStart": [layout.geometry_offset, layout.appearance_offset, layout.count],
+            "shifted": layout.shifted_gradients,  # the hash table's second gradient copy
+            "shiftedCount": layout.geometry_offset,
         }
         self.threads = -(-layout.count // int(self.module.adamWidth()))  # a thread per few parameters
         self.step_count = 0

@@ -22,8 +22,10 @@ from .field import FieldConfig, FieldConfigError, FieldLayout, NeuralField
 from .gpu import GpuContext
 
 FORMAT = "neuralraycast-field"
-FORMAT_VERSION = 2  # 2 adds "precision"; version 1 files (float32) are read as before
-READABLE_VERSIONS = (1, 2)
+# 2 adds "precision" (version 1 files are float32); 3 adds the encoding's "hash" (files of versions 1 and 2
+# were trained with the "xor" hash, and are read with it)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 PRECISIONS = {"float32": np.float32, "float16": np.float16}
 METADATA_KEY = "neuralraycast"
 GEOMETRY_TOLERANCE_MM = 1e-3
@@ -184,6 +186,13 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return tensors, metadata
 
 
+def _current_config(config: dict[str, Any], version: int) -> dict[str, Any]:
+    """A stored configuration in this version's terms (the keys earlier versions had no need for)."""
+    if version < 3 and isinstance(config, dict) and isinstance(config.get("encoding"), dict):
+        return {**config, "encoding": {**config["encoding"], "hash": "xor"}}
+    return config
+
+
 def load_model(path: str | Path, expected: StudyGeometry | None = None) -> ModelFile:
     """Read and check a model file; with ``expected``, also refuse a field made for another study grid."""
     path = Path(path)
@@ -199,7 +208,7 @@ def load_model(path: str | Path, expected: StudyGeometry | None = None) -> Model
         raise ModelFileError(f"{path}: unknown parameter precision '{precision}'")
     dtype = np.dtype(PRECISIONS[precision])
     try:
-        config = FieldConfig.from_dict(metadata["config"])
+        config = FieldConfig.from_dict(_current_config(metadata["config"], version))
         geometry = StudyGeometry.from_dict(metadata["geometry"])
         layout = FieldLayout.build(config, geometry.bounds, len(geometry.structures), len(geometry.channel_names))
         digest, count = str(metadata["tensors_sha256"]), int(metadata["parameter_count"])

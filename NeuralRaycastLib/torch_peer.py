@@ -163,6 +163,7 @@ def _define_geometry_field() -> type:
             # Per axis, what a vertex coordinate is multiplied by: the strides when dense, the primes when hashed.
             self.register_buffer("factors", torch.where(dense[:, None], strides, primes))
             self.register_buffer("dense", dense)
+            self.xor_hash = layout.config.encoding.hash == "xor"
             self.register_buffer("origin", torch.tensor(layout.origin, dtype=torch.float32))
             self.register_buffer("cell_inv", torch.tensor([1.0 / level.cell_mm for level in levels],
                                                           dtype=torch.float32))
@@ -182,7 +183,8 @@ def _define_geometry_field() -> type:
             terms = torch.stack([base, base + 1], dim=2) * self.factors[:active, None, :]  # (N, A, 2, 3)
             tx, ty, tz = terms[..., 0], terms[..., 1], terms[..., 2]
             summed = tz[..., :, None, None] + ty[..., None, :, None] + tx[..., None, None, :]
-            hashed = (tz[..., :, None, None] ^ ty[..., None, :, None] ^ tx[..., None, None, :])
+            yz = tz[..., :, None, None] ^ ty[..., None, :, None]
+            hashed = yz ^ tx[..., None, None, :] if self.xor_hash else yz + tx[..., None, None, :]
             hashed = hashed & self.hash_mask[:active, None, None, None]
             entry = torch.where(self.dense[:active, None, None, None], summed, hashed)
             return entry.flatten(2) + self.first_row[:active, None]

@@ -36,7 +36,8 @@ def encode(layout: FieldLayout, params: np.ndarray, x: np.ndarray, active: int |
                 entry = (v[:, 2] * dims[1] + v[:, 1]) * dims[0] + v[:, 0]
             else:
                 mask = np.uint64(0xFFFFFFFF)
-                h = v[:, 0] ^ ((v[:, 1] * PRIME_Y) & mask) ^ ((v[:, 2] * PRIME_Z) & mask)
+                yz = ((v[:, 1] * PRIME_Y) & mask) ^ ((v[:, 2] * PRIME_Z) & mask)
+                h = v[:, 0] ^ yz if layout.config.encoding.hash == "xor" else (v[:, 0] + yz) & mask
                 entry = h & np.uint64(level.size - 1)
             rows = level.offset + entry.astype(np.int64)[:, None] * features + np.arange(features)
             value += weight[:, None] * params[rows]

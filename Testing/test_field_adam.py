@@ -29,11 +29,14 @@ def test_adam_matches_reference_with_groups_sparsity_and_zeroing(gpu):
     values = rng.normal(size=n).astype(np.float32)
     rates = np.array([1e-2, 3e-3, 1e-3, 0.0])
     beta1, beta2, epsilon, sparse = 0.9, 0.99, 1e-8, 1
-    tensors = [spy.Tensor.from_numpy(gpu.device, a) for a in (values, np.zeros(n, np.float32))]
-    m = spy.Tensor.zeros_like(tensors[0])
-    v = spy.Tensor.zeros_like(tensors[0])
+    # The hash table's (group 0's) gradient in two copies, the second from `shifted` on (as a field's).
+    shifted, table = n + (2 - n) % 4, starts[0]
+    tensors = [spy.Tensor.from_numpy(gpu.device, a) for a in (values, np.zeros(shifted + table + 4, np.float32))]
+    m = spy.Tensor.zeros(gpu.device, shape=(n,), dtype=float)
+    v = spy.Tensor.zeros(gpu.device, shape=(n,), dtype=float)
     buffers = {"values": tensors[0].storage.device_address, "grads": tensors[1].storage.device_address,
-               "m": m.storage.device_address, "v": v.storage.device_address, "count": n, "groupStart": starts}
+               "m": m.storage.device_address, "v": v.storage.device_address, "count": n, "groupStart": starts,
+               "shifted": shifted, "shiftedCount": table}
     ref_values, ref_m, ref_v = values.astype(np.float64), np.zeros(n), np.zeros(n)
     for step in range(1, 4):
         grads = rng.normal(size=n).astype(np.float32)
@@ -41,7 +44,18 @@ def test_adam_matches_reference_with_groups_sparsity_and_zeroing(gpu):
         grads[20:28] = 0.0  # whole vectors of them too
         grads[5] = np.nan  # a bad gradient is dropped, not propagated
         grads[190] = np.inf
-        tensors[1].copy_from_numpy(grads)
+        # Split between the copies: some entries in one of them only, some in both, some cancelling out.
+        copies = np.zeros(shifted + table + 4, np.float32)
+        copies[:n] = grads
+        second = rng.normal(size=table).astype(np.float32) * (rng.uniform(size=table) < 0.5)
+        second[::7] = second[20:28] = 0.0
+        copies[:table] -= second
+        copies[shifted : shifted + table] = second
+        copies[30], copies[shifted + 30] = 0.0, grads[30]  # in the second copy alone
+        copies[40:44], copies[shifted + 40 : shifted + 44] = 1.5, -1.5  # cancelling: a gradient of 0
+        tensors[1].copy_from_numpy(copies)
+        grads = copies[:n].copy()
+        grads[:table] += copies[shifted : shifted + table]  # the sum in float32, as Adam forms it
         settings = {
             "rates": spy.float4(*rates), "beta1": beta1, "beta2": beta2, "epsilon": epsilon,
             "correction1": 1 / (1 - beta1**step), "correction2": 1 / (1 - beta2**step), "sparseGroups": sparse,
@@ -56,7 +70,8 @@ def test_adam_matches_reference_with_groups_sparsity_and_zeroing(gpu):
         np.testing.assert_allclose(v.to_numpy(), ref_v, rtol=1e-5, atol=1e-9)
         assert not tensors[1].to_numpy().any(), "gradients are zeroed after the step"
     assert np.all(np.isfinite(tensors[0].to_numpy()))
-    quiet = (np.arange(n) % 7 == 0) | ((np.arange(n) >= 20) & (np.arange(n) < 28))
+    index = np.arange(n)
+    quiet = (index % 7 == 0) | ((index >= 20) & (index < 28)) | ((index >= 40) & (index < 44))
     untouched = quiet & (groups == 0)
     np.testing.assert_array_equal(tensors[0].to_numpy()[untouched], values[untouched])
     fed = ~quiet & (np.arange(n) != 5) & (np.arange(n) != 190)  # a finite, non-zero gradient

@@ -7,6 +7,8 @@ random inputs, on the device the suite runs on (lavapipe on a machine without a 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from conftest import phantom_prepared
@@ -112,7 +114,15 @@ def test_layout_has_dense_and_hashed_levels(layout):
     assert cells[0] == pytest.approx((BOX[1] - BOX[0]).max() / 4) and cells[-1] == pytest.approx(2.0)
 
 
-def test_hash_encoding_values_and_gradients(field, layout, params, points):
+@pytest.mark.parametrize("hash_name", ["x_added", "xor"])
+def test_hash_encoding_values_and_gradients(gpu, field, layout, params, points, hash_name):
+    """Both hashes: "x_added" (new fields) and "xor" (model files of format 1 and 2)."""
+    if hash_name != layout.config.encoding.hash:
+        other = FieldLayout.build(replace(layout.config, encoding=replace(layout.config.encoding, hash=hash_name)),
+                                  BOX, STRUCTURES, CHANNELS)
+        assert not np.allclose(encode(other, params, points), encode(layout, params, points))
+        layout = other
+        field = NeuralField(gpu, layout, params, parts=("sdf_fit", "field_checks"), cooperative=False)
     encoded = layout.config.encoding.levels * layout.config.encoding.features
     w = np.random.default_rng(6).normal(size=encoded)
     values = np.asarray(field.module.encodingValue(field.shader_struct(), f32(points), list(w), _result="numpy"))
@@ -124,6 +134,9 @@ def test_hash_encoding_values_and_gradients(field, layout, params, points):
     assert_parameter_gradient(lambda p: (encode(layout, p, points) @ w).sum(), params, gradient)
     assert not gradient[layout.geometry_offset :].any()
     assert_position_gradient(lambda x: encode(layout, params, x) @ w, points, dx.reshape(-1, 3))
+    # The pairs of entries that straddle two 16-byte blocks went to the table's second gradient copy.
+    raw = field.grads.to_numpy()
+    assert raw[layout.shifted_gradients :].any() and raw[: layout.geometry_offset].any()
 
 
 def test_hash_encoding_gradients_of_consecutive_points_in_the_same_cells(field, layout, params):

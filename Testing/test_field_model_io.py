@@ -119,6 +119,8 @@ def test_replaced_tensor_is_rejected(saved):
         (lambda m: m.update(format="something-else"), "format"),
         (lambda m: m["config"]["network"].update(hidden=48), "parameters stored|differ|float32"),
         (lambda m: m["config"]["encoding"].update(bogus=1), "inconsistent metadata"),
+        (lambda m: m["config"]["encoding"].pop("hash"), "inconsistent metadata"),
+        (lambda m: m["config"]["encoding"].update(hash="crc32"), "inconsistent metadata"),
         (lambda m: m["config"]["network"].update(hidden=1000), "inconsistent metadata"),
         (lambda m: m["geometry"].update(structures=["brain"]), "inconsistent metadata|parameters stored"),
         (lambda m: m.pop("tensors_sha256"), "inconsistent metadata"),
@@ -155,10 +157,24 @@ def test_float16_refuses_parameters_beyond_its_range(tmp_path, layout, geometry)
     assert not list(tmp_path.iterdir())
 
 
-def test_version_1_files_still_load(saved):
+def as_version(version: int):
+    """A metadata change that makes a file look written by an earlier version (without the keys it added)."""
+    def change(metadata):
+        metadata.update(format_version=version)
+        metadata["config"]["encoding"].pop("hash")
+        if version < 2:
+            metadata.pop("precision")
+    return change
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_files_of_earlier_versions_load_with_the_hash_they_were_trained_with(saved, version):
     path, params = saved
-    rewrite(path, change=lambda m: (m.update(format_version=1), m.pop("precision")))
-    np.testing.assert_array_equal(load_model(path).parameters, params)
+    assert load_model(path).config.encoding.hash == "x_added"
+    rewrite(path, change=as_version(version))
+    model = load_model(path)
+    np.testing.assert_array_equal(model.parameters, params)
+    assert model.config.encoding.hash == "xor"
 
 
 def test_foreign_and_missing_files_are_rejected(tmp_path):
