@@ -378,7 +378,7 @@ class NeuralField:
                 return spy.Tensor.zeros(self.gpu.device, shape=(int(count),), dtype=float)
 
             self._tiled_buffers = [zeros(self.fit_module.geometryTiledCount()),
-                                   zeros(self.fit_module.geometryTiledCount()),
+                                   zeros(self.fit_module.geometryGradientLength()),  # copies: sdf_fit.slang
                                    zeros(self.fit_module.appearanceTiledCount()),
                                    zeros(self.fit_module.appearanceTiledCount()),
                                    zeros(self.layout.count - self.layout.geometry_offset)]
@@ -405,6 +405,7 @@ class NeuralField:
 
         tiled, grid = self.tiled_networks(), spy.grid((CONVERT_THREADS,))
         networks = {"geometry": tiled["geometry"], "appearance": tiled["appearance"]}
+        self.fit_module.sumGeometryGradientCopies(grid, CONVERT_THREADS, tiled["geometry"]["grads"])
         self.fit_module.networkGradientsFromTiled(grid, CONVERT_THREADS, networks, tiled["scratch"],
                                                   self.grads.storage.device_address, self.layout.geometry_offset,
                                                   self.layout.appearance_offset, self.layout.count)
