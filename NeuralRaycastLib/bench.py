@@ -464,13 +464,13 @@ def bench_kernels(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     """Registers, spills and shared memory of the CUDA kernels compiled so far (``ptxas -v`` on the PTX the
     shader cache keeps: run this suite after those whose kernels it should see), the largest first, and the
     warps an SM holds of each (kernel_resources.py says why this stands in for a profiler)."""
-    from .gpu import cuda_architecture
     from .kernel_resources import find_ptxas, ptx_programs, ptxas_resources
 
     if gpu.backend != "cuda":
         return [BenchRow("kernels", "not measured", float("nan"), "",
                          f"ptxas reads CUDA kernels; this device is {gpu.backend}")]
-    ptxas, architecture = find_ptxas(), cuda_architecture()
+    capability = gpu.report.compute_capability  # read once when the device opened
+    ptxas, architecture = find_ptxas(), f"sm_{capability}" if capability else None
     if ptxas is None or architecture is None:
         why = "needs the CUDA toolkit's ptxas" if ptxas is None else "no CUDA compute capability found"
         return [BenchRow("kernels", "not measured", float("nan"), "", why)]

@@ -205,19 +205,6 @@ def tensor_core_networks(backend: str, capability: int | None, setting: str) -> 
     return True, f"compute capability {capability / 10:.1f}"
 
 
-def cuda_compute_capability() -> int | None:
-    """10 * major + minor of the first CUDA GPU's compute capability (90 on an H100), or None without a CUDA
-    driver."""
-    driver = _cuda_driver()
-    return _cuda_compute_capability(driver) if driver is not None else None
-
-
-def cuda_architecture() -> str | None:
-    """``sm_XY`` of the first CUDA GPU (``sm_90`` on an H100), or None without a CUDA driver."""
-    capability = cuda_compute_capability()
-    return f"sm_{capability}" if capability else None
-
-
 @contextmanager
 def _cuda_context(gpu: GpuContext) -> Iterator[Any]:
     """The CUDA driver with the device's own context current (popped after), or None where there is none

@@ -54,7 +54,7 @@ def test_the_entry_functions_figures_are_read_from_a_ptxas_report():
     assert kernel.warps_per_sm() == 8
 
 
-def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path, monkeypatch):
+def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path):
     """PTX kept in a database file among other bytes is found once each, largest first, and ptxas reads it
     (with the CUDA toolkit on this machine; no GPU is needed); the kernels suite reports each."""
     from NeuralRaycastLib.kernel_resources import find_ptxas, ptx_programs, ptxas_resources
@@ -95,11 +95,9 @@ def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path, monkeypatch
 
     from types import SimpleNamespace
 
-    from NeuralRaycastLib import gpu
     from NeuralRaycastLib.bench import bench_kernels
 
-    monkeypatch.setattr(gpu, "cuda_architecture", lambda: "sm_90")
-    device = SimpleNamespace(backend="cuda", report=SimpleNamespace(shader_cache=str(cache)))
+    device = SimpleNamespace(backend="cuda", report=SimpleNamespace(shader_cache=str(cache), compute_capability=90))
     count, first, second = bench_kernels(device, None, True, lambda *_: None)
     assert count.value == 2 and "sm_90" in count.notes
     assert (first.value, second.value) == (big.registers, small.registers)
