@@ -425,67 +425,112 @@ class PassClock:
             self.last = time.perf_counter()
 
 
-#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack). glibc gives allocations this large
-#: (32 MiB is its largest mmap threshold) fresh mappings whose pages fault in one by one on first use, and
-#: that made the tensor's own read slow.
-LARGE_READ_BYTES = 32 << 20
+#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack): a 512² frame (8 MiB) 0.3 ms sooner than
+#: through the tensor's own read, a 1024² one (32 MiB) about 8 ms sooner (BENCHMARKS.md).
+PINNED_READ_BYTES = 1 << 20
+#: Pinned host buffers a CUDA ReadBack lends out at most: the arrays of that many reads can be held at once
+#: before a read copies into a fresh array instead.
+PINNED_FRAMES = 3
+
+
+class _PinnedLease:
+    """The owner (numpy ``base``) of the arrays one read returns, a view of pinned host memory: every array
+    made from them, views included, keeps it and so the buffer alive; while any lives the buffer is lent."""
+
+    def __init__(self, pinned: _PinnedBuffer) -> None:
+        self.buffer = pinned.buffer
+        self.__array_interface__ = {"shape": (pinned.size // 4,), "typestr": "<f4",
+                                    "data": (pinned.address, False), "version": 3}
+
+
+@dataclass
+class _PinnedBuffer:
+    """A CUDA read-back buffer (pinned host memory) and the lease of the last read into it."""
+
+    buffer: Any
+    address: int
+    size: int
+    lease: Any = None  # weakref to a _PinnedLease
+
+    @property
+    def free(self) -> bool:
+        return self.lease is None or self.lease() is None
 
 
 class ReadBack:
-    """Reads float32 device tensors into numpy. Each read returns a new array.
+    """Reads float32 device tensors into numpy. An array one read returns never changes with a later read.
 
     - Software devices: through a host-readable buffer kept between reads (made again when the size
       changes), then its ``to_numpy``; a 1024² G-buffer (32 MiB) takes about 40 % less time on lavapipe
       than the tensor's own ``to_numpy`` (BENCHMARKS.md).
-    - CUDA, reads of :data:`LARGE_READ_BYTES` or more: the same kept buffer (pinned host memory there),
-      copied from its host address into an array numpy allocates: 9.9–10.3 ms for a 1024² G-buffer on an
-      H100 machine against 25.3–26.9 ms for the tensor's ``to_numpy`` (only in a fresh machine's first
-      process was ``to_numpy`` faster: 2.7 against 4.8 ms; BENCHMARKS.md). Smaller reads, and every read on
-      other GPUs (not measured), take ``to_numpy``: at 512² it was as fast or faster (0.6–1.1 ms).
+    - CUDA, reads of :data:`PINNED_READ_BYTES` or more: into pinned host memory that the returned array is a
+      view of (no copy on the host), one of up to :data:`PINNED_FRAMES` buffers, each read into again once no
+      array of its last read is left; while all are held, into a buffer kept for that and copied from there
+      into an array numpy allocates. A 1024² G-buffer (32 MiB) on an H100 machine: 0.6 ms into pinned memory,
+      4.2–5.4 ms more for that copy (fresh pages fault in one by one), 20 ms for the tensor's ``to_numpy``
+      (BENCHMARKS.md). Smaller reads take ``to_numpy``.
     """
 
     def __init__(self, gpu: GpuContext) -> None:
         self.gpu = gpu
         self.kept = gpu.report.software
-        self._buffer: Any = None
-        self._host: np.ndarray | None = None  # CUDA: the kept buffer's memory as the host sees it
-        self._unmapped = False  # CUDA gave the kept buffer no host address: the tensor's own read
+        self._kept: Any = None  # the buffer that is copied from (software devices; CUDA with every lease held)
+        self._lent: list[_PinnedBuffer] = []  # CUDA: pinned buffers whose memory arrays are views of
+        self._unmapped = False  # CUDA gave a pinned buffer no host address: the tensor's own read
 
     def read(self, tensor: Any) -> np.ndarray:
+        import weakref
+
         size = int(np.prod(tensor.shape)) * 4
         if self.kept:
-            self._copy_to_kept(tensor, size)
-            return self._buffer.to_numpy().view(np.float32)
-        if self.gpu.backend == "cuda" and size >= LARGE_READ_BYTES and not self._unmapped:
-            host = self._host_view(tensor, size)
-            if host is not None:
-                return host.copy()  # a new array from numpy's allocator
+            self._kept = self._copy_into(self._kept, tensor, size)
+            return self._kept.to_numpy().view(np.float32)
+        if self.gpu.backend == "cuda" and size >= PINNED_READ_BYTES and not self._unmapped:
+            pinned = self._free_pinned(size)
+            if pinned is not None:
+                self._copy_into(pinned.buffer, tensor, size)
+                lease = _PinnedLease(pinned)
+                pinned.lease = weakref.ref(lease)
+                return np.asarray(lease)
+            self._kept = self._copy_into(self._kept, tensor, size)  # every lease held: copy
+            address = cuda_host_pointer(self.gpu, self._kept.device_address)
+            if address is not None:
+                return np.array(_PinnedLease(_PinnedBuffer(self._kept, address, size)), copy=True)
         return np.asarray(tensor.to_numpy(), np.float32).reshape(-1)
 
-    def _copy_to_kept(self, tensor: Any, size: int) -> None:
-        import slangpy as spy
-
-        if self._buffer is None or self._buffer.size != size:
-            self._buffer = self._host = None
-            with device_memory(f"a host copy of {size:,} bytes"):
-                self._buffer = self.gpu.device.create_buffer(
-                    size=size, memory_type=spy.MemoryType.read_back,
-                    usage=spy.BufferUsage.copy_destination | spy.BufferUsage.copy_source)
+    def _copy_into(self, buffer: Any, tensor: Any, size: int) -> Any:
+        """``tensor`` copied into ``buffer`` (a new host-readable one where None or of another size), waited
+        for; returns the buffer."""
+        if buffer is None or buffer.size != size:
+            buffer = self._host_buffer(size)
         encoder = self.gpu.device.create_command_encoder()
-        encoder.copy_buffer(self._buffer, 0, tensor.storage, 0, size)
+        encoder.copy_buffer(buffer, 0, tensor.storage, 0, size)
         self.gpu.device.submit_command_buffer(encoder.finish())
         self.gpu.device.wait()
+        return buffer
 
-    def _host_view(self, tensor: Any, size: int) -> np.ndarray | None:
-        """The tensor copied into the kept buffer, as a view of its host memory; None (and the tensor's own
-        read from then on) where CUDA does not give that memory a host address."""
-        import ctypes
+    def _host_buffer(self, size: int) -> Any:
+        import slangpy as spy
 
-        self._copy_to_kept(tensor, size)
-        if self._host is None:
-            address = cuda_host_pointer(self.gpu, self._buffer.device_address)
-            if address is None:
-                self._unmapped = True
+        with device_memory(f"a host copy of {size:,} bytes"):
+            return self.gpu.device.create_buffer(size=size, memory_type=spy.MemoryType.read_back,
+                                                 usage=spy.BufferUsage.copy_destination | spy.BufferUsage.copy_source)
+
+    def _free_pinned(self, size: int) -> _PinnedBuffer | None:
+        """A pinned buffer of ``size`` bytes that no live array uses: a lent one, else a new one while fewer than
+        PINNED_FRAMES are lent (a free one of another size makes room). None: all held, or no host address."""
+        for pinned in self._lent:
+            if pinned.size == size and pinned.free:
+                return pinned
+        if len(self._lent) >= PINNED_FRAMES:
+            stale = next((pinned for pinned in self._lent if pinned.free), None)
+            if stale is None:
                 return None
-            self._host = np.ctypeslib.as_array((ctypes.c_float * (size // 4)).from_address(address))
-        return self._host
+            self._lent.remove(stale)
+        buffer = self._host_buffer(size)
+        address = cuda_host_pointer(self.gpu, buffer.device_address)
+        if address is None:
+            self._unmapped = True
+            return None
+        self._lent.append(_PinnedBuffer(buffer, address, size))
+        return self._lent[-1]

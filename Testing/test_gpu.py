@@ -164,13 +164,13 @@ def test_read_back_arrays_stay_as_read_when_the_buffer_is_used_again(gpu):
 
 
 def test_a_large_read_gives_the_tensors_values_in_a_new_array_each_time(gpu):
-    """A 1024² G-buffer (32 MiB) is read this device's way: on CUDA through the kept buffer's host memory,
-    copied into a new array (an earlier frame's arrays stay as read); elsewhere as in the test above."""
+    """A 1024² G-buffer (32 MiB) is read this device's way: on CUDA into pinned host memory that the array is a
+    view of (an earlier frame's arrays stay as read); elsewhere as in the test above."""
     import slangpy as spy
 
     reader = gpu_module.ReadBack(gpu)
     rng = np.random.default_rng(1)
-    first, second = (rng.random(gpu_module.LARGE_READ_BYTES // 4, dtype=np.float32) for _ in range(2))
+    first, second = (rng.random(1024 * 1024 * 8, dtype=np.float32) for _ in range(2))
     tensor = spy.Tensor.from_numpy(gpu.device, first)
     a = reader.read(tensor)
     tensor.copy_from_numpy(second)
@@ -178,7 +178,61 @@ def test_a_large_read_gives_the_tensors_values_in_a_new_array_each_time(gpu):
     np.testing.assert_array_equal(a, first)
     np.testing.assert_array_equal(b, second)
     if gpu.backend == "cuda":
-        assert reader._host is not None, "CUDA gave the read-back buffer no host address"
+        assert len(reader._lent) == 2, "CUDA gave the read-back buffers no host address"
+
+
+class _HostBuffer:
+    """A stand-in for a pinned CUDA buffer: host memory, its size, and its address (the host's, here)."""
+
+    def __init__(self, size: int) -> None:
+        self.memory = np.zeros(size // 4, np.float32)
+        self.size = size
+        self.device_address = self.memory.ctypes.data
+
+
+def test_pinned_read_back_lends_a_buffer_until_its_arrays_are_gone(monkeypatch):
+    """CUDA reads hand out views of pinned buffers: a buffer is read into again only once no array of its last
+    read is alive (views of it included), at most PINNED_FRAMES are lent, and with all of them held a read
+    copies into a new array, so no array a caller holds ever changes."""
+    import gc
+
+    made: list[_HostBuffer] = []
+
+    def host_buffer(self, size):
+        made.append(_HostBuffer(size))
+        return made[-1]
+
+    def copy_into(self, buffer, tensor, size):
+        buffer = buffer if buffer is not None and buffer.size == size else host_buffer(self, size)
+        buffer.memory[:] = tensor.values
+        return buffer
+
+    monkeypatch.setattr(gpu_module.ReadBack, "_host_buffer", host_buffer)
+    monkeypatch.setattr(gpu_module.ReadBack, "_copy_into", copy_into)
+    monkeypatch.setattr(gpu_module, "cuda_host_pointer", lambda gpu, address: address)
+    cuda = type("Gpu", (), {"backend": "cuda", "report": type("Report", (), {"software": False})()})()
+    reader = gpu_module.ReadBack(cuda)
+    n = gpu_module.PINNED_READ_BYTES // 4
+
+    class Tensor:
+        shape = (n,)
+
+        def __init__(self, value: float) -> None:
+            self.values = np.full(n, value, np.float32)
+
+    held = [reader.read(Tensor(i))[:16].reshape(4, 4) for i in range(gpu_module.PINNED_FRAMES)]  # views only
+    assert len(made) == gpu_module.PINNED_FRAMES
+    extra = reader.read(Tensor(7.0))  # every buffer held: a copy into a fresh array
+    assert len(made) == gpu_module.PINNED_FRAMES + 1 and extra.base is None and np.all(extra == 7.0)
+    for i, array in enumerate(held):
+        assert np.all(array == i), "a later read changed an array a caller holds"
+    del held[0]
+    gc.collect()
+    again = reader.read(Tensor(9.0))  # the first buffer is free again: read into, no new buffer
+    assert len(made) == gpu_module.PINNED_FRAMES + 1 and np.all(again == 9.0)
+    assert again.ctypes.data == made[0].memory.ctypes.data
+    for i, array in enumerate(held, start=1):
+        assert np.all(array == i)
 
 
 def test_device_memory_in_use_is_read_on_cuda_and_none_elsewhere(gpu):
