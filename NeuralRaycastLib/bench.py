@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from .gpu import GpuContext, device_memory_in_use
+from .kernel_clock import kernel_clock
 from .torch_peer import bench_torch_peer
 
 
@@ -169,9 +170,15 @@ def fit_phase_rows(fitter) -> list[BenchRow]:
     from .fit import SdfFitter
 
     phases = fitter.profile_steps()
+    with kernel_clock(fitter.gpu) as kernels:
+        for _ in range(10):
+            fitter.step()
+    kernels = kernels.per(10)
     rows = [BenchRow("sdf_fit", "step phases", sum(phases.values()) * 1e3, "ms",
                      "; ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in phases.items())
-                     + f" (means of 10 steps of {fitter.batch} points, waits after each phase)")]
+                     + f" (means of 10 steps of {fitter.batch} points, waits after each phase)"),
+            BenchRow("sdf_fit", "step kernels (device timestamps)", kernels.total_ms, "ms",
+                     f"{kernels.summary()} (means of 10 steps, no waits: kernel_clock.py)")]
     kernel = "fit kernel (forward + backward)"
     for label, every in (("every wave", 1), ("no wave", 1 << 30)):
         variant = SdfFitter(fitter.gpu, fitter.prepared, fitter.field, replace(fitter.config, eikonal_every=every))
@@ -309,6 +316,11 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                              "; ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in passes.items())
                              + "; per ray {:.1f} samples, {:.2f} shaded segments (waits after each pass)".format(
                                  *work_per_ray(renderer, camera))))
+        with kernel_clock(gpu) as kernels:
+            renderer.render(camera)
+        rows.append(BenchRow("train", f"neural render {width}² kernels (device timestamps)", kernels.total_ms, "ms",
+                             f"{kernels.summary()}; from the first kernel's start to the last one's end "
+                             f"{kernels.span_ms:.1f} ms (with mesh shadows, no waits: kernel_clock.py)"))
         renderer.set_mesh_shadows(None)
         volumetric = reference.render(camera, shadows=True)
         seconds, repeats = timed(lambda c=camera: reference.render(c, shadows=True), budget, repeats_max)

@@ -292,3 +292,28 @@ def tensor_core_networks_here(gpu) -> bool:
     from NeuralRaycastLib.gpu import tensor_core_networks
 
     return tensor_core_networks(gpu.backend, gpu.report.compute_capability, "1")[0]
+
+
+def test_kernel_clock_times_each_launch_and_restores_slangpy(gpu):
+    """The benchmark's kernel clock brackets every slangpy call of its block with device timestamps: each launch
+    is counted under its kernel's name with a positive time inside the block's span, and slangpy's calls are
+    left as they were afterwards, also when the block raises."""
+    import slangpy as spy
+
+    from NeuralRaycastLib.kernel_clock import kernel_clock
+
+    module = gpu.load_module("device_check")
+    a = spy.Tensor.from_numpy(gpu.device, np.arange(1 << 16, dtype=np.float32))
+    call = spy.Function.__call__
+    with kernel_clock(gpu) as times:
+        for _ in range(3):
+            out = module.deviceCheck(a, 2.0, _result="numpy")
+    assert spy.Function.__call__ is call
+    np.testing.assert_allclose(out, np.arange(1 << 16) * 2.0 + 1.0)
+    assert times.launches == {"deviceCheck": 3}
+    assert times.milliseconds["deviceCheck"] > 0 and times.total_ms <= times.span_ms + 1e-6
+    assert times.per(3).launches == {"deviceCheck": 1}
+    assert "deviceCheck" in times.summary()
+    with pytest.raises(RuntimeError, match="stop"), kernel_clock(gpu):
+        raise RuntimeError("stop")
+    assert spy.Function.__call__ is call
