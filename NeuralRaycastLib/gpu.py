@@ -227,9 +227,8 @@ def _cuda_context(gpu: GpuContext) -> Iterator[Any]:
             driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
-def device_memory_in_use(gpu: GpuContext) -> int | None:
-    """Bytes in use on the GPU a CUDA device runs on (total less free, every process's, this one's context
-    included), or None where it cannot be read (other backends, no driver)."""
+def _cuda_memory(gpu: GpuContext) -> tuple[int, int] | None:
+    """(free, total) bytes of the GPU a CUDA device runs on, or None (other backends, no driver)."""
     import ctypes
 
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -239,7 +238,20 @@ def device_memory_in_use(gpu: GpuContext) -> int | None:
                 return None
         except (AttributeError, ctypes.ArgumentError):  # a driver without this entry point, or another signature
             return None
-    return total.value - free.value
+    return free.value, total.value
+
+
+def device_memory_in_use(gpu: GpuContext) -> int | None:
+    """Bytes in use on the GPU a CUDA device runs on (total less free, every process's, this one's context
+    included), or None where it cannot be read (other backends, no driver)."""
+    memory = _cuda_memory(gpu)
+    return None if memory is None else memory[1] - memory[0]
+
+
+def device_memory_total(gpu: GpuContext) -> int | None:
+    """Bytes of memory of the GPU a CUDA device runs on, or None where it cannot be read."""
+    memory = _cuda_memory(gpu)
+    return None if memory is None else memory[1]
 
 
 def cuda_host_pointer(gpu: GpuContext, address: int) -> int | None:

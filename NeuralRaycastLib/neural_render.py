@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .camera import Camera
-from .gpu import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory
+from .gpu import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory, device_memory_total
 from .render import PLANE_FLOATS, RenderedImage, image_from_planes
 
 OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
@@ -53,9 +53,14 @@ class TrainableScene(Protocol):
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
-#: Device memory the rays of one band of a rendered view may take (a GPU; a CPU device): fewer, larger
-#: bands mean fewer passes and waits.
-BAND_BYTES = (2 << 30, 1 << 30)
+#: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
+#: the first figure and at most the second; on a CPU device the third. Fewer, larger bands mean fewer passes
+#: and waits: a 1024² frame on an H100 took 51.7–53.7 ms in bands of 8 GiB against 55.4–60.6 ms in bands of
+#: 2 GiB, 69.0–69.5 against 77.8–78.3 ms with mesh shadows (BENCHMARKS.md).
+BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
+#: A band's largest buffer (the distances at every sample slot) stays below this: on an H100 with most of its
+#: memory free, a 1024² view in one band, whose distances would take 4 GiB, could not be created.
+MAX_BUFFER_BYTES = 4 << 30
 #: Shaded segments per ray a batch makes room for at first (their surface values; more when needed).
 SHADED_PER_RAY = 16
 #: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
@@ -250,6 +255,7 @@ class DiffRenderer:
         self.lists_module = gpu.load_module("segment_lists")
         self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
+        self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._frame: Any = None  # a whole view's sums on the device (render)
         self._planes: Any = None  # and its G-buffer
         self._read_back = ReadBack(gpu)
@@ -423,10 +429,20 @@ class DiffRenderer:
 
     # whole images -------------------------------------------------------------------------------------
     def band_rays(self) -> int:
-        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds, or as a band that fitted
-        when a larger one did not (:meth:`camera_bands`)."""
-        budget = BAND_BYTES[1] if self.gpu.report.software else BAND_BYTES[0]
-        return min(self._band_limit, max(1, budget // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)))
+        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds (each buffer under
+        :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
+        structures = self.scene.structures
+        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, structures)
+        largest = (MAX_BUFFER_BYTES - 1) // (self.max_samples * structures * 4)  # the distances buffer
+        return min(self._band_limit, max(1, min(fitting, largest)))
+
+    def _band_bytes(self) -> int:
+        least, most, software = BAND_BYTES
+        if self.gpu.report.software:
+            return software
+        if self._device_bytes is None:
+            self._device_bytes = device_memory_total(self.gpu) or 0
+        return min(most, max(least, self._device_bytes // 10))
 
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
                      timings: dict[str, float] | None = None, frame: Any = None

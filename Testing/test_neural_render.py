@@ -244,7 +244,7 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     whole = renderer.render(camera, camera.width * camera.height)
     budget = 5 * camera.width * RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
-    monkeypatch.setattr(neural_render, "BAND_BYTES", (budget, budget))
+    monkeypatch.setattr(neural_render, "BAND_BYTES", (budget, budget, budget))
     renderer._batch = None
     banded = renderer.render(camera)
     batch = renderer._batch
@@ -262,6 +262,25 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
     slots = 2 * camera.width * renderer.max_samples  # gradient buffers for the rays trained, not the capacity
     assert batch.distance_grads.shape[0] == slots * renderer.scene.structures
     assert batch.kept.shape[0] == slots * neural_render.KEPT_FLOATS
+
+
+def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, monkeypatch):
+    """On a GPU a band takes a tenth of its memory, between 2 and 8 GiB (2 GiB where the memory cannot be read),
+    and never so many rays that the distances buffer would reach MAX_BUFFER_BYTES."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib import neural_render
+
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
+    renderer.gpu = SimpleNamespace(report=SimpleNamespace(software=False))
+    for total, band in ((80 << 30, 8 << 30), (40 << 30, 4 << 30), (8 << 30, 2 << 30), (None, 2 << 30)):
+        monkeypatch.setattr(neural_render, "device_memory_total", lambda gpu, total=total: total)
+        renderer._device_bytes = None
+        assert renderer.band_rays() == band // per_ray
+    distances_per_ray = renderer.max_samples * renderer.scene.structures * 4
+    monkeypatch.setattr(neural_render, "MAX_BUFFER_BYTES", 10 * distances_per_ray)
+    assert renderer.band_rays() == 9  # 10 rays' distances would be exactly the limit
 
 
 def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):
