@@ -431,10 +431,12 @@ class DiffRenderer:
     def band_rays(self) -> int:
         """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds (each buffer under
         :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
-        structures = self.scene.structures
-        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, structures)
-        largest = (MAX_BUFFER_BYTES - 1) // (self.max_samples * structures * 4)  # the distances buffer
-        return min(self._band_limit, max(1, min(fitting, largest)))
+        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)
+        return min(self._band_limit, self._creatable_rays(), max(1, fitting))
+
+    def _creatable_rays(self) -> int:
+        """The most rays a batch may have with its largest buffer, the distances, under MAX_BUFFER_BYTES."""
+        return max(1, (MAX_BUFFER_BYTES - 1) // (self.max_samples * self.scene.structures * 4))
 
     def _band_bytes(self) -> int:
         least, most, software = BAND_BYTES
@@ -447,11 +449,12 @@ class DiffRenderer:
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
                      timings: dict[str, float] | None = None, frame: Any = None
                      ) -> Iterator[tuple[int, int, RayBatch]]:
-        """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`), so
-        memory stays bounded: (first row, rows, batch) after its :meth:`forward` (``timings``: see there).
-        With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows of it. A band
-        the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
-        rays_per_pass = rays_per_pass or self.band_rays()
+        """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
+        more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
+        after its :meth:`forward` (``timings``: see there). With ``frame`` (a device tensor of the view's
+        sums) each band's sums go to their rows of it. A band the device cannot hold is rendered in halves,
+        down to one row (GpuMemoryError there)."""
+        rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
         rows_per_pass = max(1, rays_per_pass // camera.width)
         first = 0
         while first < camera.height:

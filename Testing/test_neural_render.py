@@ -281,6 +281,10 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
     distances_per_ray = renderer.max_samples * renderer.scene.structures * 4
     monkeypatch.setattr(neural_render, "MAX_BUFFER_BYTES", 10 * distances_per_ray)
     assert renderer.band_rays() == 9  # 10 rays' distances would be exactly the limit
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 3, 8)
+    renderer.gpu = gpu
+    bands = [rows for _first, rows, _batch in renderer.camera_bands(camera, rays_per_pass=24)]
+    assert bands == [3, 3, 2]  # asked for the whole view in one band: bands of at most 9 rays instead
 
 
 def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):
