@@ -232,7 +232,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     views = render_reference_views(gpu, prepared, count, size, size)
     # As a run does on a GPU (pipeline.train_run's warm_up_first): the training's kernels compiled first, in
     # processes side by side, where this machine has not compiled them yet; not part of the training's time.
-    warm_up = 0.0
+    warm_up, warm_up_note = 0.0, "not on a CPU device: it compiles in the training's own process"
     if not gpu.report.software:
         from .pipeline import RunSettings
         from .warmup import ensure_warm_for_study
@@ -241,6 +241,9 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         ran = ensure_warm_for_study(gpu, prepared.study, prepared, RunSettings.for_device(gpu, name),
                                     lambda message, fraction: progress(f"warm-up: {message}", fraction))
         warm_up = time.perf_counter() - clock if ran is not None else 0.0
+        warm_up_note = ("this machine's first training of this preset: its kernels compiled in processes side by "
+                        "side, as `neuralraycast run` does" if warm_up
+                        else "none needed: the kernels were compiled already")
     layout = FieldLayout.for_study(prepared, small=gpu.report.software)
     field = NeuralField(gpu, layout, seed=0)
     trainer = Trainer(gpu, prepared, field, views, preset(name))
@@ -249,10 +252,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     memory["training done"] = device_memory_in_use(gpu)
     scores = [row for row in log.rows if "heldout_psnr" in row]
     rows = [
-        BenchRow("train", "warm-up before training", warm_up, "s",
-                 "not on a CPU device: it compiles in the training's own process" if gpu.report.software
-                 else "this machine's first training of this preset: its kernels compiled in processes side by "
-                 "side, as `neuralraycast run` does" if warm_up else "none needed: the kernels were compiled already"),
+        BenchRow("train", "warm-up before training", warm_up, "s", warm_up_note),
         BenchRow("train", "training rays/s (render stages)", log.rays_per_second(), "1/s",
                  f"preset {name}, {trainer.config.patches} patches of {trainer.config.patch_size}² per step"),
         BenchRow("train", "training rays/s, stage 2 (appearance only)", log.rays_per_second(2), "1/s",

@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -491,8 +492,6 @@ class ReadBack:
         self._unmapped = False  # CUDA gave a pinned buffer no host address: the tensor's own read
 
     def read(self, tensor: Any) -> np.ndarray:
-        import weakref
-
         size = int(np.prod(tensor.shape)) * 4
         if self.kept:
             self._kept = self._copy_into(self._kept, tensor, size)
