@@ -166,7 +166,7 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
 
 def fit_phase_rows(fitter) -> list[BenchRow]:
     """Where a fit step's time goes: its phases, and the fit kernel with the Eikonal term carried by every wave
-    and by none (what the term's four extra evaluations per point cost)."""
+    and by none (what the term's three extra evaluations per point cost)."""
     from .fit import SdfFitter
 
     phases = fitter.profile_steps()

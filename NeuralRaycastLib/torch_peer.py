@@ -309,18 +309,20 @@ def sdf_fit_loss(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, 
     """The batch loss of shaders/sdf_fit.slang: the sum of ``pointLoss`` over the batch.
 
     x (N, 3), target (N, K); ``eikonal_index`` are the points that also carry the Eikonal term. Their gradients
-    come from the same four tetrahedral offsets e·v_j (e = h / √3) as ``distanceGradients``, evaluated with the
-    batch in one go.
+    come from the tetrahedron of ``eikonalStencil``, whose first corner is the point itself: the other three
+    corners x + e·(v_j − v_0) (e = h / √3) are evaluated with the batch in one go.
     """
     torch = import_torch()
     n = x.shape[0]
     e = _fp32(settings.eikonal_step * _fp32(0.57735026919))
     corners = torch.tensor(TETRAHEDRON, dtype=x.dtype, device=x.device)
-    points = torch.cat([x, (x[eikonal_index][None] + e * corners[:, None]).reshape(-1, 3)])
+    offsets = e * (corners[1:] - corners[0])
+    points = torch.cat([x, (x[eikonal_index][None] + offsets[:, None]).reshape(-1, 3)])
     distances = model(points, settings.active)
-    distance, shifted = distances[:n], distances[n:].reshape(4, -1, distances.shape[1])
-    weight = _fp32(0.25 / e)  # the shader adds (weight · s(x + e·v_j)) · v_j per corner
-    gradient = sum((weight * shifted[j])[..., None] * corners[j] for j in range(4))
+    distance, others = distances[:n], distances[n:].reshape(3, -1, distances.shape[1])
+    at_corner = [distance[eikonal_index], *others]
+    weight = _fp32(0.25 / e)  # the shader adds (weight · s(corner j)) · v_j per corner
+    gradient = sum((weight * at_corner[j])[..., None] * corners[j] for j in range(4))
     data = truncated_error(distance, target, settings.truncation).sum()
     eikonal = ((gradient_length(gradient) - 1.0) ** 2).sum()
     return settings.data_scale * data + settings.eikonal_scale * eikonal

@@ -93,8 +93,9 @@ def point_loss(layout, params, x, target, eikonal: bool, settings: dict) -> np.n
     error = np.where(target >= tau, np.maximum(tau - distance, 0.0),
                      np.where(target <= -tau, np.maximum(distance + tau, 0.0), np.abs(distance - target)))
     loss = settings["dataScale"] * error.sum(axis=1)
-    if eikonal:
-        gradient = distance_gradients(layout, params, x, settings["eikonalStep"])
+    if eikonal:  # the tetrahedron whose first corner is x
+        h = settings["eikonalStep"]
+        gradient = distance_gradients(layout, params, x - (h / np.sqrt(3.0)) * TETRAHEDRON[0], h)
         loss = loss + settings["eikonalScale"] * ((np.linalg.norm(gradient, axis=-1) - 1.0) ** 2).sum(axis=1)
     return loss
 
