@@ -206,9 +206,11 @@ class SdfFitter:
         struct = self._field_struct()
         clock.lap("weights to tensor-core layout" if field.cooperative else "settings")
         # The waves with the Eikonal term, then the others (shaders/sdf_fit.slang's pointIndex says why apart).
-        for eikonal, points in ((True, self.eikonal_points), (False, self.batch - self.eikonal_points)):
+        module = field.fit_module
+        for kernel, points in ((module.fitEikonalWaves, self.eikonal_points),
+                               (module.fitPlainWaves, self.batch - self.eikonal_points)):
             if points:
-                field.fit_module.fitStep(spy.grid((points,)), struct, self.boundary, self.band, settings, eikonal)
+                kernel(spy.grid((points,)), struct, self.boundary, self.band, settings)
         clock.lap("fit kernel (forward + backward)")
         if field.cooperative:
             field.add_tiled_gradients()
