@@ -32,7 +32,7 @@ from .field import NeuralField
 from .gpu import GpuContext, PassClock
 from .neural_render import Occupancy, WorkLists
 from .preprocess import PreparedStudy
-from .render import volume_stack
+from .render import interleaved_volumes
 from .study import sample_at
 from .style import BAND_WIDTHS
 
@@ -44,7 +44,7 @@ class FieldScene:
             raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
                              f"the study gives {inputs.shape[0]}")
         self.field = field
-        self._inputs, self.inputs = volume_stack(gpu, inputs, np.linalg.inv(prepared.affine))
+        self._inputs, self.inputs = interleaved_volumes(gpu, inputs, np.linalg.inv(prepared.affine))
 
     @property
     def structures(self) -> int:

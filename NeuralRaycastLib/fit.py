@@ -19,7 +19,7 @@ import numpy as np
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
 from .gpu import GpuContext, PassClock
 from .preprocess import PreparedStudy
-from .render import volume_stack
+from .render import interleaved_volumes
 
 Progress = Callable[[str, float], None]
 WAVE = 32  # points per wave
@@ -148,7 +148,7 @@ class SdfFitter:
             raise ValueError(f"the field has {field.structures} structures, the study {prepared.boundary.shape[0]}")
         self.gpu, self.prepared, self.field, self.config = gpu, prepared, field, config
         self._adam: Adam | None = None  # made on the first step: accumulate() alone never needs it
-        self._boundary, self.boundary = volume_stack(gpu, prepared.boundary, np.linalg.inv(prepared.affine))
+        self._boundary, self.boundary = interleaved_volumes(gpu, prepared.boundary, np.linalg.inv(prepared.affine))
         voxels, offsets, counts = band_voxels(prepared, config.band_mm)
         self._voxels = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(voxels.reshape(-1)))
         self.band = {"voxels": self._voxels.storage.device_address, "offset": offsets, "count": counts}

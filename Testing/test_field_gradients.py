@@ -323,6 +323,26 @@ def test_normals_point_along_the_distance_gradient(field, layout, params, points
     np.testing.assert_allclose(normals, numeric / np.linalg.norm(numeric, axis=-1, keepdims=True), atol=1e-3)
 
 
+def test_the_fit_samples_the_boundary_maps_trilinearly_with_every_structure_at_once(gpu, field):
+    """The fit reads every structure's B_k at a point from one interleaved copy of the maps: the trilinear
+    values of each map, clamped to the edge voxels beyond the grid (as the reference renderer samples them)."""
+    import slangpy as spy
+    from scipy.ndimage import map_coordinates
+
+    prepared = phantom_prepared(4.0)[1]
+    fitter = SdfFitter(gpu, prepared, field, FitConfig(batch=32))
+    rng = np.random.default_rng(5)
+    ijk = rng.uniform(-2.0, np.array(prepared.boundary.shape[1:]) + 1.0, size=(64, 3))
+    ras = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
+    points = spy.Tensor.from_numpy(gpu.device, f32(ras).reshape(-1))
+    values = spy.Tensor.zeros(gpu.device, shape=(len(ras) * STRUCTURES,), dtype=float)
+    field.module.boundaryAt(spy.grid((len(ras),)), fitter.boundary, points.storage.device_address,
+                            values.storage.device_address)
+    got = np.asarray(values.to_numpy()).reshape(-1, STRUCTURES)
+    expected = np.stack([map_coordinates(volume, ijk.T, order=1, mode="nearest") for volume in prepared.boundary], 1)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
 def test_the_fit_steps_backward_by_hand_equals_the_checked_point_loss_gradients(gpu, field):
     """A training step schedules its backward pass by hand (distances first, then each evaluation's network
     and hash table backward again, one at a time); its gradients must be those of the point loss checked
