@@ -405,7 +405,6 @@ class NeuralField:
 
         tiled, grid = self.tiled_networks(), spy.grid((CONVERT_THREADS,))
         networks = {"geometry": tiled["geometry"], "appearance": tiled["appearance"]}
-        self.fit_module.sumGeometryGradientCopies(grid, CONVERT_THREADS, tiled["geometry"]["grads"])
         self.fit_module.networkGradientsFromTiled(grid, CONVERT_THREADS, networks, tiled["scratch"],
                                                   self.grads.storage.device_address, self.layout.geometry_offset,
                                                   self.layout.appearance_offset, self.layout.count)
