@@ -14,6 +14,7 @@ import numpy as np
 
 from .bvh import MAX_MESHES, Bvh, shader_struct
 from .gpu import GpuContext
+from .light_grid import build_light_grid, light_grid_struct
 
 
 class MeshShadows:
@@ -36,8 +37,9 @@ class MeshShadows:
             raise ValueError(f"at most {MAX_MESHES} meshes")
         factors = np.zeros(MAX_MESHES, np.float32)
         factors[: len(opacity)] = 1.0 - np.clip(opacity, 0.0, 1.0)
-        self.bvh = bvh
+        self.gpu, self.bvh = gpu, bvh
         self._tensors, self.struct = shader_struct(gpu, bvh)
+        self._grid: tuple[tuple[float, ...], list, dict] | None = None  # (direction, tensors, struct)
         self.settings = {
             "offset": float(offset_mm),
             "tMax": 1e30,  # the key light is at infinity
@@ -47,17 +49,32 @@ class MeshShadows:
         }
         self.module = gpu.load_module("mesh_shadows")
 
-    def key_visibility(self, points: np.ndarray, normals: np.ndarray, to_light: Sequence[float]) -> np.ndarray:
-        """Fraction of the key light (direction ``to_light``, towards the light) reaching each point: (N,)."""
+    def light_grid(self, to_light: Sequence[float]) -> dict:
+        """The ``LightGrid`` shader struct of these meshes for rays towards ``to_light`` (shaders/light_grid.slang),
+        built on first use for each direction."""
+        light = np.asarray(to_light, np.float64)
+        direction = tuple(float(c) for c in np.float32(light / np.linalg.norm(light)))
+        if self._grid is None or self._grid[0] != direction:
+            self._grid = (direction, *light_grid_struct(self.gpu, build_light_grid(self.bvh, direction)))
+        return self._grid[2]
+
+    def key_visibility(self, points: np.ndarray, normals: np.ndarray, to_light: Sequence[float],
+                       through_grid: bool = True) -> np.ndarray:
+        """Fraction of the key light (direction ``to_light``, towards the light) reaching each point: (N,).
+        The rays go through the light grid (what the renderer does), or with ``through_grid=False`` through
+        the BVH: the same hits."""
         import slangpy as spy
 
         points = np.array(points, np.float32, order="C").reshape(-1, 3)
         normals = np.array(normals, np.float32, order="C").reshape(-1, 3)
         light = np.asarray(to_light, np.float64)
-        light = spy.float3(*map(float, light / np.linalg.norm(light)))
-        return np.asarray(
-            self.module.meshKeyVisibility(points, normals, light, self.struct, self.settings, _result="numpy")
-        )
+        light = spy.float3(*map(float, np.float32(light / np.linalg.norm(light))))
+        if through_grid:
+            result = self.module.meshKeyVisibilityByGrid(points, normals, light, self.light_grid(to_light), self.struct,
+                                                         self.settings, _result="numpy")
+        else:
+            result = self.module.meshKeyVisibility(points, normals, light, self.struct, self.settings, _result="numpy")
+        return np.asarray(result)
 
     def ambient_visibility(self, points: np.ndarray, normals: np.ndarray) -> np.ndarray:
         """Unoccluded fraction of the hemisphere around each normal (cosine weighted): (N,) float32."""

@@ -347,8 +347,10 @@ class DiffRenderer:
         clock.lap("normals and appearance")
         batch.struct["shadows"] = int(self.mesh_shadows is not None)
         if self.mesh_shadows is not None and batch.lists.shaded:
+            key = self.shading["lighting"]["keyDirection"]
+            grid = self.mesh_shadows.light_grid((key.x, key.y, key.z))
             self._shadow_module.segmentVisibility(WorkLists.launch(batch.lists.shaded), batch.struct, self.shading,
-                                                  self.mesh_shadows.struct, self.mesh_shadows.settings)
+                                                  self.mesh_shadows.struct, grid, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
         self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
         clock.lap("composite")

@@ -293,7 +293,8 @@ def test_closest_and_any_hit_agree_with_brute_force(gpu, scene):
     assert np.array_equal(occluded[clear], exact_hit[clear])
 
 
-def test_mesh_shadows_are_exact_where_a_sphere_shades_another(gpu):
+@pytest.mark.parametrize("through_grid", [True, False], ids=["light grid", "bvh"])
+def test_mesh_shadows_are_exact_where_a_sphere_shades_another(gpu, through_grid):
     """Key light straight above; a small sphere over a large one shadows a disc on the large one's top."""
     affine = np.eye(4)
     affine[:3, 3] = -30
@@ -310,11 +311,11 @@ def test_mesh_shadows_are_exact_where_a_sphere_shades_another(gpu):
     assert under.sum() > 20 and beside.sum() > 20
 
     opaque = MeshShadows(gpu, bvh)
-    visibility = opaque.key_visibility(points, normals, (0.0, 0.0, 1.0))
+    visibility = opaque.key_visibility(points, normals, (0.0, 0.0, 1.0), through_grid)
     assert (visibility[under] == 0).all() and (visibility[beside] == 1).all()
 
     translucent = MeshShadows(gpu, bvh, opacities=[0.3, 0.6])
-    visibility = translucent.key_visibility(points, normals, (0.0, 0.0, 1.0))
+    visibility = translucent.key_visibility(points, normals, (0.0, 0.0, 1.0), through_grid)
     np.testing.assert_allclose(visibility[under], 0.4**2, rtol=1e-6)  # in and out of the small sphere
     np.testing.assert_allclose(visibility[beside], 1.0)
     bottom = points[:, 2] < big_centre[2] - 1.0
@@ -326,3 +327,26 @@ def test_mesh_shadows_are_exact_where_a_sphere_shades_another(gpu):
     far = radial > big - 1.0  # at the equator nothing but the sphere's own (convex) surface is near
     assert ambient[far].mean() > 0.99
     assert ambient[under].mean() < 0.9
+
+
+@pytest.mark.parametrize("scene", ["soup", "spheres"])
+def test_the_light_grid_crosses_the_same_triangles_as_the_bvh(gpu, scene):
+    """The renderer's shadow rays go through a grid of the triangles as the key light sees them: for any light
+    direction the same translucent transmittance as rays through the BVH, point by point."""
+    rng = np.random.default_rng(3)
+    if scene == "soup":
+        meshes = [random_soup(400, seed=12), random_soup(300, seed=13)]
+    else:
+        affine = np.eye(4)
+        affine[:3, 3] = -30
+        meshes = [sphere_mesh(affine, (61, 61, 61), np.array([0.3, -0.2, 0.1]), 15.0, "big"),
+                  sphere_mesh(affine, (61, 61, 61), np.array([2.0, 1.0, 20.0]), 6.0, "small")]
+    shadows = MeshShadows(gpu, build_bvh(meshes), opacities=[0.3, 0.6])
+    points = rng.uniform(-20, 20, (4000, 3))
+    normals = rng.normal(size=(4000, 3))
+    normals /= np.linalg.norm(normals, axis=1, keepdims=True)
+    for to_light in ((0.0, 0.0, 1.0), (0.45, 0.35, 0.82), tuple(rng.normal(size=3))):
+        grid = shadows.key_visibility(points, normals, to_light)
+        bvh = shadows.key_visibility(points, normals, to_light, through_grid=False)
+        assert (bvh < 1.0).mean() > 0.2  # the rays do cross the meshes
+        np.testing.assert_allclose(grid, bvh, rtol=1e-6, atol=1e-6)
