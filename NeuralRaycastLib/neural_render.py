@@ -88,6 +88,28 @@ class WorkLists:
         return spy.grid((-(-entries // WAVE) * WAVE,))
 
 
+@dataclass(frozen=True)
+class RayTiles:
+    """A batch's rays as rows of pixels (a camera band, or patches stacked), which the listing kernels take
+    in tiles of TILE pixels, one wave a tile (shaders/ray_tiles.slang)."""
+
+    width: int
+    rows: int
+
+    TILE = (8, 4)  # shaders/ray_tiles.slang: TILE_WIDTH, TILE_HEIGHT
+
+    def launch(self) -> Any:
+        """One thread per pixel of every tile covering the rows (those past their ends have no ray)."""
+        import slangpy as spy
+
+        tile_width, tile_height = self.TILE
+        tiles = -(-self.width // tile_width) * -(-self.rows // tile_height)
+        return spy.grid((tiles * tile_width * tile_height,))
+
+    def struct(self) -> dict:
+        return {"width": self.width, "rows": self.rows}
+
+
 @dataclass
 class Occupancy:
     """Cells of an axis-aligned RAS grid where some surface may be; elsewhere rays are not sampled."""
@@ -262,6 +284,7 @@ class DiffRenderer:
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
         self.ray_count = 0
+        self._tiles = RayTiles(0, 0)
 
     @property
     def box(self) -> np.ndarray:
@@ -302,6 +325,7 @@ class DiffRenderer:
         self.rays_module.cameraRays(spy.grid((rows, camera.width)), camera.to_shader(), first_row,
                                     batch.rays.storage.device_address)
         self.ray_count = rows * camera.width
+        self._tiles = RayTiles(camera.width, rows)
         return batch
 
     def patch_rays(self, cameras: Any, patches: np.ndarray, size: int) -> RayBatch:
@@ -314,6 +338,7 @@ class DiffRenderer:
                   "size": size}
         self.rays_module.patchRays(spy.grid((len(patches), size, size)), struct, batch.rays.storage.device_address)
         self.ray_count = len(patches) * size * size
+        self._tiles = RayTiles(size, len(patches) * size)
         return batch
 
     # passes -------------------------------------------------------------------------------------------
@@ -327,9 +352,9 @@ class DiffRenderer:
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
-        n = self.ray_count
+        launch, tiles = self._tiles.launch(), self._tiles.struct()
         self.rays_module.clearLists(spy.grid((3,)), batch.struct)
-        self.rays_module.placeSamples(spy.grid((n,)), batch.struct, self._occupancy, self.settings)
+        self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
         clock.lap("place samples")
         # exactly the listed samples: waves past the list's end would leave at once, but launching a ray's
         # every possible slot halved the speed of this pass at 1024² on an H100 (tensor cores; BENCHMARKS.md)
@@ -337,8 +362,8 @@ class DiffRenderer:
         if sampled:
             self.scene.distances(WorkLists.launch(sampled), batch.struct)
         clock.lap("distances")
-        self.lists_module.listSegments(spy.grid((n,)), batch.struct, self.look, self.settings,
-                                       self.min_weight, self.shade_weight)
+        self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
+                                       self.min_weight, self.shade_weight, tiles)
         batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
         batch.reserve_surfaces(batch.lists.shaded)
         clock.lap("work lists")
