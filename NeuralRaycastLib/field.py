@@ -195,11 +195,12 @@ class FieldLayout:
         )
 
     @classmethod
-    def for_study(cls, prepared, small: bool = False) -> FieldLayout:
-        """The layout of the field for a prepared study (``field_config_for`` its finest voxel; ``small`` on
-        software devices), over its bounds, structures and channels."""
-        return cls.build(field_config_for(float(prepared.spacing.min()), small), prepared.bounds,
-                         len(prepared.structures), len(prepared.channel_names))
+    def for_study(cls, prepared, small: bool = False, voxel_mm: float | None = None) -> FieldLayout:
+        """The layout of the field for a prepared study (``field_config_for`` its finest voxel, or
+        ``voxel_mm``; ``small`` on software devices), over its bounds, structures and channels."""
+        voxel_mm = float(prepared.spacing.min()) if voxel_mm is None else voxel_mm
+        return cls.build(field_config_for(voxel_mm, small), prepared.bounds, len(prepared.structures),
+                         len(prepared.channel_names))
 
     @property
     def finest_cell_mm(self) -> float:

@@ -44,6 +44,9 @@ class RunSettings:
     max_voxels: int | None = None  # downsample the study so no axis is longer (the quick preset)
     iterations: int | None = None  # steps of all stages together, split as the preset splits them
     shadows: bool = False  # key-light shadows in the references; the field is shaded through its own meshes
+    # The voxel size (mm) the field's finest cells follow instead of the study's: a warm-up's downsampled
+    # stand-in is given its study's, so that it compiles the study's kernels (warmup.py).
+    field_voxel_mm: float | None = None
 
     @classmethod
     def for_device(cls, gpu: GpuContext, name: str | None = None, **overrides: Any) -> RunSettings:

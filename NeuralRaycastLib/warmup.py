@@ -77,7 +77,8 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     """Run one step of ``part`` (a key of :data:`PARTS`) as training would, on a fresh field."""
     if part not in PARTS:
         raise ValueError(f"unknown warm-up part '{part}' ({', '.join(PARTS)})")
-    field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software, voxel_mm=settings.field_voxel_mm)
+    field = NeuralField(gpu, layout, seed=settings.seed)
     config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1,
                      shadows=settings.shadows)
     trainer = Trainer(gpu, prepared, field, views, config)
@@ -158,9 +159,10 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
 
 
 def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> str:
-    """What the kernels of a run depend on, as a hash: the shader sources, the network sizes the study gives
-    the field, the preset and shadows, the device and the versions. A warm-up leaves a stamp by this key."""
-    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
+    """What the kernels of a run depend on, as a hash: the shader sources, the field's sizes for this study
+    (its network sizes and which levels of its hash grid are dense), the preset and shadows, the device and the
+    versions. A warm-up leaves a stamp by this key."""
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software, voxel_mm=settings.field_voxel_mm)
     described = {
         "version": __version__, "slangpy": gpu.report.slangpy_version, "backend": gpu.backend,
         "adapter": gpu.report.adapter, "defines": layout.defines(), "preset": settings.preset,
@@ -233,15 +235,16 @@ def ensure_warm_for_study(gpu: GpuContext, study: Study, prepared: PreparedStudy
                           ) -> dict[str, float] | None:
     """:func:`ensure_warm` for a study held in memory (Slicer's scene) rather than a file. The workers read a
     stand-in from a temporary folder: the study downsampled to :data:`STAND_IN_VOXELS`, with the same
-    structures and channels, so its kernels (which depend on those counts and the settings alone) are the
-    study's; where the downsampling loses a structure or the kernels would differ, the whole study is
-    written instead. Where it cannot be written, the run compiles its kernels itself (a warning says so)."""
+    structures and channels and its field sized for the study's voxels, so its kernels (which depend on those
+    counts, the field's sizes and the settings) are the study's; where the downsampling loses a structure or
+    the kernels would differ, the whole study is written instead. Where it cannot be written, the run compiles
+    its kernels itself (a warning says so)."""
     if not needs_warm_up(gpu, prepared, settings):
         return None
     with tempfile.TemporaryDirectory(prefix="neuralraycast-warm-up-") as folder:
         try:
-            path = (_write_stand_in(gpu, study, prepared, settings, Path(folder) / "stand-in")
-                    or write_study(study, Path(folder) / "study"))
+            stand_in = _write_stand_in(gpu, study, prepared, settings, Path(folder) / "stand-in")
+            path, settings = stand_in or (write_study(study, Path(folder) / "study"), settings)
         except OSError as error:  # no room for it, say: as a failed warm-up, the run compiles itself
             print(f"warning: the warm-up could not write the study ({error}); the run compiles its kernels itself",
                   file=sys.stderr)
@@ -250,15 +253,19 @@ def ensure_warm_for_study(gpu: GpuContext, study: Study, prepared: PreparedStudy
 
 
 def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, settings: RunSettings,
-                    folder: Path) -> Path | None:
-    """The study downsampled to :data:`STAND_IN_VOXELS`, written to ``folder`` where it has the study's kernels;
-    None where it has not, or lost a structure."""
+                    folder: Path) -> tuple[Path, RunSettings] | None:
+    """The study downsampled to :data:`STAND_IN_VOXELS`, written to ``folder`` where it has the study's kernels,
+    and the settings the warm-up runs it with (the field sized for the study's voxels); None where it has not
+    those kernels, or lost a structure."""
     stand_in = downsample_study(study, STAND_IN_VOXELS)
+    stand_in_settings = replace(settings, field_voxel_mm=float(prepared.spacing.min()))
     try:
-        stand_in_key = kernels_key(gpu, prepare_study_for_run(stand_in, settings), settings)
+        stand_in_key = kernels_key(gpu, prepare_study_for_run(stand_in, stand_in_settings), stand_in_settings)
     except ValueError:  # a structure too small to survive the downsampling (StudyError)
         return None
-    return write_study(stand_in, folder) if stand_in_key == kernels_key(gpu, prepared, settings) else None
+    if stand_in_key != kernels_key(gpu, prepared, settings):
+        return None
+    return write_study(stand_in, folder), stand_in_settings
 
 
 def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: str | None, jobs: int,
@@ -298,6 +305,7 @@ def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: s
                 waiting.remove(part)
                 command = [python or sys.executable, "-m", __name__, str(study_path), part, "--preset", settings.preset]
                 command += ["--device", device] if device else []
+                command += ["--field-voxel-mm", repr(settings.field_voxel_mm)] if settings.field_voxel_mm else []
                 command += ["--shadows"] if settings.shadows else []
                 errors = files.enter_context(tempfile.TemporaryFile("w+"))  # a file: a chatty worker never blocks
                 running[part] = (subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=environment),
@@ -327,9 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default=None)
     parser.add_argument("--device", default=None)
     parser.add_argument("--shadows", action="store_true")
+    parser.add_argument("--field-voxel-mm", type=float, default=None,
+                        help="size the field for voxels of this size (a stand-in's study's) instead of the study's")
     args = parser.parse_args(argv)
     gpu = open_device(args.device)
-    settings = RunSettings.for_device(gpu, args.preset, shadows=args.shadows or None)
+    settings = RunSettings.for_device(gpu, args.preset, shadows=args.shadows or None,
+                                      field_voxel_mm=args.field_voxel_mm)
     prepared = prepare_for_run(args.study, settings)
     warm_up_part(gpu, prepared, tiny_views(gpu, prepared), settings, args.part)
     return 0

@@ -195,16 +195,17 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
     seen = []
 
     def warm_up_before_run(gpu, path, settings, progress, device, should_stop, python):
-        seen.append((load_study(path), python, should_stop))
+        seen.append((load_study(path), python, should_stop, settings))
         return {"all parts": 1.0}
 
     monkeypatch.setattr(warmup, "_warm_up_before_run", warm_up_before_run)
     stop = lambda: False  # noqa: E731
     assert warmup.ensure_warm_for_study(gpu, study, prepared, settings, should_stop=stop, python="PythonSlicer")
-    stand_in, python, should_stop = seen[-1]
+    stand_in, python, should_stop, used = seen[-1]
     assert max(stand_in.shape) <= warmup.STAND_IN_VOXELS < max(study.shape)
     assert stand_in.channel_names == study.channel_names and stand_in.structures == study.structures
-    assert (warmup.kernels_key(gpu, prepare_study_for_run(stand_in, settings), settings)
+    assert used.field_voxel_mm == float(prepared.spacing.min())  # its field sized for the study's voxels
+    assert (warmup.kernels_key(gpu, prepare_study_for_run(stand_in, used), used)
             == warmup.kernels_key(gpu, prepared, settings))
     assert python == "PythonSlicer" and should_stop is stop
 
@@ -235,17 +236,20 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
 def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_step_after_them(monkeypatch):
     """The SDF fit, the forward passes and the joint backward's two passes compile in processes side by side;
     the joint step's process starts only once all four have ended (it then finds their kernels cached).
-    Workers are stand-ins here: the order is what is checked, with even five processes allowed."""
+    Workers are stand-ins here: the order is what is checked, with even five processes allowed, and that each
+    is told the voxel size its field is sized for (a stand-in's study's)."""
     from NeuralRaycastLib import warmup
     from NeuralRaycastLib.pipeline import RunSettings
 
     events: list[tuple[str, str]] = []
+    commands: list[list[str]] = []
     polls_to_finish = {"fit": 8, "appearance": 2, "backward-distances": 5, "backward-surface": 3, "joint": 2}
 
     class Worker:
         def __init__(self, command, **_):
             self.part, self.polls, self.returncode = command[4], 0, 0
             events.append(("start", self.part))
+            commands.append(command)
 
         def poll(self):
             self.polls += 1
@@ -263,7 +267,9 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
 
     monkeypatch.setattr(warmup.subprocess, "Popen", Worker)
     monkeypatch.setattr(warmup.time, "sleep", lambda seconds: None)
-    seconds = warmup._parts_in_processes("study", RunSettings("standard"), None, 5, lambda *_: None)
+    settings = RunSettings("standard", field_voxel_mm=0.75)
+    seconds = warmup._parts_in_processes("study", settings, None, 5, lambda *_: None)
+    assert all(command[command.index("--field-voxel-mm") + 1] == "0.75" for command in commands)
     before_joint = ("fit", "appearance", "backward-distances", "backward-surface")
     first_end = min(index for index, (kind, _) in enumerate(events) if kind == "end")
     assert {("start", part) for part in before_joint} <= set(events[:first_end])
