@@ -27,10 +27,10 @@ MAX_STRUCTURES = 8
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
-# How a hashed level finds a vertex's entry (EncodingConfig.hash), and HashLevel.indexing in
-# shaders/hash_encoding.slang for each kind of level.
+# How a hashed level finds a vertex's entry (EncodingConfig.hash), and the value of each in
+# shaders/hash_encoding.slang (FIELD_HASHING; LEVEL_DENSE = 1 there for the dense levels).
 HASHES = ("x_added", "xor")
-LEVEL_HASHED, LEVEL_DENSE, LEVEL_HASHED_XOR = 0, 1, 2
+LEVEL_HASHED, LEVEL_HASHED_XOR = 0, 2
 
 
 class FieldConfigError(ValueError):
@@ -219,11 +219,14 @@ class FieldLayout:
         that Adam's vector reads of that copy may reach past its end."""
         return self.shifted_gradients + self.geometry_offset + 4
 
-    def level_indexing(self, level: LevelLayout) -> int:
-        """HashLevel.indexing of one level (shaders/hash_encoding.slang)."""
-        if level.dense:
-            return LEVEL_DENSE
-        return LEVEL_HASHED_XOR if self.config.encoding.hash == "xor" else LEVEL_HASHED
+    @property
+    def dense_levels(self) -> int:
+        """How many levels, the coarsest, are indexed densely (the others are hashed)."""
+        dense = [level.dense for level in self.levels]
+        count = dense.index(False) if False in dense else len(dense)
+        if any(dense[count:]):  # levels grow finer, so a dense level never follows a hashed one
+            raise FieldConfigError(f"dense levels must come first: {dense}")
+        return count
 
     def defines(self) -> dict[str, int]:
         enc, net = self.config.encoding, self.config.network
@@ -237,6 +240,8 @@ class FieldLayout:
             "FIELD_APPEARANCE_INPUTS": self.appearance_inputs,
             "FIELD_APPEARANCE_HIDDEN": net.appearance_hidden,
             "FIELD_MATERIALS": net.materials,
+            "FIELD_DENSE_LEVELS": self.dense_levels,
+            "FIELD_HASHING": LEVEL_HASHED_XOR if enc.hash == "xor" else LEVEL_HASHED,
             "FIELD_ENCODED": enc.levels * enc.features,
             "FIELD_GEOMETRY_OUTPUTS": self.structures + net.geometry_features,
             "FIELD_APPEARANCE_NET_INPUTS": net.geometry_features + self.appearance_inputs,
@@ -444,7 +449,6 @@ class NeuralField:
                 "cellInv": 1.0 / level.cell_mm,
                 "offset": level.offset,
                 "size": level.size,
-                "indexing": self.layout.level_indexing(level),
             }
             for level in self.layout.levels
         ]

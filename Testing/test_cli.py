@@ -204,9 +204,11 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
     stand_in, python, should_stop, used = seen[-1]
     assert max(stand_in.shape) <= warmup.STAND_IN_VOXELS < max(study.shape)
     assert stand_in.channel_names == study.channel_names and stand_in.structures == study.structures
-    assert used.field_voxel_mm == float(prepared.spacing.min())  # its field sized for the study's voxels
+    # its field sized for the study's voxels, which set how many levels of the hash grid are dense
+    assert used.field_voxel_mm == float(prepared.spacing.min())
     assert (warmup.kernels_key(gpu, prepare_study_for_run(stand_in, used), used)
-            == warmup.kernels_key(gpu, prepared, settings))
+            == warmup.kernels_key(gpu, prepared, settings)
+            != warmup.kernels_key(gpu, prepare_study_for_run(stand_in, settings), settings))
     assert python == "PythonSlicer" and should_stop is stop
 
     def disk_full(study, folder):
