@@ -196,6 +196,7 @@ class RayBatch:
             "visibility": self.visibility.storage.device_address,
             "shadows": 0,
             "maxSamples": max_samples,
+            "rayCount": capacity,  # the stride from a ray's slot to its next: the rays of this pass (set_rays)
             "structures": structures,
             "shadedSlots": self.shaded_slots.storage.device_address,
             "touchedSlots": self.touched_slots.storage.device_address,
@@ -204,6 +205,15 @@ class RayBatch:
             "kept": 0,
         }
         self.reserve_surfaces(capacity * SHADED_PER_RAY)
+
+    def set_rays(self, rays: int) -> None:
+        """Lay the slots out for ``rays`` rays (sample j of ray r in slot j · rays + r, shaders/sample_buffers.slang):
+        the passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
+        self.struct["rayCount"] = rays
+
+    def next_slots(self, slots: np.ndarray) -> np.ndarray:
+        """The slots of the same rays' next samples."""
+        return slots + self.struct["rayCount"]
 
     @staticmethod
     def bytes_per_ray(max_samples: int, structures: int) -> int:
@@ -325,6 +335,7 @@ class DiffRenderer:
         self.rays_module.cameraRays(spy.grid((rows, camera.width)), camera.to_shader(), first_row,
                                     batch.rays.storage.device_address)
         self.ray_count = rows * camera.width
+        batch.set_rays(self.ray_count)
         self._tiles = RayTiles(camera.width, rows)
         return batch
 
@@ -338,6 +349,7 @@ class DiffRenderer:
                   "size": size}
         self.rays_module.patchRays(spy.grid((len(patches), size, size)), struct, batch.rays.storage.device_address)
         self.ray_count = len(patches) * size * size
+        batch.set_rays(self.ray_count)
         self._tiles = RayTiles(size, len(patches) * size)
         return batch
 
@@ -438,7 +450,7 @@ class DiffRenderer:
         slots = np.asarray(batch.shaded_slots.to_numpy())[:shaded].astype(np.int64)
         distances = np.asarray(batch.distances.to_numpy()).reshape(-1, k)
         surface = np.asarray(batch.surface.to_numpy()).reshape(-1, batch.surface_width)[:shaded]
-        ends = np.stack([distances[slots], distances[slots + 1]]).astype(np.float64)
+        ends = np.stack([distances[slots], distances[batch.next_slots(slots)]]).astype(np.float64)
         inside = 1.0 / (1.0 + np.exp(np.clip(ends / self.epsilon, -60.0, 60.0)))
         weight = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[1] - inside[0])
         return SegmentAlbedo(slots, surface[:, 3 * k:6 * k].reshape(-1, k, 3), weight)
@@ -526,6 +538,6 @@ class DiffRenderer:
 
 @dataclass
 class SegmentAlbedo:
-    slots: np.ndarray  # (N,) slot (ray · max_samples + sample) where each segment starts, in list order
+    slots: np.ndarray  # (N,) slot (sample · rays + ray) where each segment starts, in list order
     albedo: np.ndarray  # (N, K, 3)
     weight: np.ndarray  # (N, K) optical depth of each structure over the segment

@@ -107,12 +107,13 @@ def _segment_depths(renderer, batch) -> tuple[np.ndarray, np.ndarray]:
     each segment's slot."""
     n, m, k = renderer.ray_count, renderer.max_samples, renderer.scene.structures
     counts = renderer.sample_counts(batch)
-    samples = batch.samples.to_numpy().reshape(-1, m, 2)[:n]
-    distance = batch.distances.to_numpy().reshape(-1, m, k)[:n].astype(np.float64)
+    # sample j of ray r in slot j · n + r (shaders/sample_buffers.slang)
+    samples = batch.samples.to_numpy()[: m * n * 2].reshape(m, n, 2).transpose(1, 0, 2)
+    distance = batch.distances.to_numpy()[: m * n * k].reshape(m, n, k).transpose(1, 0, 2).astype(np.float64)
     inside = 1.0 / (1.0 + np.exp(np.clip(distance / renderer.epsilon, -60, 60)))
     depth = (np.asarray(renderer.look["opticalDepth"][:k]) * np.abs(np.diff(inside, axis=1))).sum(axis=-1)
     linked = (samples[:, :-1, 1] != 0) & (np.arange(1, m)[None, :] < counts[:, None])
-    slot = np.arange(n)[:, None] * m + np.arange(m - 1)[None, :]
+    slot = np.arange(m - 1)[None, :] * n + np.arange(n)[:, None]
     return np.where(linked, depth, 0.0), slot
 
 
@@ -145,14 +146,15 @@ def test_work_lists_hold_the_segments_compositing_reads(gpu, min_weight, shade_w
     marks = batch.samples.to_numpy().reshape(-1, 2)[: slot.max() + 1, 1]
     composited = np.flatnonzero((marks == 2.0) | (marks == 3.0))
     assert set(np.flatnonzero(marks == 2.0)) == set(listed)
-    assert set(touched) == set(composited) | {s + 1 for s in composited}
+    rays = renderer.ray_count  # a ray's next sample is `rays` slots on
+    assert set(touched) == set(composited) | {s + rays for s in composited}
     counts = renderer.sample_counts(batch)
     sampled = batch.sampled_slots.to_numpy()[: batch.lists.sampled]
-    placed = np.concatenate([r * renderer.max_samples + np.arange(c) for r, c in enumerate(counts)])
+    placed = np.concatenate([np.arange(c) * rays + r for r, c in enumerate(counts)])
     assert batch.lists.sampled == counts.sum() > 0 and set(sampled) == set(placed)
     for lists in (sampled, listed, touched):  # each ray's entries in the order of its samples
-        order = np.argsort(lists // renderer.max_samples, kind="stable")
-        same_ray = np.diff(lists[order] // renderer.max_samples) == 0
+        order = np.argsort(lists % rays, kind="stable")
+        same_ray = np.diff(lists[order] % rays) == 0
         assert np.all(np.diff(lists[order])[same_ray] > 0)
     np.testing.assert_array_equal(batch.surface_entry.to_numpy()[listed], np.arange(len(listed)))
 
