@@ -193,6 +193,7 @@ class RayBatch:
             "surface": 0,
             "surfaceGrads": 0,
             "surfaceEntry": self.surface_entry.storage.device_address,
+            "surfaceCapacity": 0,
             "visibility": self.visibility.storage.device_address,
             "shadows": 0,
             "maxSamples": max_samples,
@@ -226,7 +227,8 @@ class RayBatch:
         return SURFACE_VALUES_PER_STRUCTURE * self.structures
 
     def reserve_surfaces(self, entries: int) -> None:
-        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments."""
+        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments.
+        The values are stored value by value (shaders/sample_buffers.slang): see :meth:`surface_values`."""
         import slangpy as spy
 
         if entries <= self.surface_capacity:
@@ -239,7 +241,11 @@ class RayBatch:
             if self.surface_grads is not None:
                 self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
                 self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
-        self.surface_capacity = capacity
+        self.surface_capacity = self.struct["surfaceCapacity"] = capacity
+
+    def surface_values(self, tensor, entries: int) -> np.ndarray:
+        """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
+        return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)[:, :entries].T
 
     def keep_gradients(self, rays: int) -> None:
         """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
@@ -395,12 +401,11 @@ class DiffRenderer:
     def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
         """Composite the batch into the sums at ``sums_at``; ``for_backward``: also keep what the backward
         needs, in buffers sized for the trained rays."""
-        import slangpy as spy
-
         if for_backward:
             batch.keep_gradients(self.ray_count)
         batch.struct["kept"] = batch.kept.storage.device_address if for_backward else 0
-        self.composite_module.compositeRay(spy.grid((self.ray_count,)), batch.struct, self.shading, sums_at)
+        self.composite_module.compositeRay(self._tiles.launch(), batch.struct, self.shading, sums_at,
+                                           self._tiles.struct())
         batch.kept_for_backward = for_backward
 
     def sums(self, batch: RayBatch) -> np.ndarray:
@@ -449,7 +454,7 @@ class DiffRenderer:
         k, shaded = self.scene.structures, batch.lists.shaded
         slots = np.asarray(batch.shaded_slots.to_numpy())[:shaded].astype(np.int64)
         distances = np.asarray(batch.distances.to_numpy()).reshape(-1, k)
-        surface = np.asarray(batch.surface.to_numpy()).reshape(-1, batch.surface_width)[:shaded]
+        surface = batch.surface_values(batch.surface, shaded)
         ends = np.stack([distances[slots], distances[batch.next_slots(slots)]]).astype(np.float64)
         inside = 1.0 / (1.0 + np.exp(np.clip(ends / self.epsilon, -60.0, 60.0)))
         weight = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[1] - inside[0])
@@ -459,8 +464,8 @@ class DiffRenderer:
         """Add ∂L/∂albedo of those segments to the batch's surface gradients (between the two halves of the
         backward)."""
         k = self.scene.structures
-        grads = np.asarray(batch.surface_grads.to_numpy()).reshape(-1, batch.surface_width).copy()
-        grads[:len(segments.slots), 3 * k:6 * k] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k)
+        grads = np.asarray(batch.surface_grads.to_numpy()).reshape(batch.surface_width, -1).copy()
+        grads[3 * k:6 * k, :len(segments.slots)] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k).T
         batch.surface_grads.copy_from_numpy(grads.reshape(-1))
 
     def sample_counts(self, batch: RayBatch) -> np.ndarray:
