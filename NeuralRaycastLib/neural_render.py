@@ -243,7 +243,7 @@ class RayBatch:
                 self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
         self.surface_capacity = self.struct["surfaceCapacity"] = capacity
 
-    def surface_values(self, tensor, entries: int) -> np.ndarray:
+    def surface_values(self, tensor: Any, entries: int) -> np.ndarray:
         """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
         return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)[:, :entries].T
 
