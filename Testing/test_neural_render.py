@@ -11,6 +11,7 @@ from NeuralRaycastLib.camera import Camera, orbit_cameras
 from NeuralRaycastLib.image_loss import patch_loss_and_gradient
 from NeuralRaycastLib.neural_render import (
     MIN_SEGMENT_WEIGHT,
+    OUTPUTS,
     SHADE_WEIGHT,
     DiffRenderer,
     Occupancy,
@@ -185,6 +186,30 @@ def test_work_lists_hold_the_segments_compositing_reads(gpu, min_weight, shade_w
         assert left_out.sum() > 0.1 * is_composited.sum()
     else:  # the opaque sphere cut many rays short
         assert (~is_composited & (depth > 1e-6) & ~alive).sum() > 100
+
+
+def test_segment_albedo_is_the_scenes_and_its_gradient_reaches_the_scene(gpu):
+    """The albedo losses' input (segment_albedo) is each shaded segment's albedo as the shading pass stored
+    it: here the spheres' own colours. A gradient added to it between the two halves of the backward
+    (add_albedo_gradient) reaches the spheres' albedo parameters, once per shaded segment."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 23, 19)
+    renderer, scene = sphere_renderer(gpu, SPHERES)
+    batch = renderer.camera_rays(camera)
+    renderer.forward(batch, for_backward=True)
+    segments = renderer.segment_albedo(batch)
+    shaded = len(segments.slots)
+    assert shaded == batch.lists.shaded > 100
+    for k in range(len(STRUCTURES)):
+        np.testing.assert_array_equal(segments.albedo[:, k], np.tile(SPHERES[k, 4:7], (shaded, 1)))
+    renderer.composite_backward(batch, np.zeros((renderer.ray_count, OUTPUTS)))  # the image adds nothing
+    d_albedo = np.zeros((shaded, len(STRUCTURES), 3), np.float32)
+    d_albedo[:, 0, 0] = 1.0
+    d_albedo[:, 1, 2] = 2.0
+    renderer.add_albedo_gradient(batch, segments, d_albedo)
+    renderer.scene_backward(batch)
+    expected = np.zeros_like(SPHERES)
+    expected[0, 4], expected[1, 6] = shaded, 2.0 * shaded
+    np.testing.assert_allclose(scene.grads.to_numpy().reshape(SPHERES.shape), expected, atol=1e-6)
 
 
 def test_faint_segments_left_out_change_no_8_bit_colour(gpu):
