@@ -132,7 +132,7 @@ def test_work_lists_hold_the_segments_compositing_reads(gpu, min_weight, shade_w
     most rays). It is shaded where it adds more than the shade weight, and every run of composited
     segments has a shaded one (its heaviest, where none adds that much); the others borrow. The touched
     list holds exactly the samples at the ends of the composited segments, the sampled list every placed
-    sample (each ray's entries of every list in sample order), each shaded segment finds its surface record
+    sample (each ray's entries of every list in sample order), each shaded segment finds its surface values
     through its slot, and the marks compositing reads are these."""
     opaque = RenderStyle({"a": StructureStyle(0.99999), "b": StructureStyle(0.8)}, Lighting())
     # 23 × 19 pixels: the listing kernels' tiles of 8 × 4 cut at the edges
