@@ -243,9 +243,13 @@ class RayBatch:
                 self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
         self.surface_capacity = self.struct["surfaceCapacity"] = capacity
 
+    def surface_planes(self, tensor: Any) -> np.ndarray:
+        """The surface values (or gradients) in ``tensor`` as one row per value, a column per shaded-list entry."""
+        return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)
+
     def surface_values(self, tensor: Any, entries: int) -> np.ndarray:
         """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
-        return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)[:, :entries].T
+        return self.surface_planes(tensor)[:, :entries].T
 
     def keep_gradients(self, rays: int) -> None:
         """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
@@ -464,7 +468,7 @@ class DiffRenderer:
         """Add ∂L/∂albedo of those segments to the batch's surface gradients (between the two halves of the
         backward)."""
         k = self.scene.structures
-        grads = np.asarray(batch.surface_grads.to_numpy()).reshape(batch.surface_width, -1).copy()
+        grads = batch.surface_planes(batch.surface_grads).copy()
         grads[3 * k:6 * k, :len(segments.slots)] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k).T
         batch.surface_grads.copy_from_numpy(grads.reshape(-1))
 
