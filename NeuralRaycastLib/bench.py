@@ -258,7 +258,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         BenchRow("train", "training rays/s, stage 2 (appearance only)", log.rays_per_second(2), "1/s",
                  "geometry frozen: the appearance network's backward only"),
         BenchRow("train", "training rays/s, stage 3 (joint)", log.rays_per_second(3), "1/s",
-                 "backward through distances, finite-difference normals and appearance"),
+                 "backward through distances, difference normals and appearance"),
         BenchRow("train", "training rays/s after each stage's first step", log.rays_per_second(after_first_step=True),
                  "1/s", f"stage 2 {log.rays_per_second(2, True):,.0f}, stage 3 {log.rays_per_second(3, True):,.0f}: "
                  "the steps that only train"),

@@ -1,5 +1,6 @@
 """The neural field as a scene of the differentiable renderer (shaders/field_render.slang): its
-distances, normals (tetrahedral differences), albedo and specular weight at sample points, fed the study's
+distances at sample points; normals (differences over a tetrahedron one of whose edges is the shaded segment),
+albedo and specular weight on shaded segments, fed the study's
 normalised MRI channels and P(x) as the appearance network's local inputs.
 
 Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with both networks on tensor
@@ -62,15 +63,15 @@ class FieldScene:
             self.field.upload_tiled_networks()  # the surface pass of the same forward reads them too
         self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
 
-    def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
-        self.field.fit_module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers,
-                                           step_mm)
+    def surface(self, lists: WorkLists, buffers: dict) -> None:
+        self.field.fit_module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers)
 
-    def backward(self, lists: WorkLists, buffers: dict, step_mm: float,
-                 timings: dict[str, float] | None = None) -> None:
+    def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
         """The rendered values' gradients into the hash table and the appearance network; the geometry
         network's weights take theirs from the SDF and Eikonal terms only (the module docstring says why).
-        ``timings``: each pass's seconds added there (waiting for the device after each; for profiling)."""
+        The shaded segments' pass goes first: their normals send gradients to the distances at their ends,
+        which the distances' pass takes on. ``timings``: each pass's seconds added there (waiting for the
+        device after each; for profiling)."""
         clock = PassClock(self.field.gpu, timings)
         if self.cooperative:
             self.field.upload_tiled_networks()  # their gradients zeroed
@@ -78,30 +79,28 @@ class FieldScene:
             module, struct = self.field.frozen_module, self.struct(True)
         else:
             module, struct = self.field.module, self.struct(geometry_network_gradients=False)
-        if lists.touched:  # an empty list launches nothing, as in the forward pass
+        if lists.shaded:  # an empty list launches nothing, as in the forward pass
+            module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers)
+        clock.lap("scene backward: normals and appearance")
+        if lists.touched:
             module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
         clock.lap("scene backward: distances")
-        if lists.shaded:
-            module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers, step_mm)
-        clock.lap("scene backward: normals and appearance")
         if self.cooperative:
             self.field.add_tiled_gradients()
             clock.lap("scene backward: gradients back")
 
-    def backward_appearance(self, lists: WorkLists, buffers: dict, step_mm: float,
-                            timings: dict[str, float] | None = None) -> None:
+    def backward_appearance(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
         """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
         network runs forward for its features, on tensor cores where the field has them, as the appearance
         network does (``timings``: see :meth:`backward`)."""
         clock = PassClock(self.field.gpu, timings)
         if not self.cooperative:
-            self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers, step_mm)
+            self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
             clock.lap("scene backward: appearance")
             return
         self.field.upload_tiled_networks()  # their gradients start from zero
         clock.lap("scene backward: weights to tensor-core layout")
-        self.field.frozen_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(True), buffers,
-                                                         step_mm)
+        self.field.frozen_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(True), buffers)
         clock.lap("scene backward: appearance")
         self.field.add_tiled_gradients()
         clock.lap("scene backward: gradients back")

@@ -39,17 +39,16 @@ class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
     of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
     (``distances``: the sampled slots; ``surface`` and ``backward``: the lists of :class:`WorkLists`). A scene
-    whose appearance can train alone also has ``backward_appearance(lists, buffers, step_mm, timings)``. The
+    whose appearance can train alone also has ``backward_appearance(lists, buffers, timings)``. The
     backward passes' ``timings``, where given: each pass's seconds added there (see :class:`PassClock`)."""
 
     structures: int
 
     def distances(self, grid: Any, buffers: dict) -> None: ...
 
-    def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None: ...
+    def surface(self, lists: WorkLists, buffers: dict) -> None: ...
 
-    def backward(self, lists: WorkLists, buffers: dict, step_mm: float,
-                 timings: dict[str, float] | None = None) -> None: ...
+    def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None: ...
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
@@ -280,7 +279,6 @@ class DiffRenderer:
         lighting: dict,
         settings: dict,
         occupancy: Occupancy,
-        normal_step_mm: float,
         max_samples: int = 256,
         min_weight: float = MIN_SEGMENT_WEIGHT,
         shade_weight: float = SHADE_WEIGHT,
@@ -290,7 +288,6 @@ class DiffRenderer:
         self.shade_weight = shade_weight  # at most min_weight: shade every composited segment (exact)
         self.shading = {"look": look, "lighting": lighting, "settings": settings}
         self.look, self.settings = look, settings
-        self.normal_step_mm = normal_step_mm
         self.max_samples = max_samples
         self.rays_module = gpu.load_module("ray_samples")
         self.composite_module = gpu.load_module("composite")
@@ -390,7 +387,7 @@ class DiffRenderer:
         batch.reserve_surfaces(batch.lists.shaded)
         clock.lap("work lists")
         if batch.lists.shaded:
-            self.scene.surface(batch.lists, batch.struct, self.normal_step_mm)
+            self.scene.surface(batch.lists, batch.struct)
         clock.lap("normals and appearance")
         batch.struct["shadows"] = int(self.mesh_shadows is not None)
         if self.mesh_shadows is not None and batch.lists.shaded:
@@ -447,9 +444,9 @@ class DiffRenderer:
         if not batch.lists.shaded:
             return
         if geometry:
-            self.scene.backward(batch.lists, batch.struct, self.normal_step_mm, timings)
+            self.scene.backward(batch.lists, batch.struct, timings)
         else:
-            self.scene.backward_appearance(batch.lists, batch.struct, self.normal_step_mm, timings)
+            self.scene.backward_appearance(batch.lists, batch.struct, timings)
 
     def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
         """The albedo of every shaded segment of the last :meth:`forward` (the shaded work list; the faint

@@ -196,7 +196,7 @@ def field_renderer(
                  else field_occupancy(field, box, occupancy_cell_mm, epsilon))
     renderer = DiffRenderer(gpu, FieldScene(gpu, field, prepared),
                             style.shader_look(prepared.structures, prepared.channel_names), style.shader_lighting(),
-                            settings, occupancy, normal_step_mm=field.default_step_mm(), max_samples=max_samples,
+                            settings, occupancy, max_samples=max_samples,
                             shade_weight=shade_weight)
     return renderer
 
@@ -359,7 +359,6 @@ class Trainer:
         if geometry.cancelled:
             return self._finish(start, cancelled=True)
         self.refresh_occupancy()
-        self.renderer.normal_step_mm = self.field.default_step_mm()
         if c.shadows:
             self.refresh_meshes()
 

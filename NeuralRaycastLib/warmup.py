@@ -108,7 +108,7 @@ def compile_scene_backward(trainer: Trainer, lists: WorkLists) -> None:
     renderer = trainer.renderer
     batch = RayBatch(trainer.gpu, WAVE, renderer.max_samples, renderer.scene.structures)
     batch.keep_gradients(WAVE)
-    renderer.scene.backward(lists, batch.struct, renderer.normal_step_mm)
+    renderer.scene.backward(lists, batch.struct)
 
 
 def default_jobs(gpu: GpuContext) -> int:

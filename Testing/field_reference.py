@@ -86,6 +86,30 @@ def distance_gradients(layout, params, x, h: float) -> np.ndarray:
     return sum(geometry(layout, params, x + e * corner)[0][..., None] * corner / (4 * e) for corner in TETRAHEDRON)
 
 
+def segment_tetrahedron(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """(4, N, 3): a shaded segment's ends and the two corners (shaders/neural_field.slang's SegmentFrame) that
+    make it an edge of a regular tetrahedron; the corners' frame around the segment is Duff et al.'s basis."""
+    along = end - start
+    length = np.linalg.norm(along, axis=1, keepdims=True)
+    x, y, z = (along / length).T
+    sign = np.where(z >= 0.0, 1.0, -1.0)
+    a = -1.0 / (sign + z)
+    b = x * y * a
+    across = np.stack([1.0 + sign * x * x * a, sign * b, -sign * x], axis=1)
+    away = np.stack([b, sign + y * y * a, -y], axis=1)
+    base = 0.5 * (start + end) + np.sqrt(0.5) * length * away
+    return np.stack([start, end, base + 0.5 * length * across, base - 0.5 * length * across])
+
+
+def tetrahedron_gradients(corners: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """(N, K, 3): ∇s_k of a regular tetrahedron's corners (4, N, 3) with values (4, N, K): exact for linear s,
+    (3 / 4R²) Σ_j s(p_j) (p_j - c) for centre c and circumradius R."""
+    centre = corners.mean(axis=0)
+    offsets = corners - centre
+    radius2 = (offsets ** 2).sum(axis=-1).mean(axis=0)
+    return 3.0 / (4.0 * radius2)[:, None, None] * np.einsum("jnk,jnc->nkc", values, offsets)
+
+
 def point_loss(layout, params, x, target, eikonal: bool, settings: dict) -> np.ndarray:
     """Per-point loss of shaders/sdf_fit.slang (N,)."""
     tau = settings["truncation"]

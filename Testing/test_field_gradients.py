@@ -20,6 +20,8 @@ from field_reference import (
     encode,
     geometry,
     point_loss,
+    segment_tetrahedron,
+    tetrahedron_gradients,
     tiny_config,
 )
 
@@ -177,23 +179,42 @@ def test_stencil_encoding_equals_the_encoding_of_each_point(field, layout, param
         params, gradient)
 
 
-@pytest.mark.parametrize("h", [0.4, 3.0], ids=["stencil-inside-cells", "stencil-across-cells"])
-def test_shading_geometry_equals_the_normals_and_geometry_apart(field, layout, params, points, h):
-    """A shaded point's normals, its distances averaged over the tetrahedron's corners and the first corner's
-    features come from one stencil encoding of the corners: the same values and table gradients as
-    distanceGradients and geometry (checked above) evaluated apart at each corner."""
-    w = list(np.random.default_rng(12).normal(size=STRUCTURES + layout.config.network.geometry_features
-                                              + 3 * STRUCTURES))
-    values, gradients = {}, {}
+@pytest.mark.parametrize("length", [0.4, 3.0], ids=["segment-inside-cells", "segment-across-cells"])
+def test_shading_geometry_is_the_gradient_over_the_segments_tetrahedron(field, layout, params, points, length):
+    """A shaded segment's normals come from the distances at its ends (given) and at the two corners that make
+    it an edge of a regular tetrahedron, its features from the first corner: the values of a float64 reference,
+    and its gradients with respect to the parameters and to the end distances those of central differences,
+    with the corners encoded together and the backward scheduled by hand (the render's) or evaluated apart."""
+    rng = np.random.default_rng(12)
+    directions = rng.normal(size=(POINTS, 3))
+    ends = f32(points + length * directions / np.linalg.norm(directions, axis=1, keepdims=True)).astype(np.float64)
+    features = layout.config.network.geometry_features
+    w = rng.normal(size=features + 3 * STRUCTURES)
+    at_start, at_end = rng.normal(0.0, 2.0, STRUCTURES), rng.normal(0.0, 2.0, STRUCTURES)
+    corners = segment_tetrahedron(points, ends)
+    edges = [np.linalg.norm(corners[i] - corners[j], axis=1) for i in range(4) for j in range(i)]
+    np.testing.assert_allclose(edges, np.full((6, POINTS), length), rtol=1e-5)  # a regular tetrahedron
+
+    def reference(p, start, end):
+        first, feature = geometry(layout, p, corners[2])
+        second, _ = geometry(layout, p, corners[3])
+        values = np.stack([np.broadcast_to(start, first.shape), np.broadcast_to(end, first.shape), first, second])
+        gradients = tetrahedron_gradients(corners, values).reshape(POINTS, -1)
+        return feature @ w[:features] + gradients @ w[features:]
+
+    step = 1e-3  # the end distances enter linearly
+    numeric = [(reference(params, at_start + step, at_end) - reference(params, at_start - step, at_end)) / (2 * step),
+               (reference(params, at_start, at_end + step) - reference(params, at_start, at_end - step)) / (2 * step)]
+    args = (f32(points), f32(ends), list(at_start), list(at_end), list(w))
     for together in (True, False):
-        values[together] = np.asarray(field.module.shadingValue(field.shader_struct(), f32(points), h, w, together,
-                                                                _result="numpy"))
-        _, gradients[together] = device_backward(field, field.module.shadingBackward, f32(points), h, w, together)
-    np.testing.assert_allclose(values[True], values[False], rtol=1e-5, atol=1e-6 * np.abs(values[False]).max())
-    table = slice(0, layout.geometry_offset)
-    assert np.abs(gradients[True][table]).max() > 0
-    np.testing.assert_allclose(gradients[True], gradients[False], rtol=1e-4,
-                               atol=1e-5 * np.abs(gradients[False]).max())
+        values = np.asarray(field.module.shadingValue(field.shader_struct(), *args, together, _result="numpy"))
+        expected = reference(params, at_start, at_end)
+        np.testing.assert_allclose(values, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+        ends_gradient, gradient = device_backward(field, field.module.shadingBackward, *args, together)
+        assert np.abs(gradient[: layout.geometry_offset]).max() > 0
+        assert_parameter_gradient(lambda p: reference(p, at_start, at_end).sum(), params, gradient)
+        np.testing.assert_allclose(ends_gradient, np.stack(numeric, axis=1), rtol=1e-3,
+                                   atol=1e-4 * np.abs(numeric).max())
 
 
 def test_hash_encoding_active_levels(field, layout, params, points):

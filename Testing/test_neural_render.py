@@ -47,12 +47,12 @@ class Spheres:
     def distances(self, grid, buffers: dict) -> None:
         self.module.sphereDistances(grid, self.struct, buffers)
 
-    def surface(self, lists: WorkLists, buffers: dict, step_mm: float) -> None:
-        self.module.sphereSurface(WorkLists.launch(lists.shaded), self.struct, buffers, step_mm)
+    def surface(self, lists: WorkLists, buffers: dict) -> None:
+        self.module.sphereSurface(WorkLists.launch(lists.shaded), self.struct, buffers)
 
-    def backward(self, lists: WorkLists, buffers: dict, step_mm: float, timings=None) -> None:
+    def backward(self, lists: WorkLists, buffers: dict, timings=None) -> None:
+        self.module.sphereBackwardSurface(WorkLists.launch(lists.shaded), self.struct, buffers)
         self.module.sphereBackwardDistances(WorkLists.launch(lists.touched), self.struct, buffers)
-        self.module.sphereBackwardSurface(WorkLists.launch(lists.shaded), self.struct, buffers, step_mm)
 
 
 def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES,
@@ -65,7 +65,7 @@ def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None,
     everywhere = Occupancy(np.ones((1, 1, 1), bool), BOX[0], 40.0)
     scene = Spheres(gpu, values)
     renderer = DiffRenderer(gpu, scene, style.shader_look(structures, ["t1"]), style.shader_lighting(), settings,
-                            occupancy or everywhere, normal_step_mm=0.25, max_samples=128, min_weight=min_weight,
+                            occupancy or everywhere, max_samples=128, min_weight=min_weight,
                             shade_weight=shade_weight)
     return renderer, scene
 
