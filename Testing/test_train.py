@@ -298,6 +298,13 @@ def test_normal_and_depth_terms_descend(gpu, phantom_views):
     expected.update(patch_loss_and_gradient(sums[..., :4], targets[..., :4])[1])
     assert terms == pytest.approx({"loss": loss, **expected}, rel=1e-4, abs=1e-7)
     d_sums = np.asarray(batch.d_sums.to_numpy())[: sums.size].reshape(sums.shape)
+    # where the expected depth equals the reference's to float32 rounding, the sign of their difference (the
+    # depth term's gradient) is a tie that float32 and float64 may break differently: those pixels' depth
+    # gradients are left out of the comparison
+    alpha = np.maximum(sums[..., 3].astype(np.float64), 1e-12)
+    tie = np.abs(sums[..., 7] / alpha - targets[..., 7]) <= 1e-6 * np.abs(targets[..., 7]) + 1e-7
+    for channel in (3, 7):
+        d_sums[..., channel] = np.where(tie, gradient[..., channel], d_sums[..., channel])
     np.testing.assert_allclose(d_sums, gradient, rtol=1e-4, atol=1e-5 * np.abs(gradient).max())
     gradient = field.gradients()
     assert np.abs(gradient[field.layout.groups() != GROUP_APPEARANCE]).max() > 0
