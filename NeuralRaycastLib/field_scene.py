@@ -125,7 +125,7 @@ def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float,
             if len(_BOUNDARY_OCCUPANCIES) >= 4:  # the oldest goes
                 del _BOUNDARY_OCCUPANCIES[next(iter(_BOUNDARY_OCCUPANCIES))]
             _BOUNDARY_OCCUPANCIES[key] = occupancy
-    return Occupancy(occupancy.cells.copy(), occupancy.origin.copy(), occupancy.cell_mm)
+    return occupancy.copy()
 
 
 def field_occupancy(field: NeuralField, box: np.ndarray, cell_mm: float, epsilon_mm: float,
