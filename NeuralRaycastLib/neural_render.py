@@ -119,9 +119,9 @@ class Occupancy:
     """Cells of an axis-aligned RAS grid where some surface may be; elsewhere rays are not sampled.
 
     With ``nearest`` (min_k |d_k| at the cells' corners) a segment of an occupied cell is sampled only where
-    that distance, interpolated trilinearly at its middle, is within ``reach_mm``: the cells alone, tested at
-    their worst point, keep samples up to the band plus a Lipschitz margin of their half-diagonal from every
-    surface (a quarter of a 1 mm grid's samples lay beyond the band), where the smooth step adds nothing."""
+    that distance, interpolated trilinearly at its middle, is within ``reach_mm``. Cells tested at their worst
+    point instead keep samples up to the band plus a margin of their half-diagonal from every surface, where
+    the smooth step adds nothing (on a 1 mm grid of the sample, 27 % of the samples lay beyond the band)."""
 
     cells: np.ndarray  # (Z, Y, X) bool
     origin: np.ndarray  # (3,) RAS mm of the corner of cell (0, 0, 0)
@@ -138,10 +138,11 @@ class Occupancy:
         band_mm: float,
         lipschitz: float = 1.0,
     ) -> Occupancy:
-        """Occupied where some |d_k| at a cell's corners is within the cell's half-diagonal (every point of
-        the cell lies that close to one of its corners; times the distances' Lipschitz bound) plus
-        ``band_mm`` (where the smooth step is not flat); sampled where the interpolated distance is within
-        ``band_mm`` plus :data:`INTERPOLATION_MARGIN_CELLS`."""
+        """Sampled where min_k |d_k|, interpolated from the cells' corners, is within ``band_mm`` (where the
+        smooth step is not flat) plus :data:`INTERPOLATION_MARGIN_CELLS`, and at least the cell's half-diagonal
+        times the distances' Lipschitz bound (so a cell a surface crosses is sampled there: its corners' values
+        are at most that); occupied where some corner's value is (the interpolation never goes below its
+        corners' least)."""
         box = np.asarray(box, np.float64)
         dims = np.maximum(np.ceil((box[1] - box[0]) / cell_mm).astype(int), 1)
         axes = [box[0, a] + np.arange(dims[a] + 1) * cell_mm for a in range(3)]
@@ -151,9 +152,8 @@ class Occupancy:
         lowest = nearest[:-1, :-1, :-1]
         for dz, dy, dx in np.ndindex(2, 2, 2):
             lowest = np.minimum(lowest, nearest[dz:dz + dims[2], dy:dy + dims[1], dx:dx + dims[0]])
-        cells = lowest <= lipschitz * 0.5 * np.sqrt(3.0) * cell_mm + band_mm
-        return cls(cells, box[0].copy(), float(cell_mm), nearest.astype(np.float32),
-                   float(band_mm + INTERPOLATION_MARGIN_CELLS * cell_mm))
+        reach = max(band_mm + INTERPOLATION_MARGIN_CELLS * cell_mm, lipschitz * 0.5 * np.sqrt(3.0) * cell_mm)
+        return cls(lowest <= reach, box[0].copy(), float(cell_mm), nearest.astype(np.float32), float(reach))
 
     def copy(self) -> Occupancy:
         nearest = None if self.nearest is None else self.nearest.copy()

@@ -58,7 +58,7 @@ def test_the_first_occupancy_grid_does_not_load_scipy():
     code = ("import sys, types, numpy as np; from NeuralRaycastLib.field_scene import boundary_occupancy; "
             "x = np.linspace(-8, 8, 17); d = np.sqrt(np.add.outer(np.add.outer(x**2, x**2), x**2)) - 5; "
             "p = types.SimpleNamespace(boundary=np.stack([d, d - 1]), affine=np.diag([1.0, 1, 1, 1])); "
-            "p.affine[:3, 3] = -8; o = boundary_occupancy(p, np.array([[-8.0] * 3, [8.0] * 3]), 2.0, 0.5); "
+            "p.affine[:3, 3] = -8; o = boundary_occupancy(p, np.array([[-8.0] * 3, [8.0] * 3]), 2.0, 0.25); "
             "print(0 < o.fraction < 1, sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True []", done.stdout
@@ -84,10 +84,11 @@ def test_a_second_run_in_the_process_reuses_its_studys_first_occupancy_grid(monk
                         lambda *a, **k: calls.append(a[2]) or original(*a, **k))
     monkeypatch.setattr(field_scene, "_BOUNDARY_OCCUPANCIES", {})
     study = types.SimpleNamespace(boundary=np.stack([d, d - 1]), affine=affine, key="study-a")
-    first = field_scene.boundary_occupancy(study, box, 2.0, 0.5)
+    first = field_scene.boundary_occupancy(study, box, 2.0, 0.25)
     first.cells[:] = False
-    again = field_scene.boundary_occupancy(study, box, 2.0, 0.5)
+    again = field_scene.boundary_occupancy(study, box, 2.0, 0.25)
     assert calls == [2.0] and 0 < again.fraction < 1
-    field_scene.boundary_occupancy(study, box, 4.0, 0.5)
-    field_scene.boundary_occupancy(types.SimpleNamespace(boundary=study.boundary, affine=affine, key=""), box, 2.0, 0.5)
+    field_scene.boundary_occupancy(study, box, 4.0, 0.25)
+    unnamed = types.SimpleNamespace(boundary=study.boundary, affine=affine, key="")
+    field_scene.boundary_occupancy(unnamed, box, 2.0, 0.25)
     assert calls == [2.0, 4.0, 2.0]
