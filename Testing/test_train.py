@@ -271,7 +271,7 @@ def test_the_rendered_surface_values_are_those_the_backward_differentiates(gpu, 
     prepared, views = phantom_views
     trainer = fitted_trainer(gpu, phantom_views)
     renderer, field = trainer.renderer, trainer.field
-    checks = load_field_module(gpu, field.layout, parts=("sdf_fit", "field_render", "field_checks"))
+    checks = load_field_module(gpu, field.layout, parts=("sdf_fit", "field_render", "field_render_checks"))
     shaded = 0
     for *_rows, batch in renderer.camera_bands(views.cameras[views.held_out[0]]):
         count = batch.lists.shaded
