@@ -260,30 +260,6 @@ def fitted_trainer(gpu, phantom_views, **weights) -> Trainer:
     return trainer
 
 
-def test_the_rendered_surface_values_are_those_the_backward_differentiates(gpu, phantom_views):
-    """The shading pass takes its own forward-only path (FieldScene.surfaceValues reads a segment's end distances
-    after the network's evaluations); the backward differentiates surface(), which takes them as inputs. Both
-    give every shaded segment the same normals, albedo and specular weights."""
-    import slangpy as spy
-
-    from NeuralRaycastLib.field import load_field_module
-
-    prepared, views = phantom_views
-    trainer = fitted_trainer(gpu, phantom_views)
-    renderer, field = trainer.renderer, trainer.field
-    checks = load_field_module(gpu, field.layout, parts=("sdf_fit", "field_render", "field_render_checks"))
-    shaded = 0
-    for *_rows, batch in renderer.camera_bands(views.cameras[views.held_out[0]]):
-        count = batch.lists.shaded
-        difference = spy.Tensor.from_numpy(gpu.device, np.full(max(count, 1), -1.0, np.float32))
-        checks.surfaceBothWays(spy.grid((count,)), renderer.scene.struct(), batch.struct,
-                               difference.storage.device_address)
-        values = difference.to_numpy()[:count]
-        assert np.all(values == 0.0), values.max()
-        shaded += count
-    assert shaded > 100
-
-
 def test_albedo_consistency_makes_each_structure_uniform(gpu, phantom_views):
     """L_shade: with a large weight, stage-2 steps pull every structure's albedo towards one colour."""
     spreads = {}
