@@ -307,13 +307,11 @@ def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, coop
 def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS,
                       cooperative: bool = False, frozen_geometry: bool = False):
     """Compile (once per process, config and device) the field kernels for this layout's sizes."""
-    import slangpy as spy
-
     source = field_source(layout, parts, cooperative, frozen_geometry)
     name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:
-        _MODULES[key] = spy.Module.load_from_source(gpu.device, name, source)
+        _MODULES[key] = gpu.load_module_from_source(name, source, layout.structures)
     return _MODULES[key]
 
 

@@ -98,6 +98,22 @@ class DeviceReport:
         return "\n".join(lines)
 
 
+#: The structure slots kernels are compiled for (shaders/image_formation.slang's STRUCTURE_SLOTS): the fewest
+#: that hold a study's structures. Loops over fewer slots make smaller kernels: a 1024² neural render of the
+#: sample (4 structures) took 17.7 ms of kernels with 4 slots against 20.0 ms with 8 on an H100 (BENCHMARKS.md).
+STRUCTURE_SLOTS = (4, 8)
+
+
+def structure_slots(structures: int | None) -> int:
+    """The slots of the kernels for ``structures`` structures (None: the most, for kernels that take any)."""
+    if structures is None:
+        return STRUCTURE_SLOTS[-1]
+    for slots in STRUCTURE_SLOTS:
+        if structures <= slots:
+            return slots
+    raise ValueError(f"at most {STRUCTURE_SLOTS[-1]} structures, got {structures}")
+
+
 @dataclass
 class GpuContext:
     """An open device plus what is needed to load the project's Slang modules on it."""
@@ -105,12 +121,41 @@ class GpuContext:
     device: Any  # slangpy.Device
     backend: str
     report: DeviceReport
+    _sessions: dict[int, Any] = field(default_factory=dict, repr=False)
 
-    def load_module(self, name: str) -> Any:
-        """Load ``shaders/<name>.slang`` (compiled once per process by slangpy, cached on disk)."""
+    def load_module(self, name: str, structures: int | None = None) -> Any:
+        """Load ``shaders/<name>.slang`` for kernels of ``structures`` structures (None: any number; see
+        :func:`structure_slots`), compiled once per process by slangpy, cached on disk."""
         import slangpy as spy
 
-        return spy.Module.load_from_file(self.device, f"{name}.slang")
+        return spy.Module.load_from_module(self.device, self.session(structures).load_module(f"{name}.slang"))
+
+    def load_module_from_source(self, name: str, source: str, structures: int | None = None) -> Any:
+        """A module of generated source (``name`` unique to it), as :meth:`load_module`."""
+        import slangpy as spy
+
+        return spy.Module.load_from_module(self.device, self.session(structures).load_module_from_source(name, source))
+
+    def session(self, structures: int | None = None) -> Any:
+        """The Slang session whose modules are compiled for ``structures`` structures: the device's own for
+        the most slots, else one made on first use with STRUCTURE_SLOTS defined (its parsed modules cached
+        apart, as they depend on it)."""
+        slots = structure_slots(structures)
+        if slots == STRUCTURE_SLOTS[-1]:
+            return self.device.slang_session
+        if slots not in self._sessions:
+            import slangpy as spy
+
+            options = self.device.desc.compiler_options
+            defines = {**dict(options.defines), "STRUCTURE_SLOTS": str(slots)}
+            cache = None
+            if self.device.desc.module_cache_path:
+                cache = Path(self.device.desc.module_cache_path) / f"slots{slots}"
+                cache.mkdir(parents=True, exist_ok=True)
+            self._sessions[slots] = self.device.create_slang_session(
+                spy.SlangCompilerOptions({"include_paths": list(options.include_paths), "defines": defines}),
+                cache_path=None if cache is None else str(cache))
+        return self._sessions[slots]
 
 
 def requested_backend(choice: str | None = None) -> str:

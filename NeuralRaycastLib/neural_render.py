@@ -318,9 +318,9 @@ class DiffRenderer:
         self.shading = {"look": look, "lighting": lighting, "settings": settings}
         self.look, self.settings = look, settings
         self.max_samples = max_samples
-        self.rays_module = gpu.load_module("ray_samples")
-        self.composite_module = gpu.load_module("composite")
-        self.lists_module = gpu.load_module("segment_lists")
+        self.rays_module = gpu.load_module("ray_samples", scene.structures)
+        self.composite_module = gpu.load_module("composite", scene.structures)
+        self.lists_module = gpu.load_module("segment_lists", scene.structures)
         self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
@@ -350,7 +350,7 @@ class DiffRenderer:
         the learned surfaces), or not (None). The visibility is a fixed mask: no gradient flows through it."""
         self.mesh_shadows = shadows
         if shadows is not None and not hasattr(self, "_shadow_module"):
-            self._shadow_module = self.gpu.load_module("segment_shadows")
+            self._shadow_module = self.gpu.load_module("segment_shadows", self.scene.structures)
 
     def batch(self, rays: int) -> RayBatch:
         """Buffers for ``rays`` rays (the last batch if it is large enough; GpuMemoryError if the device cannot

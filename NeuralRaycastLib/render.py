@@ -107,7 +107,7 @@ class ReferenceRenderer:
         self._boundary, boundary = volume_stack(gpu, prepared.boundary, ras_to_ijk)
         self._channels, channels = volume_stack(gpu, prepared.channels, ras_to_ijk)
         self.scene = {"boundary": boundary, "channels": channels}
-        self.module = gpu.load_module("reference_render")
+        self.module = gpu.load_module("reference_render", len(prepared.structures))
         self._read_back = ReadBack(gpu)
 
     def render(self, camera: Camera, shadows: bool | None = None, mesh_shadows=None) -> RenderedImage:

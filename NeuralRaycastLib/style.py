@@ -13,7 +13,7 @@ import numpy as np
 
 from .structures import BRAIN, Structure
 
-MAX_STRUCTURES = 8  # shaders/image_formation.slang
+MAX_STRUCTURES = 8  # shaders/image_formation.slang: STYLE_STRUCTURES
 MAX_CHANNELS = 8
 BAND_WIDTHS = 8.0  # Φ is flat beyond this many ε from a surface (shaders/image_formation.slang)
 

@@ -37,10 +37,10 @@ class Spheres:
     def __init__(self, gpu, values: np.ndarray) -> None:
         import slangpy as spy
 
-        self.module = gpu.load_module("sphere_scene")
+        self.structures = np.asarray(values).size // 8
+        self.module = gpu.load_module("sphere_scene", self.structures)
         self.values = spy.Tensor.from_numpy(gpu.device, np.asarray(values, np.float32).ravel())
         self.grads = spy.Tensor.zeros_like(self.values)
-        self.structures = len(self.values.to_numpy()) // 8
         self.struct = {"params": {"values": self.values.storage.device_address,
                                   "grads": self.grads.storage.device_address}, "count": self.structures}
 
@@ -244,6 +244,24 @@ def test_faint_segments_borrowing_a_neighbours_surface_values_shade_fewer_and_ch
     np.testing.assert_allclose(images[1].rgba[..., 3], images[0].rgba[..., 3], atol=1e-6)
     difference = np.abs(images[1].rgba[..., :3] - images[0].rgba[..., :3])
     assert 0 < difference.max() < 1.5 / 255
+
+
+def test_a_scene_of_more_structures_than_four_renders_the_same(gpu):
+    """Kernels are compiled for four structure slots where a scene's structures fit, else for eight: three more
+    spheres, all outside the view's box, leave every pixel of the G-buffer as it was."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    far = np.array([[60.0 + 10 * k, 60.0, 60.0, 2.0, 0.5, 0.5, 0.5, 0.2] for k in range(3)], np.float32)
+    more = [*STRUCTURES, *(Structure(f"far{k}", (3 + k,), (0.5, 0.5, 0.5)) for k in range(3))]
+    style = RenderStyle({s.name: StructureStyle(0.7) for s in more}, Lighting())
+    images = []
+    for spheres, structures, slots in ((SPHERES, STRUCTURES, 4), (np.concatenate([SPHERES, far]), more, 8)):
+        renderer, _scene = sphere_renderer(gpu, spheres, structures=structures, style=style)
+        assert renderer.composite_module.structureSlots() == renderer.lists_module.structureSlots() == slots
+        images.append(renderer.render(camera))
+    assert (images[0].rgba[..., 3] > 0.5).any()
+    np.testing.assert_allclose(images[1].rgba, images[0].rgba, atol=1e-6)
+    np.testing.assert_allclose(images[1].depth, images[0].depth, atol=1e-4)
+    np.testing.assert_allclose(images[1].normal, images[0].normal, atol=1e-5)
 
 
 def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
