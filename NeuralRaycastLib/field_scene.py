@@ -60,7 +60,7 @@ class FieldScene:
 
     def distances(self, grid: Any, buffers: dict) -> None:
         if self.cooperative:
-            self.field.upload_tiled_networks()  # the surface pass of the same forward reads them too
+            self.field.upload_tiled_networks(unless_current=True)  # the surface pass of the same forward reads them too
         self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
 
     def surface(self, lists: WorkLists, buffers: dict) -> None:

@@ -117,6 +117,7 @@ class Adam:
         import slangpy as spy
 
         self.step_count += 1
+        self.field.weights_changed()
         self.module.adamStep(spy.grid((self.threads,)), self.buffers, self.settings(factor, group_scales))
 
 

@@ -431,3 +431,39 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
         cosine = ga @ gb / (np.linalg.norm(ga) * np.linalg.norm(gb))
         print(f"appearance-only backward: cosine {cosine:.5f}")
         assert cosine > 0.99
+
+
+def test_a_tensor_core_render_shows_every_change_of_the_weights(cuda, phantom):
+    """Frames of a finished field reuse the weights' tensor-core copy; a change through set_parameters or an
+    Adam step shows in the next frame, which is then the frame of a new field holding those weights."""
+    from NeuralRaycastLib.camera import orbit_cameras
+    from NeuralRaycastLib.fit import Adam
+    from NeuralRaycastLib.train import field_renderer
+
+    prepared = phantom[1]
+    _scalar, field = paired_fields(cuda, prepared, config_for(full_network=True))
+    SdfFitter(cuda, prepared, field, FitConfig(steps=200, batch=1 << 15, seed=1)).run()
+    camera = orbit_cameras(prepared.bounds, 1, 48, 40)[0]
+    renderer = field_renderer(cuda, prepared, field, 192)
+
+    def frame_of_a_new_field() -> np.ndarray:
+        fresh = NeuralField(cuda, field.layout, parameters=field.parameters())
+        return field_renderer(cuda, prepared, fresh, 192).render(camera).rgba
+
+    first = renderer.render(camera).rgba
+    assert first[..., 3].max() > 0.5
+    np.testing.assert_array_equal(renderer.render(camera).rgba, first)
+    start, stop = field.layout.segments()["appearance"]
+    values = field.parameters()
+    values[start:stop] *= 1.5
+    field.set_parameters(values)
+    changed = renderer.render(camera).rgba
+    assert np.abs(changed - first).max() > 1e-2
+    np.testing.assert_array_equal(changed, frame_of_a_new_field())
+    gradients = np.zeros(field.layout.gradient_count, np.float32)
+    gradients[start:stop] = 1.0  # (the geometry, and so the renderer's occupancy, stays as it is)
+    field.grads.copy_from_numpy(gradients)
+    Adam(cuda, field, FitConfig(rate_appearance=1e-2)).step()
+    stepped = renderer.render(camera).rgba
+    assert np.abs(stepped - changed).max() > 1e-3
+    np.testing.assert_array_equal(stepped, frame_of_a_new_field())
