@@ -99,8 +99,9 @@ class DeviceReport:
 
 
 #: The structure slots kernels are compiled for (shaders/image_formation.slang's STRUCTURE_SLOTS): the fewest
-#: that hold a study's structures. Loops over fewer slots make smaller kernels: a 1024² neural render of the
-#: sample (4 structures) took 17.7 ms of kernels with 4 slots against 20.0 ms with 8 on an H100 (BENCHMARKS.md).
+#: that hold a study's structures. Loops over fewer slots make smaller kernels: the compositing of a 1024² neural
+#: render of the sample (4 structures) took 2.03-2.05 ms with 4 slots against 2.64-2.66 ms with 8 on an H100
+#: (BENCHMARKS.md).
 STRUCTURE_SLOTS = (4, 8)
 
 
