@@ -103,6 +103,42 @@ def test_ray_integral_gradient_matches_finite_differences(gpu, shade_weight, for
     np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=2e-2 * np.abs(numeric).max())
 
 
+def test_albedo_gradient_under_mesh_shadows_matches_finite_differences(gpu):
+    """With the key light shadowed by meshes, the colour's gradient with respect to each sphere's albedo and
+    specular weight (which move no surface, so every shadow stays where it is) is that of the shadowed picture."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 16, 12)
+    sdfs = {"a": lambda p: sphere_sdf(p, SPHERES[0, :3], SPHERES[0, 3]),
+            "b": lambda p: sphere_sdf(p, SPHERES[1, :3], SPHERES[1, 3])}
+    shadows = hybrid_shadows(gpu, analytic_prepared(sdfs, 1.0, *BOX), STYLE)
+    weights = np.zeros((camera.height * camera.width, OUTPUTS))
+    weights[:, :3] = np.random.default_rng(1).normal(size=(len(weights), 3))  # the colour alone
+
+    def rendered(values: np.ndarray):
+        renderer, scene = sphere_renderer(gpu, values, min_weight=0.0, shade_weight=0.0)
+        renderer.set_mesh_shadows(shadows)
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch, for_backward=True)
+        return renderer, scene, batch
+
+    values = SPHERES.ravel().astype(np.float64)
+    renderer, scene, batch = rendered(values)
+    shaded = batch.shaded_slots.to_numpy()[: batch.lists.shaded]
+    assert (batch.visibility.to_numpy()[shaded] < 0.5).mean() > 0.05, "the key light casts no shadow here"
+    renderer.backward(batch, weights)
+    analytic = scene.grads.to_numpy().reshape(SPHERES.shape)[:, 4:8]
+    numeric = np.zeros_like(analytic)
+    h = 1e-2
+    for k in range(len(SPHERES)):
+        for i in range(4):
+            plus, minus = values.copy(), values.copy()
+            plus[k * 8 + 4 + i] += h
+            minus[k * 8 + 4 + i] -= h
+            loss = [float((weights * r.sums(b)).sum()) for r, _s, b in (rendered(plus), rendered(minus))]
+            numeric[k, i] = (loss[0] - loss[1]) / (2 * h)
+    assert np.abs(numeric).max() > 1.0
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-2, atol=1e-2 * np.abs(numeric).max())
+
+
 def _segment_depths(renderer, batch) -> tuple[np.ndarray, np.ndarray]:
     """Optical depth of every segment of the last forward (rays, max_samples - 1; 0 where not linked) and
     each segment's slot."""
