@@ -481,7 +481,7 @@ class NeuralField:
         }
 
     def default_step_mm(self) -> float:
-        """Central-difference step for normals: half the finest active cell."""
+        """The step of :meth:`distance_gradients`' tetrahedral differences: half the finest active cell."""
         return 0.5 * self.layout.levels[self.active_levels - 1].cell_mm
 
     def distances(self, points: np.ndarray) -> np.ndarray:
