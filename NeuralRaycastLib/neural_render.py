@@ -52,9 +52,6 @@ class TrainableScene(Protocol):
 
 
 WAVE = 32  # launches over a work list cover whole waves of this many threads
-#: What a batch's listCounts hold (shaders/sample_buffers.slang): its work lists' entries, the most samples a ray
-#: took (more than its slots where one had more).
-LIST_COUNTS = ("shaded", "touched", "sampled", "most samples")
 #: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
 #: the first figure and at most the second; on a CPU device the third. Fewer, larger bands mean fewer passes
 #: and waits: a 1024² frame on an H100 took 51.7–53.7 ms in bands of 8 GiB against 55.4–60.6 ms in bands of
@@ -63,10 +60,6 @@ BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: on an H100 with most of its
 #: memory free, a 1024² view in one band, whose distances would take 4 GiB, could not be created.
 MAX_BUFFER_BYTES = 4 << 30
-#: Sample slots per ray a rendered view's batches start with; where a ray of a view has more samples, twice as
-#: many, up to the renderer's ``max_samples`` (its training batches have that many). A 1024² view of the sample
-#: case has at most 57 samples a ray: with 64 slots rather than 256 it fits one band of a quarter of the memory.
-VIEW_SAMPLES = 64
 #: Shaded segments per ray a batch makes room for at first (their surface values; more when needed).
 SHADED_PER_RAY = 16
 #: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
@@ -231,7 +224,7 @@ class RayBatch:
         self.shaded_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
         self.touched_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
         self.sampled_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.list_counts = spy.Tensor.zeros(device, shape=(len(LIST_COUNTS),), dtype="int")
+        self.list_counts = spy.Tensor.zeros(device, shape=(3,), dtype="int")
         self.lists = WorkLists(0, 0, 0)
         self.surface_capacity = 0
         self.surface = self.surface_grads = self.distance_grads = self.kept = None
@@ -321,10 +314,6 @@ class RayBatch:
             self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
 
 
-class _TooFewSlots(Exception):
-    """A batch's rays had more samples than its slots (raised by the forward pass before any scene pass)."""
-
-
 class DiffRenderer:
     """Renders a :class:`TrainableScene` and sends image gradients back into its parameters."""
 
@@ -339,19 +328,17 @@ class DiffRenderer:
         max_samples: int = 256,
         min_weight: float = MIN_SEGMENT_WEIGHT,
         shade_weight: float = SHADE_WEIGHT,
-        view_samples: int = VIEW_SAMPLES,
     ) -> None:
         self.gpu, self.scene = gpu, scene
         self.min_weight = min_weight  # 0: composite every non-empty segment
         self.shade_weight = shade_weight  # at most min_weight: shade every composited segment (exact)
         self.shading = {"look": look, "lighting": lighting, "settings": settings}
         self.look, self.settings = look, settings
-        self.max_samples = max_samples  # sample slots per ray of a training batch, and at most of a view's
-        self.view_samples = min(view_samples, max_samples)  # ... of a rendered view's batches, as they need
+        self.max_samples = max_samples
         self.rays_module = gpu.load_module("ray_samples", scene.structures)
         self.composite_module = gpu.load_module("composite", scene.structures)
         self.lists_module = gpu.load_module("segment_lists", scene.structures)
-        self._batches: dict[int, RayBatch] = {}  # by sample slots per ray
+        self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._planes: Any = None  # a view's G-buffer on the device, where the host's memory cannot take it (render)
@@ -381,27 +368,22 @@ class DiffRenderer:
         if shadows is not None and not hasattr(self, "_shadow_module"):
             self._shadow_module = self.gpu.load_module("segment_shadows", self.scene.structures)
 
-    def batch(self, rays: int, samples: int | None = None) -> RayBatch:
-        """Buffers for ``rays`` rays of ``samples`` sample slots each (default ``max_samples``): the last batch
-        of that many slots if it is large enough (GpuMemoryError if the device cannot hold them)."""
-        samples = samples or self.max_samples
-        batch = self._batches.get(samples)
-        if batch is None or batch.capacity < rays:
-            self._batches.pop(samples, None)  # free the smaller one first
-            megabytes = rays * RayBatch.bytes_per_ray(samples, self.scene.structures) / 2**20
+    def batch(self, rays: int) -> RayBatch:
+        """Buffers for ``rays`` rays (the last batch if it is large enough; GpuMemoryError if the device cannot
+        hold them)."""
+        if self._batch is None or self._batch.capacity < rays:
+            self._batch = None  # free the smaller one first
+            megabytes = rays * RayBatch.bytes_per_ray(self.max_samples, self.scene.structures) / 2**20
             with device_memory(f"the sample buffers of {rays:,} rays ({megabytes:,.0f} MB)"):
-                batch = self._batches[samples] = RayBatch(self.gpu, rays, samples, self.scene.structures)
-        return batch
+                self._batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
+        return self._batch
 
     # rays ---------------------------------------------------------------------------------------------
-    def camera_rays(self, camera: Camera, first_row: int = 0, rows: int | None = None,
-                    samples: int | None = None) -> RayBatch:
-        """Rays of a camera's rows (all, or ``rows`` from ``first_row``), in a batch of ``samples`` slots per ray
-        (default ``max_samples``)."""
+    def camera_rays(self, camera: Camera, first_row: int = 0, rows: int | None = None) -> RayBatch:
         import slangpy as spy
 
         rows = camera.height - first_row if rows is None else rows
-        batch = self.batch(rows * camera.width, samples)
+        batch = self.batch(rows * camera.width)
         self.rays_module.cameraRays(spy.grid((rows, camera.width)), camera.to_shader(), first_row,
                                     batch.rays.storage.device_address)
         self.ray_count = rows * camera.width
@@ -430,28 +412,23 @@ class DiffRenderer:
         ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
         ``planes``: the rays' finished pixels go there instead of their sums to ``batch.sums`` (a band of a view).
         ``for_backward``: compositing also keeps what :meth:`backward` needs (else the backward composites
-        the batch again first). Where a ray has more samples than the batch has slots, and the batch fewer
-        slots than ``max_samples``, raises _TooFewSlots before any scene pass (with ``max_samples`` slots, a ray
-        keeps its nearest samples)."""
+        the batch again first)."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
         launch, tiles = self._tiles.launch(), self._tiles.struct()
-        self.rays_module.clearLists(spy.grid((len(LIST_COUNTS),)), batch.struct)
+        self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
         clock.lap("place samples")
         # exactly the listed samples: waves past the list's end would leave at once, but launching a ray's
         # every possible slot halved the speed of this pass at 1024² on an H100 (tensor cores; BENCHMARKS.md)
-        counts = dict(zip(LIST_COUNTS, (int(c) for c in batch.list_counts.to_numpy()), strict=True))
-        if counts["most samples"] > batch.max_samples and batch.max_samples < self.max_samples:
-            raise _TooFewSlots
-        sampled = counts["sampled"]
+        sampled = int(batch.list_counts.to_numpy()[2])
         if sampled:
             self.scene.distances(WorkLists.launch(sampled), batch.struct)
         clock.lap("distances")
         self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
                                        self.min_weight, self.shade_weight, tiles)
-        batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()[:3]))
+        batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
         batch.reserve_surfaces(batch.lists.shaded)
         clock.lap("work lists")
         if batch.lists.shaded:
@@ -545,12 +522,12 @@ class DiffRenderer:
     def band_rays(self) -> int:
         """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds (each buffer under
         :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
-        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.view_samples, self.scene.structures)
+        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)
         return min(self._band_limit, self._creatable_rays(), max(1, fitting))
 
     def _creatable_rays(self) -> int:
         """The most rays a batch may have with its largest buffer, the distances, under MAX_BUFFER_BYTES."""
-        return max(1, (MAX_BUFFER_BYTES - 1) // (self.view_samples * self.scene.structures * 4))
+        return max(1, (MAX_BUFFER_BYTES - 1) // (self.max_samples * self.scene.structures * 4))
 
     def _band_bytes(self) -> int:
         least, most, software = BAND_BYTES
@@ -567,28 +544,24 @@ class DiffRenderer:
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
         after its :meth:`forward` (``timings``: see there). With ``planes_at`` (the device address of the view's
         G-buffer planes) each band's finished pixels go to their rows of it instead of the batch's sums. A band
-        whose rays have more samples than its slots (``view_samples``) is rendered again with twice as many, and
-        a band the device cannot hold in halves, down to one row (GpuMemoryError there); the next views keep
-        either change."""
+        the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
+        rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
+        rows_per_pass = max(1, rays_per_pass // camera.width)
         first = 0
         while first < camera.height:
-            rays = min(rays_per_pass or self.band_rays(), self._band_limit, self._creatable_rays())
-            rows = min(max(1, rays // camera.width), camera.height - first)
+            rows = min(rows_per_pass, camera.height - first)
             planes = None if planes_at is None else FramePlanes(planes_at, camera.width * camera.height,
                                                                 first * camera.width)
             try:
-                batch = self.camera_rays(camera, first, rows, self.view_samples)
+                batch = self.camera_rays(camera, first, rows)
                 self.forward(batch, timings, planes)
-            except _TooFewSlots:
-                self._batches.pop(self.view_samples, None)
-                self.view_samples = min(2 * self.view_samples, self.max_samples)
-                continue
             except GpuMemoryError:
                 if rows == 1:
                     raise
-                # the device could not hold this band: half as many rows
-                self._batches.pop(self.view_samples, None)
-                self._band_limit = max(1, rows // 2) * camera.width
+                # the device could not hold this band: half as many rows, for this view and the next ones
+                self._batch = None
+                rows_per_pass = max(1, rows // 2)
+                self._band_limit = rows_per_pass * camera.width
                 continue
             yield first, rows, batch
             first += rows

@@ -58,7 +58,7 @@ class Spheres:
 
 def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES,
                     style: RenderStyle = STYLE, min_weight: float = MIN_SEGMENT_WEIGHT,
-                    shade_weight: float = SHADE_WEIGHT, max_samples: int = 128, view_samples: int = 64):
+                    shade_weight: float = SHADE_WEIGHT):
     import slangpy as spy
 
     settings = {"epsilon": 1.0, "step": 0.5, "shadowStep": 1.0,
@@ -66,8 +66,8 @@ def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None,
     everywhere = Occupancy(np.ones((1, 1, 1), bool), BOX[0], 40.0)
     scene = Spheres(gpu, values)
     renderer = DiffRenderer(gpu, scene, style.shader_look(structures, ["t1"]), style.shader_lighting(), settings,
-                            occupancy or everywhere, max_samples=max_samples, min_weight=min_weight,
-                            shade_weight=shade_weight, view_samples=view_samples)
+                            occupancy or everywhere, max_samples=128, min_weight=min_weight,
+                            shade_weight=shade_weight)
     return renderer, scene
 
 
@@ -327,13 +327,13 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
     from NeuralRaycastLib import neural_render
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
-    renderer, _scene = sphere_renderer(gpu, SPHERES, view_samples=128)  # views and training batches alike
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
     whole = renderer.render(camera, camera.width * camera.height)
     budget = 5 * camera.width * RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
     monkeypatch.setattr(neural_render, "BAND_BYTES", (budget, budget, budget))
-    renderer._batches.clear()
+    renderer._batch = None
     banded = renderer.render(camera)
-    batch = renderer._batches[renderer.max_samples]
+    batch = renderer._batch
     assert batch.capacity == 5 * camera.width and batch.distance_grads is None and batch.surface_grads is None
     per_slot = sum(t.storage.size for t in (batch.rays, batch.samples, batch.counts, batch.distances,
                                             batch.surface_entry, batch.visibility, batch.shaded_slots,
@@ -357,14 +357,14 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
 
     from NeuralRaycastLib import neural_render
 
-    renderer, _scene = sphere_renderer(gpu, SPHERES, view_samples=128)  # as many as the view's rays need
-    per_ray = RayBatch.bytes_per_ray(renderer.view_samples, renderer.scene.structures)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
     renderer.gpu = SimpleNamespace(report=SimpleNamespace(software=False))
     for total, band in ((80 << 30, 8 << 30), (40 << 30, 4 << 30), (8 << 30, 2 << 30), (None, 2 << 30)):
         monkeypatch.setattr(neural_render, "device_memory_total", lambda gpu, total=total: total)
         renderer._device_bytes = None
         assert renderer.band_rays() == band // per_ray
-    distances_per_ray = renderer.view_samples * renderer.scene.structures * 4
+    distances_per_ray = renderer.max_samples * renderer.scene.structures * 4
     monkeypatch.setattr(neural_render, "MAX_BUFFER_BYTES", 10 * distances_per_ray)
     assert renderer.band_rays() == 9  # 10 rays' distances would be exactly the limit
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 3, 8)
@@ -390,11 +390,11 @@ def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):
         original(self, gpu, capacity, *args)
 
     monkeypatch.setattr(RayBatch, "__init__", small_device)
-    renderer._batches.clear()
+    renderer._batch = None
     np.testing.assert_array_equal(renderer.render(camera).rgba, expected.rgba)
     assert renderer.band_rays() <= limit["rays"]
     limit["rays"] = camera.width // 2
-    renderer._batches.clear()
+    renderer._batch = None
     with pytest.raises(GpuMemoryError, match="sample buffers of 32 rays"):
         renderer.render(camera)
 
@@ -489,22 +489,6 @@ def test_inverse_rendering_recovers_a_sphere_from_image_patches(gpu):
         values -= rate * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
     error = np.linalg.norm(values[:4] - target[:4])
     assert error < start_error / 4, f"{start_error:.2f} mm -> {error:.2f} mm"
-
-
-def test_a_view_whose_rays_have_more_samples_than_its_slots_gets_more(gpu):
-    """A rendered view starts with few sample slots per ray (less memory, fewer bands) and takes twice as many
-    wherever a ray has more samples, up to the renderer's most: no ray loses a sample it had room for."""
-    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 12, 10)
-    full, _scene = sphere_renderer(gpu, SPHERES, view_samples=128)
-    *_rows, batch = next(full.camera_bands(camera))
-    assert full.sample_counts(batch).max() > 64  # (rays crossing the box: 80 steps of 0.5 mm)
-    expected = full.render(camera)
-    few, _scene = sphere_renderer(gpu, SPHERES, view_samples=4)
-    np.testing.assert_array_equal(few.render(camera).rgba, expected.rgba)
-    assert few.view_samples == 128
-    capped, _scene = sphere_renderer(gpu, SPHERES, max_samples=16, view_samples=4)
-    capped.render(camera)  # with the most slots, a ray keeps its nearest samples
-    assert capped.view_samples == 16
 
 
 def test_each_rendered_view_keeps_its_picture_while_more_are_rendered(gpu, monkeypatch):
