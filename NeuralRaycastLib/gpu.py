@@ -516,22 +516,6 @@ class _PinnedBuffer:
         return self.lease is None or self.lease() is None
 
 
-class HostTarget:
-    """Pinned host memory lent to kernels (:meth:`ReadBack.host_target`): they write at ``device_address``;
-    :meth:`array` waits for them and returns what they wrote. The buffer stays lent while this target or an
-    array of it lives."""
-
-    def __init__(self, gpu: GpuContext, pinned: _PinnedBuffer) -> None:
-        self.gpu = gpu
-        self.device_address = int(pinned.buffer.device_address)
-        self._lease = _PinnedLease(pinned)
-        pinned.lease = weakref.ref(self._lease)
-
-    def array(self) -> np.ndarray:
-        self.gpu.device.wait()
-        return np.asarray(self._lease)
-
-
 class ReadBack:
     """Reads float32 device tensors into numpy. An array one read returns never changes with a later read.
 
@@ -570,16 +554,6 @@ class ReadBack:
             if address is not None:
                 return np.array(_PinnedLease(_PinnedBuffer(self._kept, address, size)), copy=True)
         return np.asarray(tensor.to_numpy(), np.float32).reshape(-1)
-
-    def host_target(self, size: int) -> HostTarget | None:
-        """CUDA: pinned host memory of ``size`` bytes for kernels to write into, lent like a read's buffer (its
-        array stays as written until no array of it is left); None on other devices, for reads smaller than
-        :data:`PINNED_READ_BYTES`, or while every pinned buffer is held: then write a device tensor and
-        :meth:`read` it."""
-        if self.kept or self.gpu.backend != "cuda" or size < PINNED_READ_BYTES or self._unmapped:
-            return None
-        pinned = self._free_pinned(size)
-        return None if pinned is None else HostTarget(self.gpu, pinned)
 
     def _copy_into(self, buffer: Any, tensor: Any, size: int) -> Any:
         """``tensor`` copied into ``buffer`` (a new host-readable one where None or of another size), waited

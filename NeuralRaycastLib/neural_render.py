@@ -88,23 +88,6 @@ class WorkLists:
 
 
 @dataclass(frozen=True)
-class FramePlanes:
-    """Where compositing writes a rendered view's finished pixels (the G-buffer planes of render.py, shaders/
-    composite.slang's FramePlanes) instead of per-ray sums: at device ``address`` (device memory, or pinned host
-    memory the device writes into), a frame of ``pixels`` pixels whose rays from pixel ``first`` on are a band's."""
-
-    address: int
-    pixels: int
-    first: int = 0
-
-    def struct(self) -> dict:
-        return {"planes": self.address, "pixels": self.pixels, "first": self.first}
-
-
-NO_PLANES = {"planes": 0, "pixels": 0, "first": 0}  # compositing writes the sums
-
-
-@dataclass(frozen=True)
 class RayTiles:
     """A batch's rays as rows of pixels (a camera band, or patches stacked), which the listing kernels take
     in tiles of TILE pixels, one wave a tile (shaders/ray_tiles.slang)."""
@@ -341,7 +324,8 @@ class DiffRenderer:
         self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
-        self._planes: Any = None  # a view's G-buffer on the device, where the host's memory cannot take it (render)
+        self._frame: Any = None  # a whole view's sums on the device (render)
+        self._planes: Any = None  # and its G-buffer
         self._read_back = ReadBack(gpu)
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
@@ -406,11 +390,11 @@ class DiffRenderer:
         return batch
 
     # passes -------------------------------------------------------------------------------------------
-    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, planes: FramePlanes | None = None,
+    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None,
                 for_backward: bool = False) -> None:
         """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
         ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
-        ``planes``: the rays' finished pixels go there instead of their sums to ``batch.sums`` (a band of a view).
+        ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame).
         ``for_backward``: compositing also keeps what :meth:`backward` needs (else the backward composites
         the batch again first)."""
         import slangpy as spy
@@ -441,18 +425,17 @@ class DiffRenderer:
             self._shadow_module.segmentVisibility(WorkLists.launch(batch.lists.shaded), batch.struct, self.shading,
                                                   self.mesh_shadows.struct, grid, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
-        self._composite(batch, for_backward, planes)
+        self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
         clock.lap("composite")
 
-    def _composite(self, batch: RayBatch, for_backward: bool, planes: FramePlanes | None = None) -> None:
-        """Composite the batch into its sums, or its pixels into ``planes``; ``for_backward``: also keep what
-        the backward needs, in buffers sized for the trained rays."""
+    def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
+        """Composite the batch into the sums at ``sums_at``; ``for_backward``: also keep what the backward
+        needs, in buffers sized for the trained rays."""
         if for_backward:
             batch.keep_gradients(self.ray_count)
         batch.struct["kept"] = batch.kept.storage.device_address if for_backward else 0
-        self.composite_module.compositeRay(self._tiles.launch(), batch.struct, self.shading,
-                                           batch.sums.storage.device_address,
-                                           NO_PLANES if planes is None else planes.struct(), self._tiles.struct())
+        self.composite_module.compositeRay(self._tiles.launch(), batch.struct, self.shading, sums_at,
+                                           self._tiles.struct())
         batch.kept_for_backward = for_backward
 
     def sums(self, batch: RayBatch) -> np.ndarray:
@@ -477,7 +460,7 @@ class DiffRenderer:
         """:meth:`composite_backward` with ∂L/∂sums already in ``batch.d_sums`` (written there by a loss
         kernel: nothing goes through the host)."""
         if not batch.kept_for_backward:  # (and each backward adds to gradients its forward zeroed)
-            self._composite(batch, for_backward=True)
+            self._composite(batch, batch.sums.storage.device_address, for_backward=True)
         if batch.lists.touched:
             self.composite_module.compositeSegmentBackward(WorkLists.launch(batch.lists.touched), batch.struct,
                                                            self.shading, batch.sums.storage.device_address,
@@ -538,23 +521,22 @@ class DiffRenderer:
         return min(most, max(least, self._device_bytes // 10))
 
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
-                     timings: dict[str, float] | None = None, planes_at: int | None = None
+                     timings: dict[str, float] | None = None, frame: Any = None
                      ) -> Iterator[tuple[int, int, RayBatch]]:
         """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
-        after its :meth:`forward` (``timings``: see there). With ``planes_at`` (the device address of the view's
-        G-buffer planes) each band's finished pixels go to their rows of it instead of the batch's sums. A band
-        the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
+        after its :meth:`forward` (``timings``: see there). With ``frame`` (a device tensor of the view's
+        sums) each band's sums go to their rows of it. A band the device cannot hold is rendered in halves,
+        down to one row (GpuMemoryError there)."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
         rows_per_pass = max(1, rays_per_pass // camera.width)
         first = 0
         while first < camera.height:
             rows = min(rows_per_pass, camera.height - first)
-            planes = None if planes_at is None else FramePlanes(planes_at, camera.width * camera.height,
-                                                                first * camera.width)
+            at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
             try:
                 batch = self.camera_rays(camera, first, rows)
-                self.forward(batch, timings, planes)
+                self.forward(batch, timings, sums_at=at)
             except GpuMemoryError:
                 if rows == 1:
                     raise
@@ -568,22 +550,23 @@ class DiffRenderer:
 
     def render(self, camera: Camera, rays_per_pass: int | None = None,
                timings: dict[str, float] | None = None) -> RenderedImage:
-        """One view (``timings``: see :meth:`forward`). Compositing writes each band's finished pixels (the
-        G-buffer planes) into the view's frame: on CUDA pinned host memory that the returned arrays are views of,
-        so nothing is copied once the kernels are done; elsewhere a device tensor, read back once."""
+        """One view (``timings``: see :meth:`forward`). The bands' sums stay on the device, where the
+        G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view."""
         import slangpy as spy
 
         pixels = camera.height * camera.width
-        host = self._read_back.host_target(pixels * PLANE_FLOATS * 4)
-        if host is None and (self._planes is None or self._planes.shape[0] != pixels * PLANE_FLOATS):
-            self._planes = None
+        if self._frame is None or self._frame.shape[0] != pixels * OUTPUTS:  # one read-back of exactly the view
+            self._frame = self._planes = None
             with device_memory(f"a {camera.width} × {camera.height} frame"):
+                self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
                 self._planes = spy.Tensor.zeros(self.gpu.device, shape=(pixels * PLANE_FLOATS,), dtype="float")
-        address = self._planes.storage.device_address if host is None else host.device_address
-        for _band in self.camera_bands(camera, rays_per_pass, timings, address):
+        for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
             pass  # each band's forward pass writes its rows of the frame
         clock = PassClock(self.gpu, timings)
-        planes = self._read_back.read(self._planes) if host is None else host.array()
+        self.composite_module.finishPixel(spy.grid((pixels,)), pixels, self._frame.storage.device_address,
+                                          self._planes.storage.device_address)
+        clock.lap("G-buffer")
+        planes = self._read_back.read(self._planes)
         clock.lap("read-back")
         return image_from_planes(planes, camera.height, camera.width)
 

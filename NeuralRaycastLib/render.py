@@ -88,7 +88,7 @@ PLANE_FLOATS = 8
 
 
 def image_from_planes(planes: np.ndarray, height: int, width: int) -> RenderedImage:
-    """A frame's G-buffer written as planes (RGBA, normal, depth; shaders/image_formation.slang's storePixel):
+    """A frame's G-buffer written as planes (RGBA, normal, depth; shaders/composite.slang's finishPixel):
     the image's arrays are views of the one read-back array, not copies."""
     pixels = height * width
     planes = np.asarray(planes, np.float32).reshape(-1)
