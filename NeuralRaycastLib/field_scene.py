@@ -63,8 +63,8 @@ class FieldScene:
             self.field.upload_tiled_networks(unless_current=True)  # the surface pass of the same forward reads them too
         self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
 
-    def surface(self, lists: WorkLists, buffers: dict) -> None:
-        self.field.fit_module.fieldSurface(WorkLists.launch(lists.shaded), self.struct(self.cooperative), buffers)
+    def surface(self, grid: Any, buffers: dict) -> None:
+        self.field.fit_module.fieldSurface(grid, self.struct(self.cooperative), buffers)
 
     def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
         """The rendered values' gradients into the hash table and the appearance network; the geometry

@@ -38,7 +38,9 @@ SURFACE_VALUES_PER_STRUCTURE = 7  # shaders/sample_buffers.slang: normal xyz, al
 class TrainableScene(Protocol):
     """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
     of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
-    (``distances``: the sampled slots; ``surface`` and ``backward``: the lists of :class:`WorkLists`). A scene
+    (``distances``: the sampled slots, ``surface``: the shaded segments, over the launch given, whose threads
+    take entries i, i + launched, ... (SampleBuffers.launched, :func:`list_launch`); ``backward``: one thread
+    per entry of the lists of :class:`WorkLists`). A scene
     whose appearance can train alone also has ``backward_appearance(lists, buffers, timings)``. The
     backward passes' ``timings``, where given: each pass's seconds added there (see :class:`PassClock`)."""
 
@@ -46,7 +48,7 @@ class TrainableScene(Protocol):
 
     def distances(self, grid: Any, buffers: dict) -> None: ...
 
-    def surface(self, lists: WorkLists, buffers: dict) -> None: ...
+    def surface(self, grid: Any, buffers: dict) -> None: ...
 
     def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None: ...
 
@@ -85,6 +87,16 @@ class WorkLists:
         import slangpy as spy
 
         return spy.grid((-(-entries // WAVE) * WAVE,))
+
+
+def list_launch(buffers: dict, threads: int) -> Any:
+    """A forward pass's launch over a work list: ``threads`` threads (whole waves, at least one), which take
+    entries i, i + launched, ... of the list (``buffers["launched"]``, shaders/sample_buffers.slang), so it
+    covers the list whatever its length: the list's own length (no thread idles), or a number fixed before the
+    list is counted (the host need not wait for the count)."""
+    launched = -(-max(threads, 1) // WAVE) * WAVE
+    buffers["launched"] = launched
+    return WorkLists.launch(launched)
 
 
 @dataclass(frozen=True)
@@ -231,6 +243,7 @@ class RayBatch:
             "touchedSlots": self.touched_slots.storage.device_address,
             "sampledSlots": self.sampled_slots.storage.device_address,
             "listCounts": self.list_counts.storage.device_address,
+            "launched": 1 << 30,  # (set for each launch over a forward pass's list: list_launch)
             "kept": 0,
         }
         self.reserve_surfaces(capacity * SHADED_PER_RAY)
@@ -391,12 +404,16 @@ class DiffRenderer:
 
     # passes -------------------------------------------------------------------------------------------
     def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None,
-                for_backward: bool = False) -> None:
+                for_backward: bool = False, counted: bool = True) -> None:
         """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
         ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
         ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame).
         ``for_backward``: compositing also keeps what :meth:`backward` needs (else the backward composites
-        the batch again first)."""
+        the batch again first).
+        ``counted``: the host reads each list's length before the passes over it (``batch.lists``), launches
+        one thread per entry and makes room for every shaded segment's values. Else (a rendered view's bands) it
+        never waits: one thread per ray takes every launched-th entry, the shaded segments have the room made
+        before, and ``batch.lists`` is unknown until :meth:`band_lists` reads it after the passes."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
@@ -404,25 +421,27 @@ class DiffRenderer:
         self.rays_module.clearLists(spy.grid((3,)), batch.struct)
         self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
         clock.lap("place samples")
-        # exactly the listed samples: waves past the list's end would leave at once, but launching a ray's
-        # every possible slot halved the speed of this pass at 1024² on an H100 (tensor cores; BENCHMARKS.md)
-        sampled = int(batch.list_counts.to_numpy()[2])
+        # counted, exactly the listed samples: waves past the list's end would leave at once, but launching a
+        # ray's every possible slot halved the speed of this pass at 1024² on an H100 (BENCHMARKS.md)
+        sampled = int(batch.list_counts.to_numpy()[2]) if counted else self.ray_count
         if sampled:
-            self.scene.distances(WorkLists.launch(sampled), batch.struct)
+            self.scene.distances(list_launch(batch.struct, sampled), batch.struct)
         clock.lap("distances")
         self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
                                        self.min_weight, self.shade_weight, tiles)
-        batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
-        batch.reserve_surfaces(batch.lists.shaded)
+        if counted:
+            batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
+            batch.reserve_surfaces(batch.lists.shaded)
+        shaded = batch.lists.shaded if counted else self.ray_count
         clock.lap("work lists")
-        if batch.lists.shaded:
-            self.scene.surface(batch.lists, batch.struct)
+        if shaded:
+            self.scene.surface(list_launch(batch.struct, shaded), batch.struct)
         clock.lap("normals and appearance")
         batch.struct["shadows"] = int(self.mesh_shadows is not None)
-        if self.mesh_shadows is not None and batch.lists.shaded:
+        if self.mesh_shadows is not None and shaded:
             key = self.shading["lighting"]["keyDirection"]
             grid = self.mesh_shadows.light_grid((key.x, key.y, key.z))
-            self._shadow_module.segmentVisibility(WorkLists.launch(batch.lists.shaded), batch.struct, self.shading,
+            self._shadow_module.segmentVisibility(list_launch(batch.struct, shaded), batch.struct, self.shading,
                                                   self.mesh_shadows.struct, grid, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
         self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
@@ -521,13 +540,13 @@ class DiffRenderer:
         return min(most, max(least, self._device_bytes // 10))
 
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
-                     timings: dict[str, float] | None = None, frame: Any = None
+                     timings: dict[str, float] | None = None, frame: Any = None, counted: bool = True
                      ) -> Iterator[tuple[int, int, RayBatch]]:
         """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
-        after its :meth:`forward` (``timings``: see there). With ``frame`` (a device tensor of the view's
-        sums) each band's sums go to their rows of it. A band the device cannot hold is rendered in halves,
-        down to one row (GpuMemoryError there)."""
+        after its :meth:`forward` (``timings``, ``counted``: see there). With ``frame`` (a device tensor of the
+        view's sums) each band's sums go to their rows of it. A band the device cannot hold is rendered in
+        halves, down to one row (GpuMemoryError there)."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
         rows_per_pass = max(1, rays_per_pass // camera.width)
         first = 0
@@ -536,7 +555,7 @@ class DiffRenderer:
             at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
             try:
                 batch = self.camera_rays(camera, first, rows)
-                self.forward(batch, timings, sums_at=at)
+                self.forward(batch, timings, sums_at=at, counted=counted)
             except GpuMemoryError:
                 if rows == 1:
                     raise
@@ -551,24 +570,51 @@ class DiffRenderer:
     def render(self, camera: Camera, rays_per_pass: int | None = None,
                timings: dict[str, float] | None = None) -> RenderedImage:
         """One view (``timings``: see :meth:`forward`). The bands' sums stay on the device, where the
-        G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view."""
+        G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view. The host
+        never waits for a band's list counts (:meth:`forward` ``counted=False``); where a band listed more
+        shaded segments than it had room for, the view renders again, counted (and later views have the room)."""
         import slangpy as spy
 
         pixels = camera.height * camera.width
         if self._frame is None or self._frame.shape[0] != pixels * OUTPUTS:  # one read-back of exactly the view
-            self._frame = self._planes = None
+            self._frame = self._planes = self._band_counts = None
             with device_memory(f"a {camera.width} × {camera.height} frame"):
                 self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
                 self._planes = spy.Tensor.zeros(self.gpu.device, shape=(pixels * PLANE_FLOATS,), dtype="float")
-        for _band in self.camera_bands(camera, rays_per_pass, timings, self._frame):
-            pass  # each band's forward pass writes its rows of the frame
+                # each band's list counts (a band has a row at least)
+                self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
+        planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False)
+        if crowded:
+            planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True)
+        return image_from_planes(planes, camera.height, camera.width)
+
+    def _render_frame(self, camera: Camera, rays_per_pass: int | None, timings: dict[str, float] | None,
+                      counted: bool) -> tuple[np.ndarray, bool]:
+        """The view's G-buffer planes, read back, and whether some band listed more shaded segments than it had
+        room for (not ``counted``: each band's list counts are copied aside on the device and read with the
+        frame; the last band's batch then has its ``lists``)."""
+        import slangpy as spy
+
+        rooms = []  # each band's room for shaded segments
+        for band, (_first, _rows, batch) in enumerate(self.camera_bands(camera, rays_per_pass, timings, self._frame,
+                                                                        counted)):
+            rooms.append(batch.surface_capacity)
+            if not counted:
+                encoder = self.gpu.device.create_command_encoder()
+                encoder.copy_buffer(self._band_counts.storage, band * 12, batch.list_counts.storage, 0, 12)
+                self.gpu.device.submit_command_buffer(encoder.finish())
         clock = PassClock(self.gpu, timings)
+        pixels = camera.height * camera.width
         self.composite_module.finishPixel(spy.grid((pixels,)), pixels, self._frame.storage.device_address,
                                           self._planes.storage.device_address)
         clock.lap("G-buffer")
         planes = self._read_back.read(self._planes)
         clock.lap("read-back")
-        return image_from_planes(planes, camera.height, camera.width)
+        if counted:
+            return planes, False
+        counts = np.asarray(self._band_counts.to_numpy()).reshape(-1, 3)[:len(rooms)]
+        batch.lists = WorkLists(*(int(c) for c in counts[-1]))
+        return planes, bool(np.any(counts[:, 0] > np.asarray(rooms)))
 
 
 @dataclass

@@ -47,8 +47,8 @@ class Spheres:
     def distances(self, grid, buffers: dict) -> None:
         self.module.sphereDistances(grid, self.struct, buffers)
 
-    def surface(self, lists: WorkLists, buffers: dict) -> None:
-        self.module.sphereSurface(WorkLists.launch(lists.shaded), self.struct, buffers)
+    def surface(self, grid, buffers: dict) -> None:
+        self.module.sphereSurface(grid, self.struct, buffers)
 
     def backward(self, lists: WorkLists, buffers: dict, timings=None) -> None:
         self.module.sphereBackwardSurface(WorkLists.launch(lists.shaded), self.struct, buffers)
@@ -488,6 +488,22 @@ def test_inverse_rendering_recovers_a_sphere_from_image_patches(gpu):
         values -= rate * (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8)
     error = np.linalg.norm(values[:4] - target[:4])
     assert error < start_error / 4, f"{start_error:.2f} mm -> {error:.2f} mm"
+
+
+def test_a_band_that_lists_more_shaded_segments_than_it_has_room_for_renders_again(gpu):
+    """A rendered view's host does not wait for its bands' list counts: a band that listed more shaded segments
+    than it had made room for is found when the frame is read, and the view renders again with room for all."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 12, 10)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    expected = renderer.render(camera)
+    batch = renderer._batch
+    assert batch.lists.shaded > 1 and batch.sampled_slots.shape[0] > camera.width * camera.height
+    batch.surface_capacity = 0
+    batch.reserve_surfaces(1)  # room for one shaded segment
+    image = renderer.render(camera)
+    np.testing.assert_array_equal(image.rgba, expected.rgba)
+    np.testing.assert_array_equal(image.normal, expected.normal)
+    assert renderer._batch is batch and batch.surface_capacity >= batch.lists.shaded
 
 
 def test_profiled_render_gives_the_same_picture_and_each_pass_time(gpu):
