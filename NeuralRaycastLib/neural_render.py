@@ -62,6 +62,10 @@ BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: on an H100 with most of its
 #: memory free, a 1024² view in one band, whose distances would take 4 GiB, could not be created.
 MAX_BUFFER_BYTES = 4 << 30
+#: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
+#: ``counted=False``): the networks' passes, then the shadow rays (whose loops over the list diverge more).
+LIST_THREADS_PER_RAY = 1
+SHADOW_THREADS_PER_RAY = 4
 #: Shaded segments per ray a batch makes room for at first (their surface values; more when needed).
 SHADED_PER_RAY = 16
 #: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
@@ -423,16 +427,17 @@ class DiffRenderer:
         clock.lap("place samples")
         # counted, exactly the listed samples: waves past the list's end would leave at once, but launching a
         # ray's every possible slot halved the speed of this pass at 1024² on an H100 (BENCHMARKS.md)
-        sampled = int(batch.list_counts.to_numpy()[2]) if counted else self.ray_count
+        sampled = int(batch.list_counts.to_numpy()[2]) if counted else LIST_THREADS_PER_RAY * self.ray_count
         if sampled:
             self.scene.distances(list_launch(batch.struct, sampled), batch.struct)
         clock.lap("distances")
+        room = (1 << 31) - 1 if counted else batch.surface_capacity  # (counted: the room is made next)
         self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
-                                       self.min_weight, self.shade_weight, tiles)
+                                       self.min_weight, self.shade_weight, tiles, room)
         if counted:
             batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
             batch.reserve_surfaces(batch.lists.shaded)
-        shaded = batch.lists.shaded if counted else self.ray_count
+        shaded = batch.lists.shaded if counted else LIST_THREADS_PER_RAY * self.ray_count
         clock.lap("work lists")
         if shaded:
             self.scene.surface(list_launch(batch.struct, shaded), batch.struct)
@@ -441,7 +446,8 @@ class DiffRenderer:
         if self.mesh_shadows is not None and shaded:
             key = self.shading["lighting"]["keyDirection"]
             grid = self.mesh_shadows.light_grid((key.x, key.y, key.z))
-            self._shadow_module.segmentVisibility(list_launch(batch.struct, shaded), batch.struct, self.shading,
+            rays = shaded if counted else SHADOW_THREADS_PER_RAY * self.ray_count
+            self._shadow_module.segmentVisibility(list_launch(batch.struct, rays), batch.struct, self.shading,
                                                   self.mesh_shadows.struct, grid, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
         self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
