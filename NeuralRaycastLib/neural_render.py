@@ -15,7 +15,9 @@ A batch of rays goes through a few small kernels rather than one large one:
 
 Keeping the networks out of the ray loop keeps every kernel small (quick to compile, also on a CPU
 device) and lets all samples of a batch run in parallel; the lists keep every thread of a wave busy
-(most samples lie in empty space, and tensor-core networks need whole waves).
+(most samples lie in empty space, and tensor-core networks need whole waves). A training batch's host reads
+each list's length before the passes over it; a rendered view's does not wait: its passes take the entries in
+turn over a number of threads fixed beforehand, and the lengths are read with the frame.
 """
 
 from __future__ import annotations
