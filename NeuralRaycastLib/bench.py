@@ -69,6 +69,25 @@ def timed(function: Callable[[], object], min_seconds: float, max_repeats: int) 
             return elapsed / count, count
 
 
+def timed_each(function: Callable[[], object], min_seconds: float, max_repeats: int) -> list[float]:
+    """Seconds of each call, repeated as :func:`timed` repeats it."""
+    seconds: list[float] = []
+    while not seconds or (sum(seconds) < min_seconds and len(seconds) < max_repeats):
+        start = time.perf_counter()
+        function()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def frame_notes(seconds: list[float]) -> str:
+    """How a row's repeated frames spread: the mean (the row's value) is pulled up by single slow frames, which
+    the median is not."""
+    if len(seconds) == 1:
+        return "1 run incl. read-back"
+    return (f"{len(seconds)} runs incl. read-back: median {1e3 * float(np.median(seconds)):.2f} ms, "
+            f"fastest {1e3 * min(seconds):.2f} ms, slowest {1e3 * max(seconds):.2f} ms")
+
+
 def bench_reference(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
     """Reference images per second (render + read-back) at 512² and 1024², without and with shadows."""
     from .camera import orbit_cameras
@@ -322,9 +341,9 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
         for label, shadow in (("no shadows", None), ("mesh shadows", shadows)):
             renderer.set_mesh_shadows(shadow)
             frame[label] = renderer.render(camera)
-            seconds, repeats = timed(lambda c=camera: renderer.render(c), budget, repeats_max)
-            rows.append(BenchRow("train", f"neural render {width}² ({label})", seconds * 1e3, "ms",
-                                 f"{repeats} runs incl. read-back; {renderer.max_samples} samples/ray max"))
+            each = timed_each(lambda c=camera: renderer.render(c), budget, repeats_max)
+            rows.append(BenchRow("train", f"neural render {width}² ({label})", 1e3 * float(np.mean(each)), "ms",
+                                 f"{frame_notes(each)}; {renderer.max_samples} samples/ray max"))
         passes: dict[str, float] = {}
         renderer.render(camera, timings=passes)  # with mesh shadows: where a frame's time goes
         rows.append(BenchRow("train", f"neural render {width}² passes", sum(passes.values()) * 1e3, "ms",

@@ -419,7 +419,7 @@ class DiffRenderer:
         ``counted``: the host reads each list's length before the passes over it (``batch.lists``), launches
         one thread per entry and makes room for every shaded segment's values. Else (a rendered view's bands) it
         never waits: one thread per ray takes every launched-th entry, the shaded segments have the room made
-        before, and ``batch.lists`` is unknown until :meth:`band_lists` reads it after the passes."""
+        before, and ``batch.lists`` is unknown until the view's frame is read (:meth:`render`)."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from NeuralRaycastLib.bench import memory_row
+from NeuralRaycastLib.bench import frame_notes, memory_row, timed_each
 
 
 def test_memory_row_reports_the_largest_sample_and_lists_them_all():
@@ -111,3 +111,16 @@ def test_the_kernels_suite_says_why_it_has_nothing_off_cuda():
 
     (row,) = bench_kernels(SimpleNamespace(backend="vulkan"), None, True, lambda *_: None)
     assert row.metric == "not measured" and math.isnan(row.value) and "vulkan" in row.notes
+
+
+def test_frame_rows_say_how_single_slow_frames_pull_the_mean():
+    """A frame-time row's value is the mean of its frames; its notes give the median and the extremes, so a
+    reader sees when one slow frame made the mean."""
+    seconds = [0.0160, 0.0158, 0.0410, 0.0159]
+    notes = frame_notes(seconds)
+    assert notes.startswith("4 runs incl. read-back: median 15.95 ms")
+    assert "fastest 15.80 ms" in notes and "slowest 41.00 ms" in notes
+    assert frame_notes([0.0160]) == "1 run incl. read-back"
+    calls = []
+    each = timed_each(lambda: calls.append(1), min_seconds=10.0, max_repeats=3)
+    assert len(each) == len(calls) == 3 and all(s >= 0.0 for s in each)

@@ -497,7 +497,8 @@ def test_a_band_that_lists_more_shaded_segments_than_it_has_room_for_renders_aga
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     expected = renderer.render(camera)
     batch = renderer._batch
-    assert batch.lists.shaded > 1 and batch.sampled_slots.shape[0] > camera.width * camera.height
+    assert batch.lists.shaded > 1
+    assert batch.lists.sampled > camera.width * camera.height  # a thread a ray took several entries in turn
     batch.surface_capacity = 0
     batch.reserve_surfaces(1)  # room for one shaded segment
     image = renderer.render(camera)
