@@ -345,6 +345,7 @@ class DiffRenderer:
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._frame: Any = None  # a whole view's sums on the device (render)
         self._planes: Any = None  # and its G-buffer
+        self._band_counts: Any = None  # each band's list counts, read with the frame (render)
         self._read_back = ReadBack(gpu)
         self.mesh_shadows = None
         self.set_occupancy(occupancy)
@@ -585,12 +586,13 @@ class DiffRenderer:
 
         pixels = camera.height * camera.width
         if self._frame is None or self._frame.shape[0] != pixels * OUTPUTS:  # one read-back of exactly the view
-            self._frame = self._planes = self._band_counts = None
+            self._frame = self._planes = None
             with device_memory(f"a {camera.width} × {camera.height} frame"):
                 self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
                 self._planes = spy.Tensor.zeros(self.gpu.device, shape=(pixels * PLANE_FLOATS,), dtype="float")
-                # each band's list counts (a band has a row at least)
-                self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
+        if self._band_counts is None or self._band_counts.shape[0] < camera.height * 3:
+            # each band's list counts (a band has a row at least)
+            self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
         planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False)
         if crowded:
             planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True)

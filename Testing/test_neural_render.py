@@ -507,6 +507,17 @@ def test_a_band_that_lists_more_shaded_segments_than_it_has_room_for_renders_aga
     assert renderer._batch is batch and batch.surface_capacity >= batch.lists.shaded
 
 
+def test_a_view_of_as_many_pixels_in_more_rows_keeps_each_bands_counts(gpu):
+    """Each band's list counts are kept aside until the frame is read: a view of as many pixels as the last one
+    but more rows, in more bands, renders as a fresh renderer renders it."""
+    wide = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 12, 10)
+    tall = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 4, 30)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    renderer.render(wide)
+    fresh, _scene = sphere_renderer(gpu, SPHERES)
+    np.testing.assert_array_equal(renderer.render(tall, rays_per_pass=4).rgba, fresh.render(tall, rays_per_pass=4).rgba)
+
+
 def test_profiled_render_gives_the_same_picture_and_each_pass_time(gpu):
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 12, 10)
