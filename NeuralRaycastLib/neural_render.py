@@ -449,8 +449,8 @@ class DiffRenderer:
         if self.mesh_shadows is not None and shaded:
             key = self.shading["lighting"]["keyDirection"]
             grid = self.mesh_shadows.light_grid((key.x, key.y, key.z))
-            rays = shaded if counted else SHADOW_THREADS_PER_RAY * self.ray_count
-            self._shadow_module.segmentVisibility(list_launch(batch.struct, rays), batch.struct, self.shading,
+            threads = shaded if counted else SHADOW_THREADS_PER_RAY * self.ray_count
+            self._shadow_module.segmentVisibility(list_launch(batch.struct, threads), batch.struct, self.shading,
                                                   self.mesh_shadows.struct, grid, self.mesh_shadows.settings)
             clock.lap("mesh shadows")
         self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
