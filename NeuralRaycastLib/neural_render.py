@@ -411,7 +411,7 @@ class DiffRenderer:
 
     # passes -------------------------------------------------------------------------------------------
     def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None,
-                for_backward: bool = False, counted: bool = True) -> None:
+                for_backward: bool = False, counted: bool = True, backward_follows: bool = True) -> None:
         """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
         ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
         ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame).
@@ -420,7 +420,9 @@ class DiffRenderer:
         ``counted``: the host reads each list's length before the passes over it (``batch.lists``), launches
         one thread per entry and makes room for every shaded segment's values. Else (a rendered view's bands) it
         never waits: one thread per ray takes every launched-th entry, the shaded segments have the room made
-        before, and ``batch.lists`` is unknown until the view's frame is read (:meth:`render`)."""
+        before, and ``batch.lists`` is unknown until the view's frame is read (:meth:`render`).
+        ``backward_follows``: list the samples a backward pass sends gradients to (the touched list); a
+        rendered view's bands do without."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
@@ -436,7 +438,7 @@ class DiffRenderer:
         clock.lap("distances")
         room = (1 << 31) - 1 if counted else batch.surface_capacity  # (counted: the room is made next)
         self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
-                                       self.min_weight, self.shade_weight, tiles, room)
+                                       self.min_weight, self.shade_weight, tiles, room, backward_follows)
         if counted:
             batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
             batch.reserve_surfaces(batch.lists.shaded)
@@ -553,7 +555,8 @@ class DiffRenderer:
                      ) -> Iterator[tuple[int, int, RayBatch]]:
         """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
-        after its :meth:`forward` (``timings``, ``counted``: see there). With ``frame`` (a device tensor of the
+        after its :meth:`forward` (``timings``, ``counted``: see there; no backward follows, so the batch has
+        no touched list). With ``frame`` (a device tensor of the
         view's sums) each band's sums go to their rows of it. A band the device cannot hold is rendered in
         halves, down to one row (GpuMemoryError there)."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
@@ -564,7 +567,7 @@ class DiffRenderer:
             at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
             try:
                 batch = self.camera_rays(camera, first, rows)
-                self.forward(batch, timings, sums_at=at, counted=counted)
+                self.forward(batch, timings, sums_at=at, counted=counted, backward_follows=False)
             except GpuMemoryError:
                 if rows == 1:
                     raise

@@ -224,6 +224,25 @@ def test_work_lists_hold_the_segments_compositing_reads(gpu, min_weight, shade_w
         assert (~is_composited & (depth > 1e-6) & ~alive).sum() > 100
 
 
+def test_a_rendered_band_lists_what_a_training_batch_does_but_the_touched_samples(gpu):
+    """A rendered view's bands (no backward pass follows) skip the touched list and nothing else: the same
+    shaded and sampled lists, the same marks, the same sums as a batch made for training."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 23, 19)
+    renderer, _scene = sphere_renderer(gpu, SPHERES, shade_weight=1e-2)
+    kept = []
+    for backward_follows in (True, False):
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch, backward_follows=backward_follows)
+        kept.append((batch.lists, batch.shaded_slots.to_numpy()[: batch.lists.shaded].copy(),
+                     batch.samples.to_numpy().copy(), renderer.sums(batch).copy()))
+    (trained, shaded, marks, sums), (rendered, band_shaded, band_marks, band_sums) = kept
+    assert trained.touched > trained.shaded > 0 and rendered.touched == 0
+    assert (rendered.shaded, rendered.sampled) == (trained.shaded, trained.sampled)
+    np.testing.assert_array_equal(np.sort(band_shaded), np.sort(shaded))  # (waves append in any order)
+    np.testing.assert_array_equal(band_marks, marks)
+    np.testing.assert_array_equal(band_sums, sums)
+
+
 def test_segment_albedo_is_the_scenes_and_its_gradient_reaches_the_scene(gpu):
     """The albedo losses' input (segment_albedo) is each shaded segment's albedo as the shading pass stored
     it: here the spheres' own colours. A gradient added to it between the two halves of the backward
