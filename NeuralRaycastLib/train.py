@@ -80,7 +80,7 @@ class TrainConfig:
     render_cell_mm: float = 1.0
     # ... and in the finished field's pictures: at 3e-3 a trained quick field's views shade 20 % fewer segments
     # per ray than at 1e-3 (12.7 -> 10.1), the pictures within 63 dB of exact shading (75 dB at 1e-3; 8-bit
-    # steps are 59 dB) and as close to the references (BENCHMARKS.md).
+    # steps are 59 dB) and as close to the references (BENCHMARKS.md). The standard preset's is 4e-3 (see there).
     render_shade_weight: float = 3e-3
     eval_every: int = 200
     seed: int = 0
