@@ -556,9 +556,8 @@ class DiffRenderer:
         """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
         after its :meth:`forward` (``timings``, ``counted``: see there; no backward follows, so the batch has
-        no touched list). With ``frame`` (a device tensor of the
-        view's sums) each band's sums go to their rows of it. A band the device cannot hold is rendered in
-        halves, down to one row (GpuMemoryError there)."""
+        no touched list). With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows
+        of it. A band the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
         rows_per_pass = max(1, rays_per_pass // camera.width)
         first = 0
