@@ -58,25 +58,20 @@ class BenchReport:
         return "\n".join(lines) + "\n"
 
 
-def timed(function: Callable[[], object], min_seconds: float, max_repeats: int) -> tuple[float, int]:
-    """Seconds per call over repeated calls (at least one, until ``min_seconds`` or ``max_repeats``)."""
-    count, start = 0, time.perf_counter()
-    while True:
-        function()
-        count += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds or count >= max_repeats:
-            return elapsed / count, count
-
-
 def timed_each(function: Callable[[], object], min_seconds: float, max_repeats: int) -> list[float]:
-    """Seconds of each call, repeated as :func:`timed` repeats it."""
+    """Seconds of each of repeated calls (at least one, until ``min_seconds`` in all or ``max_repeats``)."""
     seconds: list[float] = []
     while not seconds or (sum(seconds) < min_seconds and len(seconds) < max_repeats):
         start = time.perf_counter()
         function()
         seconds.append(time.perf_counter() - start)
     return seconds
+
+
+def timed(function: Callable[[], object], min_seconds: float, max_repeats: int) -> tuple[float, int]:
+    """Seconds per call over repeated calls, and how many (as :func:`timed_each` repeats them)."""
+    seconds = timed_each(function, min_seconds, max_repeats)
+    return sum(seconds) / len(seconds), len(seconds)
 
 
 def frame_notes(seconds: list[float]) -> str:
