@@ -333,7 +333,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                 resample = self._askToResample()
                 if resample is None:
                     return
-                from NeuralRaycastLib.warmup import WarmUpCancelled
+                from NeuralRaycastLib.train.warmup import WarmUpCancelled
 
                 try:
                     run = self._train(parameters, resample)
@@ -437,7 +437,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def __init__(self) -> None:
         """Called when the logic class is instantiated. Can be used for initializing member variables."""
         ScriptedLoadableModuleLogic.__init__(self)
-        #: The trained or loaded field (``NeuralRaycastLib.pipeline.TrainedRun``); None until train/loadRun.
+        #: The trained or loaded field (``NeuralRaycastLib.train.run_folder.TrainedRun``); None until train/loadRun.
         self.run = None
         #: Structure name -> (segment name, segment colour) of the last segmentation read.
         self.structureSegments: dict[str, tuple[str, tuple[float, float, float]]] = {}
@@ -527,7 +527,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def channelName(cls, nodeName: str, used: set) -> str:
         """Channel name for a volume node: its sanitized name, or the BraTS channel (t1, t1ce, t2, flair)
         when the name ends with a BraTS suffix (``..._t1c``, ``...-t2f``)."""
-        from NeuralRaycastLib.study import BRATS_CHANNELS
+        from NeuralRaycastLib.study.study import BRATS_CHANNELS
 
         tokens = re.split(r"[^a-z0-9]+", (nodeName or "").lower().strip())
         brats = BRATS_CHANNELS.get(tokens[-1]) if tokens and len([t for t in tokens if t]) > 1 else None
@@ -575,7 +575,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def _checkSameGrid(volumeNode, shape, affine: np.ndarray, refNode, refShape, refAffine) -> None:
         """Raise GridMismatchError unless ``volumeNode`` (voxel array shape ``shape``, KJI) lies on the
         reference grid (same shape, corners within a tenth of a voxel)."""
-        from NeuralRaycastLib.study import GRID_TOLERANCE_VOXELS, grid_corners
+        from NeuralRaycastLib.study.study import GRID_TOLERANCE_VOXELS, grid_corners
 
         if tuple(shape[:3]) != tuple(refShape[:3]):
             raise GridMismatchError(
@@ -708,7 +708,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     def studyFromNodes(self, volumeNodes, segmentationNode=None, probabilityNode=None, resampleToReference=False,
                        brainMaskNode=None):
-        """Build a checked ``NeuralRaycastLib.study.Study`` from scene nodes (the scene is not changed).
+        """Build a checked ``NeuralRaycastLib.study.study.Study`` from scene nodes (the scene is not changed).
 
         :param volumeNodes: scalar volumes, the reference channel first; all must share its grid, unless
             ``resampleToReference``: then volumes on other grids are resampled onto it (trilinear).
@@ -720,7 +720,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :return: the study; arrays are IJK ordered, ``affine`` is IJK -> world RAS (parent transforms included).
         Raises ValueError (``StudyError`` is one) naming the node at fault.
         """
-        from NeuralRaycastLib.study import Study
+        from NeuralRaycastLib.study.study import Study
 
         volumeNodes = [node for node in (volumeNodes or []) if node is not None]
         if not volumeNodes:
@@ -774,11 +774,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     # -- preparation ----------------------------------------------------------------------------------
 
     def prepareStudy(self, study, progress=None):
-        """Brain mask, boundary maps and tumour probability (``NeuralRaycastLib.preprocess.prepare``).
+        """Brain mask, boundary maps and tumour probability (``NeuralRaycastLib.study.preprocess.prepare``).
 
         :param progress: optional ``callback(message: str, fraction: float)``.
         """
-        from NeuralRaycastLib.preprocess import prepare
+        from NeuralRaycastLib.study.preprocess import prepare
 
         startTime = time.time()
         prepared = prepare(study, progress=progress)
@@ -787,20 +787,20 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     @staticmethod
     def summaryText(prepared) -> str:
-        from NeuralRaycastLib.summary import study_summary, summary_text
+        from NeuralRaycastLib.study.summary import study_summary, summary_text
 
         return summary_text(study_summary(prepared))
 
     # -- studies into the scene -----------------------------------------------------------------------
 
     def addStudyToScene(self, study, name: str | None = None):
-        """Add a ``NeuralRaycastLib.study.Study`` to the scene: one volume per channel and, if it has labels,
+        """Add a ``NeuralRaycastLib.study.study.Study`` to the scene: one volume per channel and, if it has labels,
         a segmentation with one (possibly overlapping) segment per structure, in the structure's colour.
 
         Returns ``(volume nodes, segmentation node or None)``. All or nothing: on an error the nodes added
         so far are removed.
         """
-        from NeuralRaycastLib.structures import make_structures
+        from NeuralRaycastLib.study.structures import make_structures
 
         name = name or study.name
         added = []
@@ -835,8 +835,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param case: ``icbm`` (real anatomy with a synthetic lesion; the template is fetched once, pinned and
             checksummed) or ``phantom`` (analytic shapes, nothing fetched).
         """
-        from NeuralRaycastLib.sample import write_sample
-        from NeuralRaycastLib.study import load_study
+        from NeuralRaycastLib.study.sample import write_sample
+        from NeuralRaycastLib.study.study import load_study
 
         folder = folder or os.path.join(os.path.expanduser("~"), "NeuralRaycast", "samples", case)
         study = load_study(write_sample(folder, case, spacing, progress=progress))
@@ -858,7 +858,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     @staticmethod
     def gpuContext(device: str = "auto"):
         """The slangpy device (opened once per process); raises GpuUnavailableError naming what to install."""
-        from NeuralRaycastLib.gpu import open_device
+        from NeuralRaycastLib.gpu.device import open_device
 
         return open_device(None if device in (None, "", "auto") else device)
 
@@ -867,7 +867,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                     shadows: bool = False):
         """``auto`` is the quick preset on a software device (lavapipe) and the standard one on a GPU; zeros
         keep the preset's number of iterations, reference views and view size."""
-        from NeuralRaycastLib.pipeline import RunSettings
+        from NeuralRaycastLib.train.run_folder import RunSettings
 
         return RunSettings.for_device(gpu, None if preset in (None, "", "auto") else preset, seed=seed,
                                       iterations=iterations or None, views=views or None, size=size or None,
@@ -890,19 +890,19 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param shouldStop: optional ``callback() -> bool`` polled between steps; a cancel keeps and saves the
             state reached (``run.log.cancelled`` is then True).
         :param views, size: number and pixel size of the reference views (0: the preset's).
-        :param config: a ``NeuralRaycastLib.train.TrainConfig`` replacing the preset's schedule (scripting).
+        :param config: a ``NeuralRaycastLib.train.trainer.TrainConfig`` replacing the preset's schedule (scripting).
         :param resampleToReference: resample volumes on other grids onto the reference (else an error).
         :param shadows: train on views lit with key-light shadows, shading the field through its own meshes.
         :param brainMaskNode: optional brain mask volume (see ``studyFromNodes``).
-        :return: ``NeuralRaycastLib.pipeline.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
+        :return: ``NeuralRaycastLib.train.run_folder.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite, WarmUpCancelled if cancelled while the kernels compile (nothing trained then).
         On a GPU that has not compiled this run's kernels yet, they are compiled first in worker processes
-        side by side (``NeuralRaycastLib.warmup``; about half a minute on an H100, once per machine), which
+        side by side (``NeuralRaycastLib.train.warmup``; about half a minute on an H100, once per machine), which
         keeps Slicer responsive.
         """
-        from NeuralRaycastLib.pipeline import prepare_study_for_run, train_prepared
-        from NeuralRaycastLib.warmup import ensure_warm_for_study
+        from NeuralRaycastLib.train.run_folder import prepare_study_for_run, train_prepared
+        from NeuralRaycastLib.train.warmup import ensure_warm_for_study
 
         gpu = self.gpuContext(device)
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
@@ -925,7 +925,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 resampleToReference: bool = False, brainMaskNode=None):
         """Reload a trained model for the study in the scene (the one it was trained on: its geometry is
         checked). Returns the TrainedRun (also kept as ``self.run``)."""
-        from NeuralRaycastLib.pipeline import load_run, prepare_study_for_run, read_run
+        from NeuralRaycastLib.train.run_folder import load_run, prepare_study_for_run, read_run
 
         folder = str(runFolder or "")
         if folder in ("", ".") or not os.path.isdir(folder):
@@ -958,8 +958,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     @staticmethod
     def cameraFromNode(cameraNode, size: tuple[int, int]):
-        """A ``NeuralRaycastLib.camera.Camera`` from a vtkMRMLCameraNode and an image size (width, height)."""
-        from NeuralRaycastLib.camera import Camera
+        """A ``NeuralRaycastLib.render.camera.Camera`` from a vtkMRMLCameraNode and an image size (width, height)."""
+        from NeuralRaycastLib.render.camera import Camera
 
         camera = cameraNode.GetCamera()
         return Camera.from_slicer(camera.GetPosition(), camera.GetFocalPoint(), camera.GetViewUp(),
@@ -1174,7 +1174,7 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
     def phantomInScene(self, folder: str, spacing: float = 2.0):
         """The analytic phantom sample as four volumes and a three-segment segmentation (the way the
         Sample Data button adds a sample), with the segments' masks (IJK)."""
-        from NeuralRaycastLib.study import load_study
+        from NeuralRaycastLib.study.study import load_study
 
         volumes, segmentationNode = NeuralRaycastLogic().loadSampleStudy(folder, "phantom", spacing)
         study = load_study(os.path.join(folder, "manifest.json"))
@@ -1189,7 +1189,7 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         import tempfile
         from dataclasses import replace
 
-        from NeuralRaycastLib.train import preset
+        from NeuralRaycastLib.train.trainer import preset
 
         self.delayDisplay("Starting the train, render and models test (about a minute on a CPU)")
         logic = NeuralRaycastLogic()

@@ -38,7 +38,7 @@ def tiny_brats(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def phantom_study_dir(tmp_path_factory) -> Path:
-    from NeuralRaycastLib.sample import write_sample
+    from NeuralRaycastLib.study.sample import write_sample
 
     return write_sample(tmp_path_factory.mktemp("phantom"), "phantom", spacing=2.0).parent
 
@@ -66,7 +66,7 @@ def own_data_caches(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gpu():
     """The device every GPU test shares (CUDA or Vulkan; on a machine without a GPU, lavapipe)."""
-    from NeuralRaycastLib.gpu import open_device
+    from NeuralRaycastLib.gpu.device import open_device
 
     return open_device()
 
@@ -78,10 +78,10 @@ def analytic_prepared(sdfs: dict, spacing: float, low, high, channel=None, chann
     distance transform (which has its own tests). ``channel_count`` > 1 repeats the channel, scaled, under
     the BraTS names (a field then has as many appearance inputs as one of a BraTS study).
     """
-    from NeuralRaycastLib.preprocess import PreparedStudy
-    from NeuralRaycastLib.sample.phantom import voxel_centres
-    from NeuralRaycastLib.structures import make_structures
-    from NeuralRaycastLib.study import Study
+    from NeuralRaycastLib.study.preprocess import PreparedStudy
+    from NeuralRaycastLib.study.sample.phantom import voxel_centres
+    from NeuralRaycastLib.study.structures import make_structures
+    from NeuralRaycastLib.study.study import Study
 
     low, high = np.asarray(low, float), np.asarray(high, float)
     shape = tuple(int(np.ceil((high - low) / spacing)) + 1 for low, high in zip(low, high, strict=True))
@@ -117,7 +117,7 @@ def sphere_trace(sdf, origin, directions, t_max=2000.0, iterations=400):
 
 def phantom_prepared(spacing: float, channel_count: int = 1):
     """The analytic phantom, exact boundary maps on a grid of ``spacing`` mm around its brain: (phantom, prepared)."""
-    from NeuralRaycastLib.sample.phantom import Phantom
+    from NeuralRaycastLib.study.sample.phantom import Phantom
 
     phantom = Phantom()
     low = np.asarray(phantom.brain_centre) - np.asarray(phantom.brain_half_extent) - 6.0

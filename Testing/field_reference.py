@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from NeuralRaycastLib.field import FieldLayout
+from NeuralRaycastLib.field.field import FieldLayout
 
 PRIME_Y, PRIME_Z = np.uint64(2654435761), np.uint64(805459861)
 
@@ -131,7 +131,7 @@ def central_difference(function, values: np.ndarray, directions: np.ndarray, ste
 
 def tiny_config(log2_table: int = 10, coarsest_cells: int = 4, finest_cell_mm: float = 2.0):
     """The small field every field test uses (one shader compile shared by all of them)."""
-    from NeuralRaycastLib.field import EncodingConfig, FieldConfig, NetworkConfig
+    from NeuralRaycastLib.field.field import EncodingConfig, FieldConfig, NetworkConfig
 
     return FieldConfig(
         EncodingConfig(levels=8, features=2, log2_table=log2_table, coarsest_cells=coarsest_cells,

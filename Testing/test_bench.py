@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from NeuralRaycastLib.bench import frame_notes, memory_row, timed_each
+from NeuralRaycastLib.bench.suites import frame_notes, memory_row, timed_each
 
 
 def test_memory_row_reports_the_largest_sample_and_lists_them_all():
@@ -28,7 +28,7 @@ def test_memory_row_says_when_the_device_does_not_tell():
 def test_warps_an_sm_holds_follow_from_registers_and_shared_memory():
     """What the kernels suite reports beside each kernel: 255 registers a thread (the fit's) leave room for 8
     of slangpy's one-warp groups on an H100 SM; even a small kernel gets 32 of 64 warps (32 groups at most)."""
-    from NeuralRaycastLib.kernel_resources import resident_warps
+    from NeuralRaycastLib.bench.kernel_resources import resident_warps
 
     assert resident_warps(255) == resident_warps(255, 16384) == 8
     assert (resident_warps(168), resident_warps(128), resident_warps(72, 1024), resident_warps(32)) == (12, 16, 28, 32)
@@ -47,7 +47,7 @@ ptxas info    : Function properties for helper
 
 
 def test_the_entry_functions_figures_are_read_from_a_ptxas_report():
-    from NeuralRaycastLib.kernel_resources import parse_ptxas_report
+    from NeuralRaycastLib.bench.kernel_resources import parse_ptxas_report
 
     kernel = parse_ptxas_report(PTXAS_REPORT, 910754)
     assert (kernel.registers, kernel.spill_stores, kernel.spill_loads, kernel.shared_bytes) == (255, 988, 960, 16384)
@@ -57,7 +57,7 @@ def test_the_entry_functions_figures_are_read_from_a_ptxas_report():
 def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path):
     """PTX kept in a database file among other bytes is found once each, largest first, and ptxas reads it
     (with the CUDA toolkit on this machine; no GPU is needed); the kernels suite reports each."""
-    from NeuralRaycastLib.kernel_resources import find_ptxas, ptx_programs, ptxas_resources
+    from NeuralRaycastLib.bench.kernel_resources import find_ptxas, ptx_programs, ptxas_resources
 
     if shutil.which("nvcc") is None or find_ptxas() is None:
         pytest.skip("no CUDA toolkit (nvcc, ptxas) on this machine")
@@ -95,7 +95,7 @@ def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path):
 
     from types import SimpleNamespace
 
-    from NeuralRaycastLib.bench import bench_kernels
+    from NeuralRaycastLib.bench.suites import bench_kernels
 
     device = SimpleNamespace(backend="cuda", report=SimpleNamespace(shader_cache=str(cache), compute_capability=90))
     count, first, second = bench_kernels(device, None, True, lambda *_: None)
@@ -107,7 +107,7 @@ def test_kernels_in_a_shader_cache_are_found_and_assembled(tmp_path):
 def test_the_kernels_suite_says_why_it_has_nothing_off_cuda():
     from types import SimpleNamespace
 
-    from NeuralRaycastLib.bench import bench_kernels
+    from NeuralRaycastLib.bench.suites import bench_kernels
 
     (row,) = bench_kernels(SimpleNamespace(backend="vulkan"), None, True, lambda *_: None)
     assert row.metric == "not measured" and math.isnan(row.value) and "vulkan" in row.notes

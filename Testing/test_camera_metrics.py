@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from skimage.metrics import structural_similarity
 
-from NeuralRaycastLib.camera import Camera, orbit_cameras, split_views
-from NeuralRaycastLib.metrics import contact_sheet, dssim, l1, psnr, ssim
+from NeuralRaycastLib.render.camera import Camera, orbit_cameras, split_views
+from NeuralRaycastLib.render.metrics import contact_sheet, dssim, l1, psnr, ssim
 
 
 def test_slicer_camera_round_trip():

@@ -9,7 +9,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from NeuralRaycastLib.cli import build_parser, main
+from NeuralRaycastLib.app.cli import build_parser, main
 
 
 @pytest.mark.parametrize("command", ["info", "cache", "sample", "prepare", "render-reference", "fit", "render",
@@ -82,10 +82,10 @@ def test_mesh_writes_one_file_per_structure_and_format(tmp_path, capsys):
 
 
 def test_fit_and_evaluate_a_run(tmp_path, capsys):
-    from NeuralRaycastLib.model_io import ModelFileError, StudyGeometry, load_model
-    from NeuralRaycastLib.preprocess import prepare
-    from NeuralRaycastLib.sample import write_sample
-    from NeuralRaycastLib.study import load_study
+    from NeuralRaycastLib.field.model_io import ModelFileError, StudyGeometry, load_model
+    from NeuralRaycastLib.study.preprocess import prepare
+    from NeuralRaycastLib.study.sample import write_sample
+    from NeuralRaycastLib.study.study import load_study
 
     # The phantom's structures and channels, as the Slicer module's end-to-end test: one set of kernels.
     assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
@@ -136,8 +136,8 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
 
 
 def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
-    from NeuralRaycastLib.pipeline import RunSettings
-    from NeuralRaycastLib.warmup import _parts_in_processes
+    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.warmup import _parts_in_processes
 
     with pytest.raises(RuntimeError, match="warm-up failed in fit: .*missing"):
         _parts_in_processes(tmp_path / "missing.nii.gz", RunSettings("quick"), None, 3, lambda *_: None)
@@ -146,9 +146,9 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
 def test_a_cancelled_warm_up_stops_its_workers(tmp_path, monkeypatch):
     """While the parts compile (minutes) progress keeps coming; a cancel (Slicer's Cancel button) kills every
     worker and says so."""
-    from NeuralRaycastLib import warmup
-    from NeuralRaycastLib.pipeline import RunSettings
-    from NeuralRaycastLib.warmup import WarmUpCancelled, _parts_in_processes
+    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.trainer import warmup
+    from NeuralRaycastLib.train.warmup import WarmUpCancelled, _parts_in_processes
 
     pids = tmp_path / "pids"
     worker = tmp_path / "python"  # stands in for the interpreter: notes its process and waits
@@ -182,9 +182,9 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
     kernels nothing is written or run."""
     from types import SimpleNamespace
 
-    from NeuralRaycastLib import warmup
-    from NeuralRaycastLib.pipeline import RunSettings, prepare_study_for_run
-    from NeuralRaycastLib.study import Study, load_study
+    from NeuralRaycastLib.study.study import Study, load_study
+    from NeuralRaycastLib.train.run_folder import RunSettings, prepare_study_for_run
+    from NeuralRaycastLib.train.trainer import warmup
 
     study = load_study(phantom_study_dir)
     monkeypatch.setattr(warmup, "STAND_IN_VOXELS", max(study.shape) // 2)
@@ -240,8 +240,8 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
     the joint step's process starts only once all four have ended (it then finds their kernels cached).
     Workers are stand-ins here: the order is what is checked, with even five processes allowed, and that each
     is told the voxel size its field is sized for (a stand-in's study's)."""
-    from NeuralRaycastLib import warmup
-    from NeuralRaycastLib.pipeline import RunSettings
+    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.trainer import warmup
 
     events: list[tuple[str, str]] = []
     commands: list[list[str]] = []
@@ -283,8 +283,8 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
 def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_at_a_time(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from NeuralRaycastLib import warmup
-    from NeuralRaycastLib.pipeline import RunSettings
+    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.trainer import warmup
 
     calls = []
     monkeypatch.setattr(warmup, "prepare_for_run", lambda study, settings: "prepared")
@@ -311,9 +311,9 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
 
     from conftest import phantom_prepared
 
-    from NeuralRaycastLib import warmup
     from NeuralRaycastLib.paths import SHADERS_ENV, shader_dir
-    from NeuralRaycastLib.pipeline import RunSettings
+    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.trainer import warmup
 
     shaders = tmp_path / "shaders"
     shutil.copytree(shader_dir(), shaders)
@@ -356,8 +356,9 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
 @pytest.mark.parametrize("flags", [[], ["--no-warmup"]])
 def test_fit_asks_for_the_warm_up_before_training_unless_told_not_to(flags, tmp_path, capsys, monkeypatch):
     """The warm-up gets the study as the run prepared it (nothing prepared twice), before any training."""
-    from NeuralRaycastLib import pipeline, warmup
-    from NeuralRaycastLib.preprocess import PreparedStudy
+    from NeuralRaycastLib.study.preprocess import PreparedStudy
+    from NeuralRaycastLib.train.trainer import run_folder as pipeline
+    from NeuralRaycastLib.train.trainer import warmup
 
     calls = []
 
@@ -384,7 +385,7 @@ def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
     compiler's warnings do) goes to standard error instead."""
     import os
 
-    import NeuralRaycastLib.cli as cli
+    import NeuralRaycastLib.app.cli as cli
 
     def noisy_info(args):
         os.write(1, b"warning[E41035]: from native code\n")
@@ -403,7 +404,7 @@ def test_json_output_stays_json_when_native_code_prints(capfd, monkeypatch):
 def test_cache_lists_its_folders_and_clears_only_those_named(tmp_path, monkeypatch, capsys):
     """Users see what the cache holds and free the space of the folders they name; others stay."""
     from NeuralRaycastLib.paths import CACHE_ENV, CACHE_FOLDERS
-    from NeuralRaycastLib.study_cache import load_study_cached
+    from NeuralRaycastLib.study.cache import load_study_cached
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     assert main(["sample", str(tmp_path / "s"), "--case", "fixture"]) == 0

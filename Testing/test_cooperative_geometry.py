@@ -15,10 +15,10 @@ import pytest
 from conftest import phantom_prepared
 from field_reference import tiny_config
 
-from NeuralRaycastLib import field as field_module
-from NeuralRaycastLib.field import FieldConfig, FieldLayout, NetworkConfig, NeuralField
-from NeuralRaycastLib.fit import FitConfig, SdfFitter, band_errors
-from NeuralRaycastLib.sample.phantom import voxel_centres
+from NeuralRaycastLib.field.field import FieldConfig, FieldLayout, NetworkConfig, NeuralField
+from NeuralRaycastLib.field.field import field as field_module
+from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors
+from NeuralRaycastLib.study.sample.phantom import voxel_centres
 
 pytestmark = pytest.mark.gpu
 
@@ -387,9 +387,9 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
     as the per-thread kernels to half precision, and nearly the same gradients for the hash table and the
     appearance network; the geometry network gets none from the images on either path (field_scene.py).
     With the geometry frozen (stage 2) only the appearance network gets gradients, nearly the same too."""
-    from NeuralRaycastLib.camera import orbit_cameras
-    from NeuralRaycastLib.neural_render import OUTPUTS
-    from NeuralRaycastLib.train import field_renderer
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.render.neural_render import OUTPUTS
+    from NeuralRaycastLib.train.trainer import field_renderer
 
     prepared = phantom[1]
     scalar, cooperative = paired_fields(cuda, prepared, config_for(full_network=True))
@@ -436,9 +436,9 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
 def test_a_tensor_core_render_shows_every_change_of_the_weights(cuda, phantom):
     """Frames of a finished field reuse the weights' tensor-core copy; a change through set_parameters or an
     Adam step shows in the next frame, which is then the frame of a new field holding those weights."""
-    from NeuralRaycastLib.camera import orbit_cameras
-    from NeuralRaycastLib.fit import Adam
-    from NeuralRaycastLib.train import field_renderer
+    from NeuralRaycastLib.field.sdf_fit import Adam
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.train.trainer import field_renderer
 
     prepared = phantom[1]
     _scalar, field = paired_fields(cuda, prepared, config_for(full_network=True))

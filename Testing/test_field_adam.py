@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from NeuralRaycastLib.fit import FitConfig, active_levels, learning_rate_factor
+from NeuralRaycastLib.field.sdf_fit import FitConfig, active_levels, learning_rate_factor
 
 
 def numpy_adam(values, grads, m, v, groups, rates, beta1, beta2, epsilon, step, sparse_groups):

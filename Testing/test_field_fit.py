@@ -7,9 +7,9 @@ import pytest
 from conftest import phantom_prepared
 from field_reference import tiny_config
 
-from NeuralRaycastLib.field import FieldLayout, NeuralField
-from NeuralRaycastLib.fit import FitConfig, SdfFitter, band_errors, fit_sdf
-from NeuralRaycastLib.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.field.field import FieldLayout, NeuralField
+from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors, fit_sdf
+from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
 
 pytestmark = pytest.mark.gpu
 

@@ -25,8 +25,8 @@ from field_reference import (
     tiny_config,
 )
 
-from NeuralRaycastLib.field import FieldLayout, NeuralField
-from NeuralRaycastLib.fit import FitConfig, SdfFitter
+from NeuralRaycastLib.field.field import FieldLayout, NeuralField
+from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter
 
 pytestmark = pytest.mark.gpu
 

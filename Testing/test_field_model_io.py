@@ -12,8 +12,8 @@ from conftest import analytic_prepared
 from field_reference import tiny_config
 from safetensors.numpy import save_file
 
-from NeuralRaycastLib.field import FieldLayout, NeuralField
-from NeuralRaycastLib.model_io import (
+from NeuralRaycastLib.field.field import FieldLayout, NeuralField
+from NeuralRaycastLib.field.model_io import (
     FORMAT_VERSION,
     METADATA_KEY,
     ModelFileError,
@@ -207,7 +207,7 @@ def test_field_for_another_study_is_rejected(saved, geometry):
 def test_export_of_a_model_beyond_float16_leaves_nothing_behind(tmp_path, layout, geometry):
     from dataclasses import asdict
 
-    from NeuralRaycastLib.pipeline import RUN_VERSION, RunSettings, export_run
+    from NeuralRaycastLib.train.run_folder import RUN_VERSION, RunSettings, export_run
 
     run = tmp_path / "run"
     params = np.zeros(layout.count, np.float32)

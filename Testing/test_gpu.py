@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from NeuralRaycastLib import gpu
-from NeuralRaycastLib import gpu as gpu_module
+from NeuralRaycastLib.gpu.device import device as gpu
+from NeuralRaycastLib.gpu.device import device as gpu_module
 
 
 def test_default_device_runs_a_kernel(gpu):
@@ -123,7 +123,7 @@ def test_slangpy_is_loaded_without_torch_where_torch_is_installed(tmp_path):
     and the device works and torch stays importable."""
     plain = run_with_installed_torch(tmp_path, "import slangpy")
     assert plain["torch_loaded_with_slangpy"]  # the cost being avoided (a newer slangpy may drop it)
-    ours = run_with_installed_torch(tmp_path, "from NeuralRaycastLib.gpu import open_device\n"
+    ours = run_with_installed_torch(tmp_path, "from NeuralRaycastLib.gpu.device import open_device\n"
                                               "open_device().load_module('device_check')")
     assert not ours["torch_loaded_with_slangpy"]
     assert ours["torch_importable_after"]
@@ -132,8 +132,8 @@ def test_slangpy_is_loaded_without_torch_where_torch_is_installed(tmp_path):
 def test_a_buffer_the_device_cannot_create_is_named_in_the_error():
     """A failed buffer creation becomes GpuMemoryError naming what was being allocated (the CLI prints it as
     one line); other errors pass through as they are."""
-    from NeuralRaycastLib.cli import USER_ERRORS
-    from NeuralRaycastLib.gpu import GpuMemoryError, device_memory
+    from NeuralRaycastLib.app.cli import USER_ERRORS
+    from NeuralRaycastLib.gpu.device import GpuMemoryError, device_memory
 
     failed = "m_device->rhi_device()->createBuffer(rhi_desc) failed with error: -2147467259"
     with pytest.raises(GpuMemoryError, match=r"could not hold the frame \(.*createBuffer"), device_memory("the frame"):
@@ -255,7 +255,7 @@ def test_tensor_core_networks_only_on_cuda_gpus_that_have_their_instruction():
     (their m16n8k16 half instruction), never on older ones, other backends or an unknown GPU, and not where
     NEURALRAYCAST_COOPERATIVE is 0: there the per-thread networks run instead of kernels that cannot load.
     The reason is what `neuralraycast info` prints."""
-    from NeuralRaycastLib.gpu import tensor_core_networks
+    from NeuralRaycastLib.gpu.device import tensor_core_networks
 
     assert tensor_core_networks("cuda", 90, "1") == (True, "compute capability 9.0")
     assert tensor_core_networks("cuda", 80, "1")[0]
@@ -268,7 +268,7 @@ def test_tensor_core_networks_only_on_cuda_gpus_that_have_their_instruction():
 def test_tensor_core_networks_need_hidden_widths_of_whole_tiles():
     """Hidden widths that are not multiples of 16 keep a field on the per-thread networks (its tensor-core
     kernels work on 16-wide tiles of the hidden layers)."""
-    from NeuralRaycastLib.field import NetworkConfig, field_config_for
+    from NeuralRaycastLib.field.field import NetworkConfig, field_config_for
 
     assert NetworkConfig().tile_sized and field_config_for(1.0, small=True).network.tile_sized
     assert not NetworkConfig(hidden=24).tile_sized and not NetworkConfig(appearance_hidden=40).tile_sized
@@ -279,7 +279,7 @@ def test_a_field_asked_for_tensor_cores_where_they_cannot_run_says_why(gpu):
     than with kernels that do not compile or load."""
     from field_reference import tiny_config
 
-    from NeuralRaycastLib.field import FieldConfigError, FieldLayout, NeuralField
+    from NeuralRaycastLib.field.field import FieldConfigError, FieldLayout, NeuralField
 
     if tensor_core_networks_here(gpu):
         pytest.skip("this device runs the tensor-core networks")
@@ -289,7 +289,7 @@ def test_a_field_asked_for_tensor_cores_where_they_cannot_run_says_why(gpu):
 
 
 def tensor_core_networks_here(gpu) -> bool:
-    from NeuralRaycastLib.gpu import tensor_core_networks
+    from NeuralRaycastLib.gpu.device import tensor_core_networks
 
     return tensor_core_networks(gpu.backend, gpu.report.compute_capability, "1")[0]
 
@@ -300,7 +300,7 @@ def test_kernel_clock_times_each_launch_and_restores_slangpy(gpu):
     left as they were afterwards, also when the block raises."""
     import slangpy as spy
 
-    from NeuralRaycastLib.kernel_clock import kernel_clock
+    from NeuralRaycastLib.bench.kernel_clock import kernel_clock
 
     module = gpu.load_module("device_check")
     a = spy.Tensor.from_numpy(gpu.device, np.arange(1 << 16, dtype=np.float32))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from NeuralRaycastLib.image_loss import patch_loss_and_gradient, ssim_and_gradient
-from NeuralRaycastLib.metrics import ssim
+from NeuralRaycastLib.render.image_loss import patch_loss_and_gradient, ssim_and_gradient
+from NeuralRaycastLib.render.metrics import ssim
 
 
 def _patches(seed: int, shape=(3, 16, 16, 4)):
@@ -62,7 +62,7 @@ def _gbuffer(seed: int, shape=(2, 6, 5)):
 
 
 def test_geometry_terms_gradient_matches_finite_differences():
-    from NeuralRaycastLib.image_loss import geometry_loss_and_gradient
+    from NeuralRaycastLib.render.image_loss import geometry_loss_and_gradient
 
     sums, targets = _gbuffer(4)
     loss, terms, gradient = geometry_loss_and_gradient(sums, targets, 0.7, 0.3, depth_scale_mm=2.0)
@@ -81,7 +81,7 @@ def test_geometry_terms_gradient_matches_finite_differences():
 
 
 def test_geometry_terms_vanish_on_the_reference_g_buffer():
-    from NeuralRaycastLib.image_loss import geometry_loss_and_gradient
+    from NeuralRaycastLib.render.image_loss import geometry_loss_and_gradient
 
     _sums, targets = _gbuffer(6)
     sums = targets.copy()
@@ -92,7 +92,7 @@ def test_geometry_terms_vanish_on_the_reference_g_buffer():
 
 
 def test_albedo_consistency_gradient_and_zero_when_uniform():
-    from NeuralRaycastLib.image_loss import albedo_consistency_and_gradient
+    from NeuralRaycastLib.render.image_loss import albedo_consistency_and_gradient
 
     rng = np.random.default_rng(7)
     albedo, weight = rng.random((20, 3, 3)), rng.random((20, 3))
@@ -133,8 +133,8 @@ def _rendered_batch(seed: int, patches: int, size: int):
 
 def _device_evaluator(gpu, patches: int, size: int, **weights):
     """The device loss of sums (P, size, size, 8) against fixed targets: sums -> (terms, ∂loss/∂sums)."""
-    from NeuralRaycastLib.image_loss import DeviceImageLoss
-    from NeuralRaycastLib.neural_render import OUTPUTS, RayBatch
+    from NeuralRaycastLib.render.image_loss import DeviceImageLoss
+    from NeuralRaycastLib.render.neural_render import OUTPUTS, RayBatch
 
     rays = patches * size * size
     batch = RayBatch(gpu, rays + 40, max_samples=2, structures=1)  # more room than rays, as in training
@@ -156,7 +156,7 @@ GEOMETRY = {"image_weight": 0.9, "normal_weight": 0.7, "depth_weight": 0.3, "dep
 @pytest.mark.gpu
 @pytest.mark.parametrize("weights", [{}, GEOMETRY], ids=["image", "image+geometry"])
 def test_device_loss_and_gradient_are_the_numpy_ones(gpu, weights):
-    from NeuralRaycastLib.image_loss import geometry_loss_and_gradient
+    from NeuralRaycastLib.render.image_loss import geometry_loss_and_gradient
 
     sums, targets = _rendered_batch(8, patches=3, size=13)
     alpha = sums[..., 3]
@@ -193,7 +193,7 @@ def test_device_gradient_matches_finite_differences_of_the_device_loss(gpu):
     the float64 reference is smooth (no kink of |·| or of the alpha threshold within the step: its own
     central difference agrees with its gradient) and for derivatives the float32 loss resolves over the
     step (its rounding moves it by about 1e-7)."""
-    from NeuralRaycastLib.image_loss import geometry_loss_and_gradient
+    from NeuralRaycastLib.render.image_loss import geometry_loss_and_gradient
 
     sums, targets = _rendered_batch(9, patches=2, size=12)
     evaluate = _device_evaluator(gpu, 2, 12, **GEOMETRY)
@@ -233,8 +233,8 @@ def test_device_loss_window_is_scipys_gaussian():
     numpy reference filters with: scipy's Gaussian filter of a unit impulse."""
     from scipy import ndimage
 
-    from NeuralRaycastLib.image_loss import SSIM_PAD, gaussian_window
-    from NeuralRaycastLib.metrics import SSIM_SIGMA, SSIM_TRUNCATE
+    from NeuralRaycastLib.render.image_loss import SSIM_PAD, gaussian_window
+    from NeuralRaycastLib.render.metrics import SSIM_SIGMA, SSIM_TRUNCATE
 
     impulse = np.zeros(2 * SSIM_PAD + 1)
     impulse[SSIM_PAD] = 1.0

@@ -9,8 +9,8 @@ import pytest
 from conftest import analytic_prepared
 from scipy import ndimage
 
-from NeuralRaycastLib.bvh import BvhTracer, build_bvh
-from NeuralRaycastLib.mesh import (
+from NeuralRaycastLib.mesh.bvh import BvhTracer, build_bvh
+from NeuralRaycastLib.mesh.mesh import (
     EXPORT_FORMATS,
     Mesh,
     coarsened_grid,
@@ -23,10 +23,10 @@ from NeuralRaycastLib.mesh import (
     write_mesh,
     write_meshes,
 )
-from NeuralRaycastLib.mesh_shadows import MeshShadows
-from NeuralRaycastLib.preprocess import prepare
-from NeuralRaycastLib.sample.phantom import sphere_sdf
-from NeuralRaycastLib.study import load_study
+from NeuralRaycastLib.render.mesh_shadows import MeshShadows
+from NeuralRaycastLib.study.preprocess import prepare
+from NeuralRaycastLib.study.sample.phantom import sphere_sdf
+from NeuralRaycastLib.study.study import load_study
 
 CENTRE, RADIUS = np.array([1.3, -0.7, 0.4]), 10.0
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from conftest import analytic_prepared
 
-from NeuralRaycastLib.camera import Camera, orbit_cameras
-from NeuralRaycastLib.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.neural_render import (
+from NeuralRaycastLib.render.camera import Camera, orbit_cameras
+from NeuralRaycastLib.render.image_loss import patch_loss_and_gradient
+from NeuralRaycastLib.render.neural_render import (
     MIN_SEGMENT_WEIGHT,
     OUTPUTS,
     SHADE_WEIGHT,
@@ -18,11 +18,11 @@ from NeuralRaycastLib.neural_render import (
     RayBatch,
     WorkLists,
 )
-from NeuralRaycastLib.patches import PatchSampler, pack_cameras
-from NeuralRaycastLib.render import ReferenceRenderer, hybrid_shadows
-from NeuralRaycastLib.sample.phantom import sphere_sdf
-from NeuralRaycastLib.structures import Structure
-from NeuralRaycastLib.style import Lighting, RenderStyle, StructureStyle
+from NeuralRaycastLib.render.patches import PatchSampler, pack_cameras
+from NeuralRaycastLib.render.reference_render import ReferenceRenderer, hybrid_shadows
+from NeuralRaycastLib.render.style import Lighting, RenderStyle, StructureStyle
+from NeuralRaycastLib.study.sample.phantom import sphere_sdf
+from NeuralRaycastLib.study.structures import Structure
 
 #: two overlapping spheres: centre, radius, albedo, specular
 SPHERES = np.array([[0, 0, 0, 10, 0.8, 0.3, 0.2, 0.3], [4, -9, 3, 5, 0.2, 0.7, 0.4, 0.1]], np.float32)
@@ -342,7 +342,7 @@ def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
 def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkeypatch):
     """A view renders in bands whose sample buffers fit BAND_BYTES (the same picture as in one band), and a
     rendering batch holds no gradient buffers until a backward pass asks for them, then only for its rays."""
-    from NeuralRaycastLib import neural_render
+    from NeuralRaycastLib.render.reference_render import neural_render
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
     renderer, _scene = sphere_renderer(gpu, SPHERES)
@@ -373,7 +373,7 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
     and never so many rays that the distances buffer would reach MAX_BUFFER_BYTES."""
     from types import SimpleNamespace
 
-    from NeuralRaycastLib import neural_render
+    from NeuralRaycastLib.render.reference_render import neural_render
 
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
@@ -394,7 +394,7 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
 def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):
     """Out of device memory for a band, a view renders in smaller bands (the same picture) and later views
     start there; where not even one row fits, GpuMemoryError says what could not be held."""
-    from NeuralRaycastLib.gpu import GpuMemoryError
+    from NeuralRaycastLib.gpu.device import GpuMemoryError
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
     renderer, _scene = sphere_renderer(gpu, SPHERES)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from NeuralRaycastLib.preprocess import (
+from NeuralRaycastLib.study.preprocess import (
     derived_probability,
     head_mask,
     normalise_channel,
@@ -16,8 +16,8 @@ from NeuralRaycastLib.preprocess import (
     prepare,
     signed_distance,
 )
-from NeuralRaycastLib.sample.phantom import Phantom, voxel_centres
-from NeuralRaycastLib.study import Study, load_study
+from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.study.study import Study, load_study
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_signed_distance_respects_anisotropic_spacing():
 def test_signed_distance_keeps_a_voxelised_sphere_where_it_was():
     """The zero level of B lies closer to a voxelised sphere's true surface than marching cubes on the
     mask does (at least twice), with no inward shift (a Gaussian on the distance map moves it by σ²/R)."""
-    from NeuralRaycastLib.mesh import extract_surface
+    from NeuralRaycastLib.mesh.mesh import extract_surface
 
     spacing = np.array([1.0, 1.0, 1.0])
     affine = np.eye(4)

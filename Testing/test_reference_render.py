@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from conftest import analytic_prepared, sphere_trace
 
-from NeuralRaycastLib.camera import Camera, orbit_cameras
-from NeuralRaycastLib.render import ReferenceRenderer
-from NeuralRaycastLib.sample.phantom import Phantom, sphere_sdf
-from NeuralRaycastLib.style import Lighting, RenderStyle, StructureStyle
+from NeuralRaycastLib.render.camera import Camera, orbit_cameras
+from NeuralRaycastLib.render.reference_render import ReferenceRenderer
+from NeuralRaycastLib.render.style import Lighting, RenderStyle, StructureStyle
+from NeuralRaycastLib.study.sample.phantom import Phantom, sphere_sdf
 
 PHANTOM = Phantom()
 
@@ -107,8 +107,8 @@ def test_shadows_darken_exactly_the_regions_occluded_from_the_key_light(gpu):
 
 
 def test_study_render_shows_every_structure(gpu, phantom_study_dir):
-    from NeuralRaycastLib.preprocess import prepare
-    from NeuralRaycastLib.study import load_study
+    from NeuralRaycastLib.study.preprocess import prepare
+    from NeuralRaycastLib.study.study import load_study
 
     prepared = prepare(load_study(phantom_study_dir), use_cache=False)
     renderer = ReferenceRenderer(gpu, prepared)
@@ -123,10 +123,10 @@ def test_study_render_shows_every_structure(gpu, phantom_study_dir):
 def test_mesh_shadows_match_volumetric_shadows(gpu, phantom_study_dir):
     """The hybrid route (shadow rays against marching-cubes meshes through a BVH) gives the gold
     standard's picture: same shadowed pixels, high PSNR."""
-    from NeuralRaycastLib.metrics import psnr
-    from NeuralRaycastLib.preprocess import prepare
-    from NeuralRaycastLib.render import hybrid_shadows
-    from NeuralRaycastLib.study import load_study
+    from NeuralRaycastLib.render.metrics import psnr
+    from NeuralRaycastLib.render.reference_render import hybrid_shadows
+    from NeuralRaycastLib.study.preprocess import prepare
+    from NeuralRaycastLib.study.study import load_study
 
     prepared = prepare(load_study(phantom_study_dir), use_cache=False)
     renderer = ReferenceRenderer(gpu, prepared)
@@ -146,7 +146,7 @@ def test_reference_views_are_rendered_once_then_read_from_the_cache(gpu, phantom
     the pixels is another entry, and a damaged entry is rendered again, never trusted."""
     from dataclasses import replace
 
-    from NeuralRaycastLib.reference_views import render_reference_views
+    from NeuralRaycastLib.render.reference_views import render_reference_views
 
     prepared = replace(phantom_exact, key="phantom-exact")
     first = render_reference_views(gpu, prepared, 3, 24, 20, cache_root=tmp_path)
@@ -181,7 +181,7 @@ def test_reference_views_are_rendered_once_then_read_from_the_cache(gpu, phantom
     render_reference_views(gpu, phantom_exact, 3, 24, 20, cache_root=unkeyed)
     assert not unkeyed.exists()
 
-    from NeuralRaycastLib.reference_views import VIEW_CACHE_ENTRIES
+    from NeuralRaycastLib.render.reference_views import VIEW_CACHE_ENTRIES
 
     bounded = tmp_path / "bounded"
     for index in range(VIEW_CACHE_ENTRIES + 2):  # the oldest entries go, the newest stay

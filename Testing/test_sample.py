@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from NeuralRaycastLib.preprocess import head_mask
-from NeuralRaycastLib.sample import write_sample
-from NeuralRaycastLib.sample.icbm import WHEEL_ENV, SampleDataError, synthesise_case
-from NeuralRaycastLib.sample.phantom import Phantom, voxel_centres
-from NeuralRaycastLib.study import load_study
+from NeuralRaycastLib.study.preprocess import head_mask
+from NeuralRaycastLib.study.sample import write_sample
+from NeuralRaycastLib.study.sample.icbm import WHEEL_ENV, SampleDataError, synthesise_case
+from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.study.study import load_study
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_runs_starting_together_each_get_a_whole_sample(tmp_path, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from NeuralRaycastLib.paths import CACHE_ENV
-    from NeuralRaycastLib.sample import cached_sample
+    from NeuralRaycastLib.study.sample import cached_sample
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     with ThreadPoolExecutor(4) as pool:

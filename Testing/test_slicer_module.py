@@ -206,7 +206,7 @@ def test_a_brain_mask_label_map_is_read_and_checked(module, scene, self_test):
 
 
 def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
-    import NeuralRaycastLib.gpu as gpu
+    import NeuralRaycastLib.gpu.device as gpu
 
     def no_device(choice=None):
         raise gpu.GpuUnavailableError("no usable GPU or Vulkan driver: install mesa-vulkan-drivers")
@@ -222,7 +222,7 @@ def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
 
 @pytest.mark.gpu
 def test_cancel_keeps_a_saved_state_and_the_scene_unchanged(module, scene, self_test, tmp_path):
-    from NeuralRaycastLib.train import preset
+    from NeuralRaycastLib.train.trainer import preset
 
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()
@@ -248,7 +248,7 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
                                                                                monkeypatch):
     """On a GPU that has not compiled the run's kernels, training first compiles them in worker processes
     (PythonSlicer) with the progress bar and Cancel live; a cancel there trains and writes nothing."""
-    from NeuralRaycastLib import warmup
+    from NeuralRaycastLib.train.trainer import warmup
 
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()
@@ -293,7 +293,7 @@ class TetrahedraRun:
     """Stands in for a trained run: three small tetrahedra as the learned surfaces."""
 
     def meshes(self, smoothing_iterations: int = 0, decimation: float = 0.0):
-        from NeuralRaycastLib.mesh import Mesh
+        from NeuralRaycastLib.mesh.mesh import Mesh
 
         vertices = np.array([[0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]], np.float64)
         faces = np.array([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]])
@@ -302,7 +302,7 @@ class TetrahedraRun:
 
 
 def test_models_are_added_together_or_not_at_all(module, scene, monkeypatch):
-    from NeuralRaycastLib.mesh import Mesh
+    from NeuralRaycastLib.mesh.mesh import Mesh
 
     logic = module.NeuralRaycastLogic()
     logic.run = TetrahedraRun()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from NeuralRaycastLib.startup import MILESTONES, start_in_process, timed_start
+from NeuralRaycastLib.bench.startup import MILESTONES, start_in_process, timed_start
 
 
 @pytest.mark.gpu
 def test_start_up_milestones_in_a_fresh_process(tmp_path, gpu):
-    from NeuralRaycastLib.sample import write_sample
+    from NeuralRaycastLib.study.sample import write_sample
 
     study = write_sample(tmp_path / "s", "fixture")
     result = timed_start(study, "quick", gpu.backend)
@@ -22,7 +22,7 @@ def test_start_up_milestones_in_a_fresh_process(tmp_path, gpu):
 def test_start_up_milestones_in_a_process_with_the_device_open(tmp_path, gpu):
     """A second run in the same process (as in Slicer) goes through the same start, device and imports
     excepted."""
-    from NeuralRaycastLib.sample import write_sample
+    from NeuralRaycastLib.study.sample import write_sample
 
     study = write_sample(tmp_path / "s", "fixture")
     seconds = start_in_process(gpu, study, "quick")
@@ -43,8 +43,9 @@ def test_importing_the_cli_and_training_does_not_load_scipy():
     import subprocess
     import sys
 
-    code = ("import sys; import NeuralRaycastLib.cli, NeuralRaycastLib.pipeline, NeuralRaycastLib.train, "
-            "NeuralRaycastLib.startup; print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
+    code = ("import sys; import NeuralRaycastLib.app.cli, NeuralRaycastLib.train.run_folder, "
+            "NeuralRaycastLib.train.trainer, NeuralRaycastLib.bench.startup; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'scipy'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
 
@@ -55,7 +56,7 @@ def test_the_first_occupancy_grid_does_not_load_scipy():
     import subprocess
     import sys
 
-    code = ("import sys, types, numpy as np; from NeuralRaycastLib.field_scene import boundary_occupancy; "
+    code = ("import sys, types, numpy as np; from NeuralRaycastLib.field.field_render import boundary_occupancy; "
             "x = np.linspace(-8, 8, 17); d = np.sqrt(np.add.outer(np.add.outer(x**2, x**2), x**2)) - 5; "
             "p = types.SimpleNamespace(boundary=np.stack([d, d - 1]), affine=np.diag([1.0, 1, 1, 1])); "
             "p.affine[:3, 3] = -8; o = boundary_occupancy(p, np.array([[-8.0] * 3, [8.0] * 3]), 2.0, 0.25); "
@@ -71,7 +72,7 @@ def test_a_second_run_in_the_process_reuses_its_studys_first_occupancy_grid(monk
 
     import numpy as np
 
-    from NeuralRaycastLib import field_scene
+    from NeuralRaycastLib.field.field import field_render as field_scene
 
     x = np.linspace(-8, 8, 17)
     d = np.sqrt(np.add.outer(np.add.outer(x**2, x**2), x**2)) - 5

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import save_nifti
 
-from NeuralRaycastLib.study import Study, StudyError, interpolate_ijk, load_study, sample_at, write_study
+from NeuralRaycastLib.study.study import Study, StudyError, interpolate_ijk, load_study, sample_at, write_study
 
 
 def test_brats_folder_loads_channels_labels_and_default_structures(tiny_brats):
@@ -103,7 +103,7 @@ def test_bad_brain_mask_is_refused(mask, message):
 
 
 def test_downsampling_keeps_the_brain_mask_on_the_new_grid():
-    from NeuralRaycastLib.study import downsample_study
+    from NeuralRaycastLib.study.study import downsample_study
 
     image = np.random.default_rng(0).random((12, 12, 12)).astype(np.float32)
     mask = np.zeros(image.shape, bool)

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from scipy.ndimage import map_coordinates
 
-from NeuralRaycastLib.mesh import extract_surface
-from NeuralRaycastLib.preprocess import signed_distance
-from NeuralRaycastLib.surface_distance import (
+from NeuralRaycastLib.mesh.mesh import extract_surface
+from NeuralRaycastLib.mesh.surface_distance import (
     balanced_level,
     closest_on_triangles,
     signed_distance_to_mesh,
     smooth_surface,
 )
+from NeuralRaycastLib.study.preprocess import signed_distance
 
 
 def sphere_mesh(radius: float, spacing: float = 1.0, voxelised: bool = False):

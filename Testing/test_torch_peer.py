@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 from conftest import phantom_prepared
 
-from NeuralRaycastLib.field import FieldLayout, NeuralField
-from NeuralRaycastLib.fit import FitConfig, SdfFitter
-from NeuralRaycastLib.torch_peer import (
+from NeuralRaycastLib.bench.torch_peer import (
     TORCH_MISSING,
     PeerBatches,
     PeerFitter,
@@ -21,6 +19,8 @@ from NeuralRaycastLib.torch_peer import (
     check_distances,
     perturbed_parameters,
 )
+from NeuralRaycastLib.field.field import FieldLayout, NeuralField
+from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter
 
 SPACING = 2.5  # mm, as test_field_fit
 
@@ -45,13 +45,13 @@ def slang(gpu, study):
 
 
 def peer_model(layout, parameters):
-    from NeuralRaycastLib.torch_peer import TorchGeometryField
+    from NeuralRaycastLib.bench.torch_peer import TorchGeometryField
 
     return TorchGeometryField(layout, parameters)
 
 
 def test_the_module_imports_and_explains_without_torch(monkeypatch):
-    import NeuralRaycastLib.torch_peer as peer
+    import NeuralRaycastLib.bench.torch_peer as peer
 
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     with pytest.raises(RuntimeError, match="PyTorch is not installed"):

@@ -10,19 +10,19 @@ import pytest
 from conftest import analytic_prepared
 from field_reference import tiny_config
 
-from NeuralRaycastLib.evaluate import geometry_metrics
-from NeuralRaycastLib.field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, FieldLayout, NeuralField
-from NeuralRaycastLib.fit import Adam, FitConfig, SdfFitter, learning_rate_factor
-from NeuralRaycastLib.image_loss import (
+from NeuralRaycastLib.field.field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, FieldLayout, NeuralField
+from NeuralRaycastLib.field.sdf_fit import Adam, FitConfig, SdfFitter, learning_rate_factor
+from NeuralRaycastLib.render.image_loss import (
     albedo_consistency_and_gradient,
     geometry_loss_and_gradient,
     patch_loss_and_gradient,
 )
-from NeuralRaycastLib.neural_render import OUTPUTS
-from NeuralRaycastLib.patches import PatchSampler
-from NeuralRaycastLib.reference_views import render_reference_views
-from NeuralRaycastLib.sample.phantom import Phantom
-from NeuralRaycastLib.train import Trainer, TrainLog, field_renderer, preset
+from NeuralRaycastLib.render.neural_render import OUTPUTS
+from NeuralRaycastLib.render.patches import PatchSampler
+from NeuralRaycastLib.render.reference_views import render_reference_views
+from NeuralRaycastLib.study.sample.phantom import Phantom
+from NeuralRaycastLib.train.evaluate import geometry_metrics
+from NeuralRaycastLib.train.trainer import Trainer, TrainLog, field_renderer, preset
 
 pytestmark = pytest.mark.gpu
 
@@ -110,7 +110,7 @@ def test_rates_after_each_stages_first_step_leave_that_step_out():
 def test_finished_fields_pictures_place_and_shade_fewer_samples_and_look_the_same(gpu, phantom_views):
     """After training, the renderer places samples on the finer occupancy cells of ``render_cell_mm`` and shades
     down to ``render_shade_weight``: fewer samples and shaded segments per ray, the same picture."""
-    from NeuralRaycastLib.bench import work_per_ray
+    from NeuralRaycastLib.bench.suites import work_per_ray
 
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
@@ -317,8 +317,8 @@ def test_normal_and_depth_terms_descend(gpu, phantom_views):
 def test_meshes_for_training_shadows_on_a_coarser_grid_shadow_alike(gpu, phantom_views):
     """Training re-meshes the learned surfaces on every n-th voxel (``mesh_grid_mm``): far fewer triangles,
     nearly the same shadowed pictures as meshes on the study's grid."""
-    from NeuralRaycastLib.metrics import psnr
-    from NeuralRaycastLib.train import learned_mesh_shadows
+    from NeuralRaycastLib.render.metrics import psnr
+    from NeuralRaycastLib.train.trainer import learned_mesh_shadows
 
     trainer = fitted_trainer(gpu, phantom_views)
     prepared, views = phantom_views

@@ -1,0 +1,1 @@
+"""The command line (``neuralraycast``), the demo and its HTML report."""

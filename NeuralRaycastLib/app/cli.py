@@ -1,0 +1,455 @@
+"""The ``neuralraycast`` command line: the same backend the Slicer module uses, for scripts and servers."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from .. import __version__
+from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device
+from ..paths import CACHE_FOLDERS
+from ..progress import ConsoleProgress
+from ..study.sample import CASES
+from ..study.sample.icbm import SampleDataError
+from ..study.study import StudyError
+from ..train.trainer import PRESETS, TrainingError
+
+#: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
+USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, FileNotFoundError, FileExistsError,
+               ValueError, TrainingError)
+
+
+def _print_json(data) -> None:
+    print(json.dumps(data, indent=2))
+
+
+def _writes_to_descriptor_1(stream) -> bool:
+    try:
+        return stream.fileno() == 1
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured, embedded)
+        return False
+
+
+@contextlib.contextmanager
+def _native_output_to_stderr() -> Iterator[None]:
+    """While a ``--json`` command runs, file descriptor 1 points at standard error, so what native libraries
+    print there (the shader compiler's warnings) cannot break the JSON a script reads; Python's
+    ``sys.stdout``, which prints the JSON, keeps writing to the real standard output."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    original = sys.stdout
+    if _writes_to_descriptor_1(original):
+        sys.stdout = os.fdopen(os.dup(saved), "w")
+    try:
+        yield
+    finally:
+        if sys.stdout is not original:
+            sys.stdout.close()
+            sys.stdout = original
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    report = open_device(args.device).report
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(report.as_text())
+    return 0
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from ..study.sample import write_sample
+
+    manifest = write_sample(args.folder, args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
+    print(manifest)
+    return 0
+
+
+def _prepare(study_path: str, use_cache: bool):
+    from ..study.cache import load_study_cached
+    from ..study.preprocess import prepare
+    from ..study.study import load_study
+
+    study = load_study_cached(study_path) if use_cache else load_study(study_path)
+    return prepare(study, use_cache=use_cache, progress=ConsoleProgress("prepare"))
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from ..study.summary import save_preview, study_summary, summary_text
+
+    prepared = _prepare(args.study, not args.no_cache)
+    summary = study_summary(prepared)
+    if args.preview:
+        summary["preview"] = str(save_preview(prepared, args.preview))
+    if args.json:
+        _print_json(summary)
+    else:
+        print(summary_text(summary))
+        if args.preview:
+            print(f"preview     {summary['preview']}")
+    return 0
+
+
+def cmd_render_reference(args: argparse.Namespace) -> int:
+    from ..render.reference_views import render_reference_views, save_reference_views
+
+    gpu = open_device(args.device)
+    prepared = _prepare(args.study, use_cache=True)
+    views = render_reference_views(
+        gpu, prepared, args.views, args.size[0], args.size[1], shadows=args.shadows, view_angle=args.view_angle,
+        held_out_every=args.held_out_every, progress=ConsoleProgress(f"render {gpu.backend}"),
+    )
+    folder = save_reference_views(views, args.out)
+    print(f"{len(views.images)} views ({len(views.held_out)} held out) in {folder}; see {folder / 'contact_sheet.png'}")
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
+    from ..study.cache import load_study_cached
+    from ..train.run_folder import CancelOnInterrupt, RunSettings, train_run
+
+    study = load_study_cached(args.study)  # a bad study fails at once, before the device opens
+    gpu = open_device(args.device)
+    settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
+                                      views=args.views, size=args.size, shadows=args.shadows or None)
+    if args.preset is None and gpu.report.software:
+        print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
+              file=sys.stderr)
+    with CancelOnInterrupt() as cancel:
+        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel, study,
+                        warm_up_first=not args.no_warmup, device=args.device)
+    log = run.log
+    state = "cancelled; the state so far is saved" if log.cancelled else "done"
+    psnr = log.last("heldout_psnr")
+    print(f"{state}: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
+          + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    """Orbit views of a trained field, written like the reference views (RGBA, depth and normal pictures,
+    contact sheet, cameras.json, reference.npz with the float G-buffer)."""
+    from ..render.camera import orbit_cameras
+    from ..render.reference_views import ReferenceViews, save_reference_views
+    from ..train.run_folder import open_run
+
+    run = open_run(open_device(args.device), args.run_folder, ConsoleProgress("prepare"))
+    progress = ConsoleProgress("render")
+    cameras = orbit_cameras(run.prepared.bounds, args.views, args.size[0], args.size[1])
+    images = []
+    for index, camera in enumerate(cameras):
+        progress(f"view {index + 1}/{len(cameras)}", index / len(cameras))
+        images.append(run.render(camera))
+    progress("done", 1.0)
+    folder = save_reference_views(ReferenceViews(cameras, images, list(range(len(cameras))), []), args.out)
+    print(f"{len(cameras)} views in {folder}; see {folder / 'contact_sheet.png'}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..train.run_folder import export_run
+
+    source = Path(args.run_folder) / "model.safetensors"
+    folder = export_run(args.run_folder, args.out, args.precision)
+    before, after = source.stat().st_size, (folder / "model.safetensors").stat().st_size
+    print(f"{folder}: model {after / 1e6:.1f} MB in {args.precision} (was {before / 1e6:.1f} MB); "
+          f"'neuralraycast evaluate {folder}' scores it")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from ..train.run_folder import evaluate_run
+
+    gpu = open_device(args.device)
+    metrics = evaluate_run(gpu, args.run_folder, ConsoleProgress("evaluate"))
+    if args.json:
+        _print_json(metrics)
+        return 0
+    print(f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, SSIM {metrics['heldout_ssim']:.4f}")
+    print(f"{'structure':18s} {'Dice':>6s} {'mean mm':>8s} {'HD95 mm':>8s}")
+    for name, dice in metrics["dice"].items():
+        mean, hd95 = metrics["mean_surface_distance_mm"][name], metrics["hd95_mm"][name]
+        print(f"{name:18s} {dice:6.3f} {mean:8.2f} {hd95:8.2f}")
+    print(f"written to {Path(args.run_folder) / 'metrics.json'}")
+    return 0
+
+
+def cmd_mesh(args: argparse.Namespace) -> int:
+    from ..mesh.mesh import mesh_prepared, write_meshes
+
+    if (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
+        from ..train.run_folder import open_run
+
+        run = open_run(open_device(args.device), args.study, ConsoleProgress("prepare"))
+        meshes = run.meshes(args.smooth, args.decimate)
+    else:  # a study: its boundary maps (the classic route)
+        meshes = mesh_prepared(_prepare(args.study, use_cache=True), args.smooth, args.decimate)
+    paths = write_meshes(meshes, args.out, args.formats)
+    for mesh in meshes:
+        print(f"{mesh.name:16s} {len(mesh.faces):8d} triangles")
+    print(f"{len(paths)} files in {args.out}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.suites import run_bench
+    from ..study.preprocess import prepare
+    from ..study.sample import cached_sample
+    from ..study.study import load_study
+
+    gpu = open_device(args.device)
+    manifest = cached_sample(args.case, args.spacing, progress=ConsoleProgress(f"sample {args.case}"))
+    prepared = prepare(load_study(manifest), progress=ConsoleProgress("prepare"))
+    study = f"{args.case} sample, {' x '.join(map(str, prepared.study.shape))} voxels"
+    command = "neuralraycast " + " ".join(sys.argv[1:]) if args.command_line is None else args.command_line
+    report = run_bench(gpu, prepared, study, args.suite, args.quick, command, ConsoleProgress("bench"))
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(report.markdown())
+    if args.append:
+        with open(args.append, "a") as handle:
+            handle.write("\n" + report.markdown())
+        print(f"appended to {args.append}", file=sys.stderr)
+    return 0
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    """Compile the kernels the demo and 'fit' use on this machine, so later runs start at once."""
+    from ..study.sample import cached_sample
+    from ..train.run_folder import RunSettings
+    from ..train.warmup import default_jobs, warm_up
+
+    gpu = open_device(args.device)
+    settings = RunSettings.for_device(gpu, args.preset)
+    study = args.study or cached_sample("icbm", progress=ConsoleProgress("sample icbm"))
+    jobs = args.jobs or default_jobs(gpu)
+    seconds = warm_up(gpu, study, settings, ConsoleProgress(f"warm-up ({settings.preset}, {jobs} at once)"),
+                      jobs=jobs, device=args.device)
+    for phase, value in seconds.items():
+        print(f"{phase:45s} {value:7.1f} s")
+    print(f"shader cache: {gpu.report.shader_cache}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on the built-in sample case: train, render, mesh, evaluate, report."""
+    from .demo import run_demo
+
+    report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset,
+                      warm_up_first=not args.no_warmup)
+    print(f"\nreport: {report}")
+    return 0
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.1f} MB"
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """List the cache's folders (what each keeps, entries, size), or clear some of them."""
+    from ..paths import CACHE_ENV, cache_dir, cache_folder, clear_cache, folder_bytes
+
+    if args.clear:
+        names = list(CACHE_FOLDERS) if "all" in args.clear else list(dict.fromkeys(args.clear))
+        freed = clear_cache(names)
+        if args.json:
+            _print_json({"cleared": names, "freed_bytes": freed})
+        else:
+            print(f"cleared {', '.join(names)} in {cache_dir()}: {_megabytes(freed)} freed")
+        return 0
+    folders = []
+    for name, holds in CACHE_FOLDERS.items():
+        size, entries = folder_bytes(cache_folder(name))
+        folders.append({"name": name, "path": str(cache_folder(name)), "bytes": size, "entries": entries,
+                        "holds": holds})
+    total = sum(f["bytes"] for f in folders)
+    if args.json:
+        _print_json({"cache": str(cache_dir()), "folders": folders, "total_bytes": total})
+        return 0
+    print(f"cache {cache_dir()} (${CACHE_ENV} moves it)")
+    for f in folders:
+        noun = "entry" if f["entries"] == 1 else "entries"
+        print(f"  {f['name']:<10}{_megabytes(f['bytes']):>12}  {f['entries']:>3} {noun:<7}  {f['holds']}")
+    print(f"  {'total':<10}{_megabytes(total):>12}")
+    print("clear with: neuralraycast cache --clear NAME ... (or all)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="neuralraycast",
+        description="Neural intrinsic fields for brain MRI, trained through a differentiable Slang raycaster.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details (and tracebacks) to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def device_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", choices=CHOICES, default=None,
+                       help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan)")
+
+    def warmup_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-warmup", action="store_true",
+                       help="on a GPU whose kernels this machine has not compiled yet, compile them in the run "
+                            "itself (much slower) instead of running 'neuralraycast warmup' first")
+
+    p = sub.add_parser("info", help="show the GPU device, its features, versions, the shader cache and whether the "
+                       "networks run on tensor cores there")
+    device_option(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_info)
+
+    p = sub.add_parser("cache", help="list the cache's folders and their sizes, or clear some of them")
+    p.add_argument("--clear", nargs="+", metavar="NAME", choices=[*CACHE_FOLDERS, "all"],
+                   help=f"remove these folders ({', '.join(CACHE_FOLDERS)}, or all); each is filled again "
+                        "when needed")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_cache)
+
+    p = sub.add_parser("sample", help="write a sample study (BraTS names + manifest.json) into FOLDER")
+    p.add_argument("folder", help="output folder")
+    p.add_argument("--case", choices=CASES, default="icbm",
+                   help="icbm: real anatomy + synthetic lesion (default); phantom: analytic; fixture: tiny real T1")
+    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic lesion and noise")
+    p.set_defaults(run=cmd_sample)
+
+    p = sub.add_parser("prepare", help="check a study and derive boundary maps, P(x) and occupancy")
+    p.add_argument("study", help="study folder (BraTS names or manifest.json) or a manifest.json")
+    p.add_argument("--no-cache", action="store_true", help="recompute even if cached")
+    p.add_argument("--preview", metavar="PNG", help="also save a slice preview with structure contours")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_prepare)
+
+    p = sub.add_parser("render-reference", help="render reference views of a study (PNG, depth, normals, cameras)")
+    device_option(p)
+    p.add_argument("study", help="study folder or manifest.json")
+    p.add_argument("--views", type=int, default=24, help="number of orbit views (default 24)")
+    p.add_argument("--size", type=int, nargs=2, default=(256, 256), metavar=("W", "H"), help="image size")
+    p.add_argument("--shadows", action="store_true", help="volumetric shadows of the key light (slower)")
+    p.add_argument("--view-angle", type=float, default=30.0, help="vertical field of view in degrees")
+    p.add_argument("--held-out-every", type=int, default=8, help="hold out every N-th view for evaluation")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(run=cmd_render_reference)
+
+    p = sub.add_parser("fit", help="train a neural field on a study (geometry, appearance, joint) into a run folder")
+    device_option(p)
+    p.add_argument("study", help="study folder or manifest.json")
+    p.add_argument("--out", required=True, help="run folder (model.safetensors, train_log.json, reference/)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="quick (CPU: study <= 96 voxels a side, 128 px views), standard, high "
+                        "(default: quick on a software device, else standard)")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="optimisation steps of all stages together (default: the preset's)")
+    p.add_argument("--views", type=int, default=None, help="reference views (default: 16 quick, 24 otherwise)")
+    p.add_argument("--size", type=int, default=None, help="view size in pixels (default: 128 quick, 512 otherwise)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
+    p.add_argument("--shadows", action="store_true",
+                   help="reference views with key-light shadows; the field is shaded through meshes of its own "
+                        "surfaces, re-extracted as it trains, so shadows are not learned as colour")
+    warmup_option(p)
+    p.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
+    device_option(p)
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_evaluate)
+
+    p = sub.add_parser("export", help="copy a run folder with its model stored in float16 (half the size)")
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--out", required=True, help="new run folder to write")
+    p.add_argument("--precision", choices=["float16", "float32"], default="float16",
+                   help="how the parameters are stored (default float16)")
+    p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("render", help="render orbit views of a trained field (RGBA, depth, normals)")
+    device_option(p)
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--views", type=int, default=8, help="number of orbit views (default 8)")
+    p.add_argument("--size", type=int, nargs=2, default=[512, 512], metavar=("W", "H"), help="pixels (512 512)")
+    p.set_defaults(run=cmd_render)
+
+    p = sub.add_parser("mesh", help="triangle meshes (marching cubes, RAS mm): a run's learned surfaces or a "
+                                    "study's segmentation")
+    device_option(p)
+    p.add_argument("study", help="run folder written by 'fit' (learned surfaces), or study folder / manifest.json")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--formats", nargs="+", default=["vtp"], choices=["vtp", "stl", "obj", "ply"],
+                   help="file formats (default vtp)")
+    p.add_argument("--smooth", type=int, default=0, metavar="N", help="windowed-sinc smoothing iterations")
+    p.add_argument("--decimate", type=float, default=0.0, metavar="F", help="fraction of triangles to remove")
+    p.set_defaults(run=cmd_mesh)
+
+    p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
+    device_option(p)
+    p.add_argument("--suite", nargs="+", default=["reference"],
+                   help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
+                        "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
+                        "it trains), kernels (registers, spills and shared memory of the CUDA kernels compiled "
+                        "so far, by ptxas: list it last) (default: reference)")
+    p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
+    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--quick", action="store_true",
+                   help="for slow devices: fewer repetitions, smaller batches and frames (no 1024² frames)")
+    p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
+    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("warmup", help="compile the kernels of the demo and 'fit' ahead (kept in the shader cache)")
+    device_option(p)
+    p.add_argument("study", nargs="?", default=None, help="study to warm up for (default: the icbm sample)")
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="preset to warm up for (default: quick on a software device, else standard)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="compile the kernels in this many processes at once (default: up to three on a GPU "
+                        "machine, the SDF fit, forward passes and joint backward side by side; one on a "
+                        "software device)")
+    p.set_defaults(run=cmd_warmup)
+
+    p = sub.add_parser("demo", help="the main job on the built-in sample case: train, render, mesh, report.html")
+    device_option(p)
+    p.add_argument("--preset", choices=PRESETS, default=None,
+                   help="training preset (default: quick on a software device, else standard)")
+    p.add_argument("--out", default="demo-output", help="output folder (default: demo-output)")
+    p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
+    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    warmup_option(p)
+    p.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        if not getattr(args, "json", False):
+            return args.run(args)
+        with _native_output_to_stderr():
+            return args.run(args)
+    except USER_ERRORS as error:
+        if args.verbose:
+            logging.exception("failed")
+        print(f"neuralraycast {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"neuralraycast {args.command}: cancelled", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,529 @@
+"""The neural field: configuration, parameter layout, initialisation, and its Slang kernels on a device.
+
+All trainable numbers live in one flat fp32 buffer (the master weights), in this order: the hash tables
+of every level, the geometry network, the appearance network. Each range is an Adam parameter group.
+The Slang code is generic over the network sizes; this module compiles it with the sizes of a config
+(one compile per distinct config and device, cached on disk by slangpy).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from ..gpu.device import COOPERATIVE_ENV, GpuContext, tensor_core_networks
+from ..paths import shader_dir
+
+GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
+FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module, in order
+GROUP_NAMES = ("hash_table", "geometry", "appearance")
+MAX_HIDDEN = 64
+MAX_STRUCTURES = 8
+CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
+FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
+TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
+# How a hashed level finds a vertex's entry (EncodingConfig.hash), and the value of each in
+# shaders/hash_encoding.slang (FIELD_HASHING; LEVEL_DENSE = 1 there for the dense levels).
+HASHES = ("x_added", "xor")
+LEVEL_HASHED, LEVEL_HASHED_XOR = 0, 2
+
+
+class FieldConfigError(ValueError):
+    """A field configuration that cannot be built (sizes out of range, unknown keys)."""
+
+
+@dataclass(frozen=True)
+class EncodingConfig:
+    """Multi-resolution hash grid. Cell sizes follow from the study's box, in millimetres."""
+
+    levels: int = 16
+    features: int = 2
+    log2_table: int = 19
+    coarsest_cells: int = 16  # cells across the longest side of the box at the coarsest level
+    finest_cell_mm: float = 0.5
+    # "x_added": x + (y·πy XOR z·πz), so that a vertex's neighbour along x has the next entry and the two
+    # corners' gradients go out in one atomic (the fit's bound); "xor": Instant-NGP's x XOR y·πy XOR z·πz,
+    # which model files of format 1 and 2 were trained with.
+    hash: str = "x_added"
+
+    def check(self) -> None:
+        if not 1 <= self.levels <= 32 or self.features not in (1, 2, 4, 8):
+            raise FieldConfigError(f"encoding: levels must be 1..32 and features 1, 2, 4 or 8 (got {self})")
+        if self.hash not in HASHES:
+            raise FieldConfigError(f"encoding: hash must be one of {', '.join(HASHES)} (got '{self.hash}')")
+        if not 8 <= self.log2_table <= 24:
+            raise FieldConfigError(f"encoding: log2_table must be 8..24 (got {self.log2_table})")
+        if self.coarsest_cells < 1 or self.finest_cell_mm <= 0:
+            raise FieldConfigError("encoding: coarsest_cells must be >= 1 and finest_cell_mm > 0")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Widths of the geometry and appearance networks (hidden widths at most 64)."""
+
+    hidden: int = 64
+    hidden_layers: int = 2
+    geometry_features: int = 15
+    appearance_hidden: int = 64
+    materials: int = 2  # per structure, besides the RGB albedo
+    distance_scale_mm: float = 10.0  # the geometry network outputs distances in units of this
+
+    def check(self) -> None:
+        if not (1 <= self.hidden <= MAX_HIDDEN and 1 <= self.appearance_hidden <= MAX_HIDDEN):
+            raise FieldConfigError(f"network: hidden widths must be 1..{MAX_HIDDEN}")
+        if self.hidden_layers not in (1, 2):
+            raise FieldConfigError("network: hidden_layers must be 1 or 2")
+        if self.geometry_features < 1 or self.materials < 1 or self.distance_scale_mm <= 0:
+            raise FieldConfigError("network: geometry_features and materials must be >= 1, distance_scale_mm > 0")
+
+    @property
+    def tile_sized(self) -> bool:
+        """Whether both hidden widths are whole 16-wide tiles, as the tensor-core networks need."""
+        return self.hidden % 16 == 0 and self.appearance_hidden % 16 == 0
+
+
+@dataclass(frozen=True)
+class FieldConfig:
+    encoding: EncodingConfig = field(default_factory=EncodingConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FieldConfig:
+        """Strict: unknown or missing keys are errors (a model file from another version must not half-load)."""
+        try:
+            parts = {}
+            for name, kind in (("encoding", EncodingConfig), ("network", NetworkConfig)):
+                values = dict(data[name])
+                expected = {f.name for f in fields(kind)}
+                if set(values) != expected:
+                    raise FieldConfigError(f"{name}: keys {sorted(values)} differ from {sorted(expected)}")
+                parts[name] = kind(**values)
+            if set(data) != {"encoding", "network"}:
+                raise FieldConfigError(f"unexpected configuration keys {sorted(set(data) - {'encoding', 'network'})}")
+        except (KeyError, TypeError) as error:
+            raise FieldConfigError(f"malformed field configuration: {error}") from error
+        config = cls(**parts)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        self.encoding.check()
+        self.network.check()
+
+
+def field_config_for(voxel_mm: float, small: bool = False) -> FieldConfig:
+    """The field to fit to a study with voxels of ``voxel_mm``: the full one (finest cells one voxel), or
+    with ``small`` one for software devices, where the full one takes minutes to compile and hours to fit."""
+    if small:
+        return FieldConfig(
+            EncodingConfig(levels=8, log2_table=16, coarsest_cells=8, finest_cell_mm=max(voxel_mm, 2.0)),
+            NetworkConfig(hidden=32, hidden_layers=1, geometry_features=3, appearance_hidden=16),
+        )
+    return FieldConfig(encoding=EncodingConfig(finest_cell_mm=voxel_mm))
+
+
+def mlp_parameter_count(inputs: int, hidden: int, outputs: int, hidden_layers: int) -> int:
+    """Matches ``Mlp<I, H, O, HL>.ParameterCount`` in shaders/mlp.slang."""
+    return (inputs * hidden + hidden) + (hidden_layers - 1) * (hidden * hidden + hidden) + (hidden * outputs + outputs)
+
+
+@dataclass(frozen=True)
+class LevelLayout:
+    dims: tuple[int, int, int]
+    cell_mm: float
+    offset: int
+    size: int
+    dense: bool
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """Where every parameter lives, for one config, box, number of structures and of local inputs."""
+
+    config: FieldConfig
+    structures: int
+    appearance_inputs: int  # MRI channels + 1 for P(x)
+    origin: tuple[float, float, float]
+    extent: tuple[float, float, float]
+    levels: tuple[LevelLayout, ...]
+    geometry_offset: int
+    appearance_offset: int
+    count: int
+
+    @classmethod
+    def build(cls, config: FieldConfig, bounds: np.ndarray, structures: int, channels: int) -> FieldLayout:
+        config.check()
+        if not 1 <= structures <= MAX_STRUCTURES:
+            raise FieldConfigError(f"the field holds 1..{MAX_STRUCTURES} structures (got {structures})")
+        bounds = np.asarray(bounds, dtype=np.float64)
+        extent = bounds[1] - bounds[0]
+        if not np.all(extent > 0):
+            raise FieldConfigError(f"empty bounding box {bounds.tolist()}")
+        enc, net = config.encoding, config.network
+        coarsest = float(extent.max()) / enc.coarsest_cells
+        finest = min(enc.finest_cell_mm, coarsest)
+        growth = (finest / coarsest) ** (1.0 / (enc.levels - 1)) if enc.levels > 1 else 1.0
+        table = 1 << enc.log2_table
+        levels, offset = [], 0
+        for level in range(enc.levels):
+            cell = coarsest * growth**level
+            dims = tuple(int(math.ceil(e / cell)) + 2 for e in extent)
+            vertices = dims[0] * dims[1] * dims[2]
+            dense = vertices <= table
+            size = vertices if dense else table
+            levels.append(LevelLayout(dims, cell, offset, size, dense))  # type: ignore[arg-type]
+            offset += size * enc.features
+        encoded = enc.levels * enc.features
+        geometry_offset = offset
+        appearance_offset = geometry_offset + mlp_parameter_count(
+            encoded, net.hidden, structures + net.geometry_features, net.hidden_layers
+        )
+        count = appearance_offset + mlp_parameter_count(
+            net.geometry_features + channels + 1, net.appearance_hidden, structures * (3 + net.materials), 1
+        )
+        return cls(
+            config, structures, channels + 1, tuple(map(float, bounds[0])), tuple(map(float, extent)),
+            tuple(levels), geometry_offset, appearance_offset, count,
+        )
+
+    @classmethod
+    def for_study(cls, prepared, small: bool = False, voxel_mm: float | None = None) -> FieldLayout:
+        """The layout of the field for a prepared study (``field_config_for`` its finest voxel, or
+        ``voxel_mm``; ``small`` on software devices), over its bounds, structures and channels."""
+        voxel_mm = float(prepared.spacing.min()) if voxel_mm is None else voxel_mm
+        return cls.build(field_config_for(voxel_mm, small), prepared.bounds, len(prepared.structures),
+                         len(prepared.channel_names))
+
+    @property
+    def finest_cell_mm(self) -> float:
+        return self.levels[-1].cell_mm
+
+    @property
+    def shifted_gradients(self) -> int:
+        """Where the hash table's second gradient copy starts in the field's gradient buffer: after the
+        parameters' gradients, at 2 more than a multiple of 4, so that the pairs of entries that straddle two
+        16-byte blocks of the first copy are whole blocks there (shaders/hash_encoding.slang's scatterPair)."""
+        return self.count + (2 - self.count) % 4
+
+    @property
+    def gradient_count(self) -> int:
+        """Length of the field's gradient buffer: the parameters', the table's second copy, and the four zeros
+        that Adam's vector reads of that copy may reach past its end."""
+        return self.shifted_gradients + self.geometry_offset + 4
+
+    @property
+    def dense_levels(self) -> int:
+        """How many levels, the coarsest, are indexed densely (the others are hashed)."""
+        dense = [level.dense for level in self.levels]
+        count = dense.index(False) if False in dense else len(dense)
+        if any(dense[count:]):  # levels grow finer, so a dense level never follows a hashed one
+            raise FieldConfigError(f"dense levels must come first: {dense}")
+        return count
+
+    def defines(self) -> dict[str, int]:
+        enc, net = self.config.encoding, self.config.network
+        return {
+            "FIELD_LEVELS": enc.levels,
+            "FIELD_FEATURES": enc.features,
+            "FIELD_HIDDEN": net.hidden,
+            "FIELD_HIDDEN_LAYERS": net.hidden_layers,
+            "FIELD_STRUCTURES": self.structures,
+            "FIELD_GEOMETRY_FEATURES": net.geometry_features,
+            "FIELD_APPEARANCE_INPUTS": self.appearance_inputs,
+            "FIELD_APPEARANCE_HIDDEN": net.appearance_hidden,
+            "FIELD_MATERIALS": net.materials,
+            "FIELD_DENSE_LEVELS": self.dense_levels,
+            "FIELD_HASHING": LEVEL_HASHED_XOR if enc.hash == "xor" else LEVEL_HASHED,
+            "FIELD_ENCODED": enc.levels * enc.features,
+            "FIELD_GEOMETRY_OUTPUTS": self.structures + net.geometry_features,
+            "FIELD_APPEARANCE_NET_INPUTS": net.geometry_features + self.appearance_inputs,
+            "FIELD_APPEARANCE_NET_OUTPUTS": self.structures * (3 + net.materials),
+        }
+
+    def groups(self) -> np.ndarray:
+        """The Adam group of every parameter."""
+        groups = np.full(self.count, GROUP_APPEARANCE, dtype=np.int32)
+        groups[: self.geometry_offset] = GROUP_TABLE
+        groups[self.geometry_offset : self.appearance_offset] = GROUP_GEOMETRY
+        return groups
+
+    def segments(self) -> dict[str, tuple[int, int]]:
+        """Parameter ranges by group name (what the model file stores as separate tensors)."""
+        return {
+            GROUP_NAMES[GROUP_TABLE]: (0, self.geometry_offset),
+            GROUP_NAMES[GROUP_GEOMETRY]: (self.geometry_offset, self.appearance_offset),
+            GROUP_NAMES[GROUP_APPEARANCE]: (self.appearance_offset, self.count),
+        }
+
+    def initial_parameters(self, seed: int = 0) -> np.ndarray:
+        """Table entries tiny and uniform; He-normal weights for ReLU layers, small output layers, zero biases."""
+        rng = np.random.default_rng(seed)
+        enc, net = self.config.encoding, self.config.network
+        values = np.zeros(self.count, dtype=np.float32)
+        values[: self.geometry_offset] = rng.uniform(-TABLE_INIT, TABLE_INIT, self.geometry_offset)
+        geometry = [enc.levels * enc.features] + [net.hidden] * net.hidden_layers + [
+            self.structures + net.geometry_features
+        ]
+        appearance = [net.geometry_features + self.appearance_inputs, net.appearance_hidden,
+                      self.structures * (3 + net.materials)]
+        for offset, widths in ((self.geometry_offset, geometry), (self.appearance_offset, appearance)):
+            for index, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+                last = index == len(widths) - 2
+                scale = math.sqrt((1.0 if last else 2.0) / fan_in)
+                values[offset : offset + fan_in * fan_out] = rng.normal(0.0, scale, fan_in * fan_out)
+                offset += fan_in * fan_out + fan_out  # biases stay 0
+        return values
+
+    def active_levels(self, cell_mm: float | None) -> int:
+        """How many levels are at least ``cell_mm`` coarse (all of them for None)."""
+        if cell_mm is None:
+            return len(self.levels)
+        return max(1, sum(1 for level in self.levels if level.cell_mm >= cell_mm * (1 - 1e-6)))
+
+
+_MODULES: dict[tuple[int, str], Any] = {}
+
+
+def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, cooperative: bool = False,
+                 frozen_geometry: bool = False) -> str:
+    """The Slang source of a field module: the sizes as #defines, then the kernel files. ``cooperative``
+    puts the geometry network on tensor cores (for kernels where whole waves evaluate it together);
+    ``frozen_geometry`` as well, its backward passes giving input gradients alone (the renderer's)."""
+    lines = [f"#define {name} {value}" for name, value in layout.defines().items()]
+    lines.append(f"#define FIELD_COOPERATIVE {FROZEN_GEOMETRY if frozen_geometry else int(cooperative)}")
+    for part in parts:
+        lines.append((shader_dir() / f"{part}.slang").read_text())
+    return "\n".join(lines)
+
+
+def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS,
+                      cooperative: bool = False, frozen_geometry: bool = False):
+    """Compile (once per process, config and device) the field kernels for this layout's sizes."""
+    source = field_source(layout, parts, cooperative, frozen_geometry)
+    name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+    key = (id(gpu.device), name)
+    if key not in _MODULES:
+        _MODULES[key] = gpu.load_module_from_source(name, source, layout.structures)
+    return _MODULES[key]
+
+
+class NeuralField:
+    """A field on the device: its parameters, gradient buffer and kernels."""
+
+    def __init__(
+        self,
+        gpu: GpuContext,
+        layout: FieldLayout,
+        parameters: np.ndarray | None = None,
+        seed: int = 0,
+        parts: tuple[str, ...] = FIELD_PARTS,
+        cooperative: bool | None = None,
+    ) -> None:
+        import slangpy as spy
+
+        self.gpu, self.layout = gpu, layout
+        capability = gpu.report.compute_capability
+        tile_sized = layout.config.network.tile_sized
+        if cooperative is None:
+            cooperative = tile_sized and tensor_core_networks(gpu.backend, capability,
+                                                              os.environ.get(COOPERATIVE_ENV, "1"))[0]
+        elif cooperative and not (here := tensor_core_networks(gpu.backend, capability, "1"))[0]:
+            raise FieldConfigError(f"the tensor-core networks cannot run on this device ({here[1]})")
+        elif cooperative and not tile_sized:
+            raise FieldConfigError("the tensor-core networks need hidden widths that are multiples of 16 "
+                                   f"(got {layout.config.network.hidden} and "
+                                   f"{layout.config.network.appearance_hidden})")
+        self.cooperative = cooperative
+        self.module = load_field_module(gpu, layout, parts)
+        values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)
+        if values.shape != (layout.count,):
+            raise FieldConfigError(f"expected {layout.count} parameters, got {values.shape}")
+        self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
+        self.grads = spy.Tensor.zeros(gpu.device, shape=(layout.gradient_count,), dtype=float)
+        self.active_levels = len(layout.levels)
+        self._tiled: dict[str, Any] | None = None  # addresses of the tiled copies (tiled_networks)
+        self._tiled_buffers: list[Any] = []
+        # Counts the changes of `values` (set_parameters, Adam steps: weights_changed); the tiled copies hold
+        # the weights as of change _tiled_version (None: not uploaded yet).
+        self.weights_version = 0
+        self._tiled_version: int | None = None
+        self._cooperative_module = None
+        self._frozen_module = None
+
+    @property
+    def fit_module(self):
+        """The module with the fit and render kernels: tensor-core geometry network where ``cooperative``."""
+        if not self.cooperative:
+            return self.module
+        if self._cooperative_module is None:
+            self._cooperative_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, cooperative=True)
+        return self._cooperative_module
+
+    @property
+    def frozen_module(self):
+        """The renderer's backward kernels for ``cooperative`` fields: both networks on tensor cores, the
+        geometry network's weights frozen (its backward pass gives the input gradient alone)."""
+        if self._frozen_module is None:
+            self._frozen_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, frozen_geometry=True)
+        return self._frozen_module
+
+    def tiled_networks(self) -> dict[str, Any]:
+        """Device addresses of the ``TiledNetworks`` struct's buffers (shaders/sdf_fit.slang: both networks in
+        the tensor cores' layout, values and gradients), made on first use, and of a row-major scratch buffer
+        for the gradients' way back."""
+        if self._tiled is None:
+            import slangpy as spy
+
+            def zeros(count: int):
+                return spy.Tensor.zeros(self.gpu.device, shape=(int(count),), dtype=float)
+
+            self._tiled_buffers = [zeros(self.fit_module.geometryTiledCount()),
+                                   zeros(self.fit_module.geometryGradientLength()),  # copies: sdf_fit.slang
+                                   zeros(self.fit_module.appearanceTiledCount()),
+                                   zeros(self.fit_module.appearanceTiledCount()),
+                                   zeros(self.layout.count - self.layout.geometry_offset)]
+            address = [buffer.storage.device_address for buffer in self._tiled_buffers]
+            self._tiled = {"geometry": {"values": address[0], "grads": address[1]},
+                           "appearance": {"values": address[2], "grads": address[3]}, "scratch": address[4]}
+        return self._tiled
+
+    def upload_tiled_networks(self, unless_current: bool = False) -> None:
+        """Copy both networks' current weights into the tiled layout and zero those copies' gradients (before
+        each pass of the kernels on tensor cores that trains them). ``unless_current``: for passes that only
+        read the weights, nothing where the copies already hold them (frames of a finished field: the copy took
+        0.13-0.29 ms of a 1024² frame on an H100)."""
+        import slangpy as spy
+
+        if unless_current and self._tiled_version == self.weights_version:
+            return
+        tiled = self.tiled_networks()
+        self.fit_module.networksToTiled(
+            spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self.values.storage.device_address,
+            self.layout.geometry_offset, self.layout.appearance_offset,
+            {"geometry": tiled["geometry"], "appearance": tiled["appearance"]})
+        self._tiled_version = self.weights_version
+
+    def weights_changed(self) -> None:
+        """Note that ``values`` changed on the device (every writer calls this: set_parameters, Adam)."""
+        self.weights_version += 1
+
+    def add_tiled_gradients(self) -> None:
+        """Add the tiled copies' gradients to the field's (after a pass of the kernels on tensor cores that
+        trains the networks)."""
+        import slangpy as spy
+
+        tiled, grid = self.tiled_networks(), spy.grid((CONVERT_THREADS,))
+        networks = {"geometry": tiled["geometry"], "appearance": tiled["appearance"]}
+        self.fit_module.networkGradientsFromTiled(grid, CONVERT_THREADS, networks, tiled["scratch"],
+                                                  self.grads.storage.device_address, self.layout.geometry_offset,
+                                                  self.layout.appearance_offset, self.layout.count)
+
+    @property
+    def structures(self) -> int:
+        return self.layout.structures
+
+    def parameters(self) -> np.ndarray:
+        return np.asarray(self.values.to_numpy(), dtype=np.float32).reshape(-1)
+
+    def gradients(self) -> np.ndarray:
+        """The parameters' gradients (the hash table's two copies added, as Adam adds them)."""
+        raw = np.asarray(self.grads.to_numpy(), dtype=np.float32).reshape(-1)
+        gradients = raw[: self.layout.count].copy()
+        table, shifted = self.layout.geometry_offset, self.layout.shifted_gradients
+        gradients[:table] += raw[shifted : shifted + table]
+        return gradients
+
+    def set_parameters(self, values: np.ndarray) -> None:
+        self.values.copy_from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        self.weights_changed()
+
+    def zero_gradients(self) -> None:
+        self.grads.copy_from_numpy(np.zeros(self.layout.gradient_count, np.float32))
+
+    def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
+        """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
+        kernels of ``fit_module`` and ``frozen_module`` where the geometry network runs on tensor cores.
+        Without ``geometry_network_gradients`` the per-thread geometry network's backward pass returns input
+        gradients only (its weights are left out; on tensor cores that is ``frozen_module``'s)."""
+        import slangpy as spy
+
+        levels = [
+            {
+                "dims": spy.int3(*level.dims),
+                "cellInv": 1.0 / level.cell_mm,
+                "offset": level.offset,
+                "size": level.size,
+            }
+            for level in self.layout.levels
+        ]
+        params = {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address}
+        tiled = {"geometry": {"values": 0, "grads": 0}, "appearance": {"values": 0, "grads": 0}}
+        if cooperative:
+            tiled = self.tiled_networks()
+        return {
+            "params": params,
+            "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels,
+                     "shiftedGrads": self.layout.shifted_gradients},
+            "geometryOffset": self.layout.geometry_offset,
+            "tiledGeometry": tiled["geometry"],
+            "tiledAppearance": tiled["appearance"],
+            "geometryNetworkGradients": int(geometry_network_gradients),
+            "appearanceOffset": self.layout.appearance_offset,
+            "distanceScale": self.layout.config.network.distance_scale_mm,
+        }
+
+    def default_step_mm(self) -> float:
+        """The step of :meth:`distance_gradients`' tetrahedral differences: half the finest active cell."""
+        return 0.5 * self.layout.levels[self.active_levels - 1].cell_mm
+
+    def distances(self, points: np.ndarray) -> np.ndarray:
+        """Signed distances (N, K) in mm at RAS points (N, 3).
+
+        The field is trained only inside its box (the study's bounds, which hold every structure); outside
+        it the network's values mean nothing, so a point there gets the distance at the nearest point of
+        the box plus its distance to the box (every structure is outside, as it should be).
+        """
+        # In float32, as the kernel reads them, and without np.clip and np.linalg.norm, which took 2.5 times
+        # as long on a fine grid's millions of points (BENCHMARKS.md).
+        points = np.asarray(points, dtype=np.float32).reshape(-1, 3)
+        low = np.asarray(self.layout.origin, np.float64)
+        high = (low + np.asarray(self.layout.extent, np.float64)).astype(np.float32)
+        clamped = np.minimum(np.maximum(points, low.astype(np.float32)), high)
+        outside = points - clamped
+        beyond = np.sqrt(np.einsum("ij,ij->i", outside, outside))
+        distances = self._query("distancesAt", clamped, self.structures)
+        return distances.reshape(-1, self.structures) + beyond[:, None]
+
+    def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
+        """∇s_k (N, K, 3) by tetrahedral differences (the same ones the Eikonal term uses)."""
+        step = float(step_mm or self.default_step_mm())
+        return self._query("gradientsAt", points, 3 * self.structures, step).reshape(-1, self.structures, 3)
+
+    def _query(self, kernel: str, points: np.ndarray, per_point: int, *settings: float) -> np.ndarray:
+        """``per_point`` values a point from one of the module's query kernels (a thread a point, every
+        structure from the same network evaluations)."""
+        import slangpy as spy
+
+        points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
+        if len(points) == 0:
+            return np.zeros((0, per_point), np.float32)
+        device = self.gpu.device
+        uploaded = spy.Tensor.from_numpy(device, points.reshape(-1))
+        result = spy.Tensor.zeros(device, shape=(len(points) * per_point,), dtype=float)
+        getattr(self.module, kernel)(spy.grid((len(points),)), len(points), self.shader_struct(),
+                                     uploaded.storage.device_address, *settings, result.storage.device_address)
+        return np.asarray(result.to_numpy()).reshape(-1, per_point)
+
+    def normals(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
+        """Outward unit normals (N, K, 3)."""
+        gradient = self.distance_gradients(points, step_mm)
+        length = np.linalg.norm(gradient, axis=-1, keepdims=True)
+        return np.where(length > 1e-12, gradient / np.maximum(length, 1e-12), np.array([0.0, 0.0, 1.0]))

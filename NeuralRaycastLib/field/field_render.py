@@ -1,0 +1,135 @@
+"""The neural field as a scene of the differentiable renderer (shaders/field_render.slang): its
+distances at sample points; normals (differences over a tetrahedron one of whose edges is the shaded segment),
+albedo and specular weight on shaded segments, fed the study's
+normalised MRI channels and P(x) as the appearance network's local inputs.
+
+Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with both networks on tensor
+cores, from tiled copies of their weights uploaded at the start of each forward and backward pass; the
+appearance network's gradients go back to the field's buffer after each backward pass.
+
+The image loss trains the hash table and the appearance network; the geometry network's weights follow
+the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
+cancel (a surface moved forward along a ray adds opacity on one side and removes it on the other), and
+half-precision activations do not resolve them: on an H100, after a short training on the sample, the
+tensor-core backward's gradient for the geometry network had a cosine of 0.25–0.55 with the fp32
+per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
+the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
+every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
+scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). That cosine was at least
+partly a fault found later: every tensor-core weight gradient was read back in the wrong order within its
+tiles (cosine 0.38-0.67 layer by layer against the per-thread or float64 ones, biases exact) until
+they were put in order (5f55d32); the comparison has not been repeated since. Neither backward
+computes that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang),
+the tensor-core one runs its backward pass without the weights' part (MmaMlp.frozenBackward, in the field's
+``frozen_module``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..gpu.device import GpuContext, PassClock
+from ..render.neural_render import Occupancy, WorkLists
+from ..render.reference_render import interleaved_volumes
+from ..render.style import BAND_WIDTHS
+from ..study.preprocess import PreparedStudy
+from ..study.study import sample_at
+from .field import NeuralField
+
+
+class FieldScene:
+    def __init__(self, gpu: GpuContext, field: NeuralField, prepared: PreparedStudy) -> None:
+        inputs = np.concatenate([prepared.channels, prepared.probability[None]], axis=0)
+        if inputs.shape[0] != field.layout.appearance_inputs:
+            raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
+                             f"the study gives {inputs.shape[0]}")
+        self.field = field
+        self._inputs, self.inputs = interleaved_volumes(gpu, inputs, np.linalg.inv(prepared.affine))
+
+    @property
+    def structures(self) -> int:
+        return self.field.structures
+
+    @property
+    def cooperative(self) -> bool:
+        return self.field.cooperative
+
+    def struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
+        return {"field": self.field.shader_struct(cooperative, geometry_network_gradients), "inputs": self.inputs}
+
+    def distances(self, grid: Any, buffers: dict) -> None:
+        if self.cooperative:
+            self.field.upload_tiled_networks(unless_current=True)  # the surface pass of the same forward reads them too
+        self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
+
+    def surface(self, grid: Any, buffers: dict) -> None:
+        self.field.fit_module.fieldSurface(grid, self.struct(self.cooperative), buffers)
+
+    def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
+        """The rendered values' gradients into the hash table and the appearance network; the geometry
+        network's weights take theirs from the SDF and Eikonal terms only (the module docstring says why).
+        The shaded segments' pass goes first: their normals send gradients to the distances at their ends,
+        which the distances' pass takes on. ``timings``: each pass's seconds added there (waiting for the
+        device after each; for profiling)."""
+        clock = PassClock(self.field.gpu, timings)
+        if self.cooperative:
+            self.field.upload_tiled_networks()  # their gradients zeroed
+            clock.lap("scene backward: weights to tensor-core layout")
+            module, struct = self.field.frozen_module, self.struct(True)
+        else:
+            module, struct = self.field.module, self.struct(geometry_network_gradients=False)
+        if lists.shaded:  # an empty list launches nothing, as in the forward pass
+            module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers)
+        clock.lap("scene backward: normals and appearance")
+        if lists.touched:
+            module.fieldBackwardDistances(WorkLists.launch(lists.touched), struct, buffers)
+        clock.lap("scene backward: distances")
+        if self.cooperative:
+            self.field.add_tiled_gradients()
+            clock.lap("scene backward: gradients back")
+
+    def backward_appearance(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
+        """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
+        network runs forward for its features, on tensor cores where the field has them, as the appearance
+        network does (``timings``: see :meth:`backward`)."""
+        clock = PassClock(self.field.gpu, timings)
+        if not self.cooperative:
+            self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
+            clock.lap("scene backward: appearance")
+            return
+        self.field.upload_tiled_networks()  # their gradients start from zero
+        clock.lap("scene backward: weights to tensor-core layout")
+        self.field.frozen_module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(True), buffers)
+        clock.lap("scene backward: appearance")
+        self.field.add_tiled_gradients()
+        clock.lap("scene backward: gradients back")
+
+
+#: The last few boundary occupancies of this process, by study and grid: a second run in the same process
+#: (Slicer, a Python session) starts without computing its study's again.
+_BOUNDARY_OCCUPANCIES: dict[tuple, Occupancy] = {}
+
+
+def boundary_occupancy(prepared: PreparedStudy, box: np.ndarray, cell_mm: float, epsilon_mm: float) -> Occupancy:
+    """Where the boundary maps put a surface (the occupancy before anything is learnt)."""
+    def distances(points: np.ndarray) -> np.ndarray:
+        return sample_at(prepared.boundary, prepared.affine, points).T
+
+    study = getattr(prepared, "key", "")  # a digest of what the study was prepared from ("" if unknown)
+    key = (study, np.asarray(box, np.float64).tobytes(), float(cell_mm), float(epsilon_mm))
+    occupancy = _BOUNDARY_OCCUPANCIES.get(key) if study else None
+    if occupancy is None:
+        occupancy = Occupancy.from_distances(distances, box, cell_mm, BAND_WIDTHS * epsilon_mm)
+        if study:
+            if len(_BOUNDARY_OCCUPANCIES) >= 4:  # the oldest goes
+                del _BOUNDARY_OCCUPANCIES[next(iter(_BOUNDARY_OCCUPANCIES))]
+            _BOUNDARY_OCCUPANCIES[key] = occupancy
+    return occupancy.copy()
+
+
+def field_occupancy(field: NeuralField, box: np.ndarray, cell_mm: float, epsilon_mm: float,
+                    lipschitz: float = 1.5) -> Occupancy:
+    """Where the learned distances put a surface (refreshed as training goes); a margin for a field
+    that is not yet exactly 1-Lipschitz."""
+    return Occupancy.from_distances(field.distances, box, cell_mm, BAND_WIDTHS * epsilon_mm, lipschitz)

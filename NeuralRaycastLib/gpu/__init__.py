@@ -1,0 +1,1 @@
+"""The GPU device: which backend opens (CUDA, Vulkan, lavapipe on a CPU), its memory, read-back."""

@@ -1,0 +1,593 @@
+"""The one place that opens the slangpy device.
+
+Order of preference: CUDA where it works, else Vulkan (on a machine without a GPU that is Mesa's
+lavapipe, a CPU implementation). slangpy's own CPU device is not used: it cannot dispatch in 0.43.x.
+The choice can be forced with ``--device`` on the command line or ``NEURALRAYCAST_DEVICE``
+(``auto``, ``cuda``, ``vulkan``). Every device gets a persistent shader cache in the user cache
+directory, so kernels compile once per machine rather than once per process, and a cache of Slang's
+parsed modules (module_cache_path), so a new process does not parse them again.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..paths import SHADER_CACHE_BYTES, cache_folder, shader_dir
+
+DEVICE_ENV = "NEURALRAYCAST_DEVICE"
+BACKENDS = ("cuda", "vulkan")
+CHOICES = ("auto", *BACKENDS)
+
+INSTALL_HINT = (
+    "Install one of: an NVIDIA driver (for CUDA or Vulkan), or Mesa's Vulkan drivers version 23 or newer "
+    "(lavapipe, runs on the CPU; on Debian bookworm: enable bookworm-backports and "
+    "`apt-get install -t bookworm-backports mesa-vulkan-drivers libvulkan1`; `make demo` does this for you)."
+)
+
+
+class GpuUnavailableError(RuntimeError):
+    """No slangpy device could be opened; the message says what was tried and what to install."""
+
+
+class GpuMemoryError(RuntimeError):
+    """The device could not hold the buffers some work needs; the message says which and how large."""
+
+
+@contextmanager
+def device_memory(what: str) -> Iterator[None]:
+    """Allocations on the device for ``what``: a buffer the device could not create (out of memory, or
+    larger than one buffer may be) raises :class:`GpuMemoryError` naming it, instead of the driver's message
+    alone."""
+    try:
+        yield
+    except RuntimeError as error:
+        message = str(error)
+        if isinstance(error, GpuMemoryError) or not ("createBuffer" in message or "memory" in message.lower()):
+            raise
+        raise GpuMemoryError(f"the GPU could not hold {what} ({message.splitlines()[0][-120:]})") from error
+
+
+@dataclass
+class DeviceReport:
+    """What ``neuralraycast info`` prints: enough to reproduce and to file a bug."""
+
+    backend: str
+    adapter: str
+    software: bool
+    features: list[str]
+    cooperative_vector: bool
+    cooperative_matrix: bool
+    slangpy_version: str
+    python_version: str
+    shader_cache: str
+    shader_dir: str
+    tried: dict[str, str] = field(default_factory=dict)
+    module_cache: str = ""  # Slang's parsed modules on disk ("" where slangpy ships no standard modules)
+    compute_capability: int | None = None  # CUDA: 10 * major + minor (90 on an H100); None elsewhere
+    tensor_cores: str = ""  # whether fields run their networks on tensor cores here (tensor_core_networks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def as_text(self) -> str:
+        lines = [
+            f"backend            {self.backend}{' (software, runs on the CPU)' if self.software else ''}",
+            f"adapter            {self.adapter}",
+            f"cooperative vector {'yes' if self.cooperative_vector else 'no'}",
+            f"cooperative matrix {'yes' if self.cooperative_matrix else 'no'}",
+            f"tensor-core MLPs   {self.tensor_cores}",
+            f"features           {', '.join(self.features)}",
+            f"slangpy            {self.slangpy_version}",
+            f"python             {self.python_version}",
+            f"shader cache       {self.shader_cache}",
+            f"module cache       {self.module_cache or 'not kept on this backend'}",
+            f"shaders            {self.shader_dir}",
+        ]
+        lines += [f"not used: {name:9s} {why}" for name, why in self.tried.items()]
+        return "\n".join(lines)
+
+
+#: The structure slots kernels are compiled for (shaders/image_formation.slang's STRUCTURE_SLOTS): the fewest
+#: that hold a study's structures. Loops over fewer slots make smaller kernels: the compositing of a 1024² neural
+#: render of the sample (4 structures) took 2.03-2.05 ms with 4 slots against 2.64-2.66 ms with 8 on an H100
+#: (BENCHMARKS.md).
+STRUCTURE_SLOTS = (4, 8)
+
+
+def structure_slots(structures: int | None) -> int:
+    """The slots of the kernels for ``structures`` structures (None: the most, for kernels that take any)."""
+    if structures is None:
+        return STRUCTURE_SLOTS[-1]
+    for slots in STRUCTURE_SLOTS:
+        if structures <= slots:
+            return slots
+    raise ValueError(f"at most {STRUCTURE_SLOTS[-1]} structures, got {structures}")
+
+
+@dataclass
+class GpuContext:
+    """An open device plus what is needed to load the project's Slang modules on it."""
+
+    device: Any  # slangpy.Device
+    backend: str
+    report: DeviceReport
+    _sessions: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    def load_module(self, name: str, structures: int | None = None) -> Any:
+        """Load ``shaders/<name>.slang`` for kernels of ``structures`` structures (None: any number; see
+        :func:`structure_slots`), compiled once per process by slangpy, cached on disk."""
+        import slangpy as spy
+
+        return spy.Module.load_from_module(self.device, self.session(structures).load_module(f"{name}.slang"))
+
+    def load_module_from_source(self, name: str, source: str, structures: int | None = None) -> Any:
+        """A module of generated source (``name`` unique to it), as :meth:`load_module`."""
+        import slangpy as spy
+
+        return spy.Module.load_from_module(self.device, self.session(structures).load_module_from_source(name, source))
+
+    def session(self, structures: int | None = None) -> Any:
+        """The Slang session whose modules are compiled for ``structures`` structures: the device's own for
+        the most slots, else one made on first use with STRUCTURE_SLOTS defined (its parsed modules cached
+        apart, as they depend on it)."""
+        slots = structure_slots(structures)
+        if slots == STRUCTURE_SLOTS[-1]:
+            return self.device.slang_session
+        if slots not in self._sessions:
+            import slangpy as spy
+
+            options = self.device.desc.compiler_options
+            defines = {**dict(options.defines), "STRUCTURE_SLOTS": str(slots)}
+            cache = None
+            if self.device.desc.module_cache_path:
+                cache = Path(self.device.desc.module_cache_path) / f"slots{slots}"
+                cache.mkdir(parents=True, exist_ok=True)
+            self._sessions[slots] = self.device.create_slang_session(
+                spy.SlangCompilerOptions({"include_paths": list(options.include_paths), "defines": defines}),
+                cache_path=None if cache is None else str(cache))
+        return self._sessions[slots]
+
+
+def requested_backend(choice: str | None = None) -> str:
+    """The backend asked for: the explicit argument, else ``$NEURALRAYCAST_DEVICE``, else ``auto``."""
+    value = (choice or os.environ.get(DEVICE_ENV) or "auto").strip().lower()
+    if value not in CHOICES:
+        raise ValueError(f"unknown device '{value}': choose one of {', '.join(CHOICES)}")
+    return value
+
+
+def shader_cache_path(backend: str) -> Path:
+    return cache_folder("shaders") / backend
+
+
+# Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a
+# second instead of parsing slangpy's and our modules again (about 3 s of a start on a 2-core CPU; on an H100
+# machine opening the device went from 2.7 to 0.7 s). Slang checks each cached module against its sources and
+# imports. It needs the folder of Slang's standard modules among the include paths, or a module importing one
+# of them (`import slang.neural`) fails to resolve; a slangpy without that folder gets no module cache.
+def module_cache_path(backend: str) -> Path:
+    return cache_folder("modules") / backend
+
+
+def _standard_module_dirs() -> list[str]:
+    """Where slangpy ships Slang's standard modules (``slang/neural.slang`` among them)."""
+    import slangpy as spy
+
+    return sorted(str(p) for p in Path(spy.__file__).parent.glob("slang-standard-module-*") if p.is_dir())
+
+
+def _quiet_slangpy_logs():
+    """slangpy logs an ERROR line for every backend that is merely absent; probing should be silent."""
+    import slangpy as spy
+
+    logger = spy.Logger.get()
+    previous = logger.level
+    logger.level = spy.LogLevel.fatal
+    return logger, previous
+
+
+def _cuda_driver():
+    """The CUDA driver library, or None: checked without asking slangpy (which prints to the console)."""
+    import ctypes
+
+    names = {"Windows": ["nvcuda.dll"], "Darwin": []}.get(platform.system(), ["libcuda.so.1", "libcuda.so"])
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _cuda_compute_capability(driver) -> int | None:
+    """The first GPU's compute capability as 10 * major + minor (90 on an H100), or None.
+
+    The shaders use it to pick instructions that only newer GPUs have (see ``addGradientPair``).
+    """
+    import ctypes
+
+    major, minor, handle = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    try:
+        if driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(handle), 0) != 0:
+            return None
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+        if driver.cuDeviceGetAttribute(ctypes.byref(major), 75, handle) != 0:
+            return None
+        if driver.cuDeviceGetAttribute(ctypes.byref(minor), 76, handle) != 0:
+            return None
+    except AttributeError:
+        return None
+    return 10 * major.value + minor.value
+
+
+COOPERATIVE_ENV = "NEURALRAYCAST_COOPERATIVE"  # 0: never use the tensor-core networks
+#: The tensor-core networks' oldest GPUs: compute capability 8.0 (A100), whose half-precision m16n8k16
+#: instruction shaders/tensor_core.slang uses.
+TENSOR_CORE_CAPABILITY = 80
+
+
+def tensor_core_networks(backend: str, capability: int | None, setting: str) -> tuple[bool, str]:
+    """Whether fields run their networks on tensor cores here, and the reason: on CUDA GPUs of compute
+    capability 8.0 and newer (capability: 10 * major + minor, None where unknown), unless the
+    NEURALRAYCAST_COOPERATIVE ``setting`` is "0". Elsewhere the per-thread networks compute the same."""
+    if backend != "cuda":
+        return False, "CUDA only; the per-thread networks run here"
+    if capability is None:
+        return False, "the GPU's compute capability is unknown"
+    if capability < TENSOR_CORE_CAPABILITY:
+        return False, f"compute capability {capability / 10:.1f}; they need {TENSOR_CORE_CAPABILITY / 10:.1f}"
+    if setting == "0":
+        return False, f"{COOPERATIVE_ENV}=0"
+    return True, f"compute capability {capability / 10:.1f}"
+
+
+@contextmanager
+def _cuda_context(gpu: GpuContext) -> Iterator[Any]:
+    """The CUDA driver with the device's own context current (popped after), or None where there is none
+    (other backends, no driver, a driver without these entry points)."""
+    import ctypes
+
+    import slangpy as spy
+
+    driver = _cuda_driver() if gpu.backend == "cuda" else None
+    contexts = [h.value for h in gpu.device.native_handles if h.type == spy.NativeHandleType.CUcontext] \
+        if driver is not None else []
+    try:
+        pushed = bool(contexts) and driver.cuCtxPushCurrent_v2(ctypes.c_void_p(contexts[0])) == 0
+    except (AttributeError, ctypes.ArgumentError):
+        pushed = False
+    try:
+        yield driver if pushed else None
+    finally:
+        if pushed:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+def _cuda_memory(gpu: GpuContext) -> tuple[int, int] | None:
+    """(free, total) bytes of the GPU a CUDA device runs on, or None (other backends, no driver)."""
+    import ctypes
+
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    with _cuda_context(gpu) as driver:
+        try:
+            if driver is None or driver.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+                return None
+        except (AttributeError, ctypes.ArgumentError):  # a driver without this entry point, or another signature
+            return None
+    return free.value, total.value
+
+
+def device_memory_in_use(gpu: GpuContext) -> int | None:
+    """Bytes in use on the GPU a CUDA device runs on (total less free, every process's, this one's context
+    included), or None where it cannot be read (other backends, no driver)."""
+    memory = _cuda_memory(gpu)
+    return None if memory is None else memory[1] - memory[0]
+
+
+def device_memory_total(gpu: GpuContext) -> int | None:
+    """Bytes of memory of the GPU a CUDA device runs on, or None where it cannot be read."""
+    memory = _cuda_memory(gpu)
+    return None if memory is None else memory[1]
+
+
+def cuda_host_pointer(gpu: GpuContext, address: int) -> int | None:
+    """Where the host reads CUDA memory at device ``address`` that is host memory (a read-back buffer), or
+    None: other memory, other backends, no driver."""
+    import ctypes
+
+    kind, host = ctypes.c_uint(), ctypes.c_void_p()
+    with _cuda_context(gpu) as driver:
+        try:
+            # CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2 (CU_MEMORYTYPE_HOST = 1), CU_POINTER_ATTRIBUTE_HOST_POINTER = 4
+            if driver is None or driver.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_uint64(address)) != 0:
+                return None
+            if kind.value != 1 or driver.cuPointerGetAttribute(ctypes.byref(host), 4, ctypes.c_uint64(address)) != 0:
+                return None
+        except (AttributeError, ctypes.ArgumentError):
+            return None
+    return host.value or None
+
+
+def _open(backend: str) -> tuple[Any, int | None]:
+    """The device, proven to run a kernel, and (CUDA) its GPU's compute capability."""
+    import slangpy as spy
+
+    # The CUDA compute capability (shaders/params.slang), 0 on other backends: always defined, so the
+    # shader compiler has no undefined name in `#if` to warn about.
+    defines = {"NEURALRAYCAST_CUDA_SM": "0"}
+    capability = None
+    if backend == "cuda":
+        if (driver := _cuda_driver()) is None:
+            raise RuntimeError("no NVIDIA driver (CUDA driver library not found)")
+        if capability := _cuda_compute_capability(driver):
+            defines["NEURALRAYCAST_CUDA_SM"] = str(capability)
+
+    cache = shader_cache_path(backend)
+    cache.mkdir(parents=True, exist_ok=True)
+    include_paths = [spy.SHADER_PATH, str(shader_dir())]
+    modules: dict[str, str] = {}
+    if standard := _standard_module_dirs():
+        include_paths += standard
+        module_cache_path(backend).mkdir(parents=True, exist_ok=True)
+        modules["module_cache_path"] = str(module_cache_path(backend))
+    device = spy.Device(
+        type=getattr(spy.DeviceType, backend),
+        compiler_options={
+            "include_paths": include_paths,
+            "enable_experimental_features": True,  # `import slang.neural;` in a user's own modules
+            "defines": defines,
+        },
+        shader_cache_path=str(cache),
+        shader_cache_size=SHADER_CACHE_BYTES,
+        # slangpy's default reloads every module when a file in a shader folder changes, and that leaves
+        # every tensor and module made before unusable ("Reflection object has been invalidated"): an
+        # extension update writing there would break a training under way.
+        enable_hot_reload=False,
+        **modules,
+    )
+    # A device can open and still fail on its first dispatch (old Mesa, broken driver): prove it works.
+    module = spy.Module.load_from_file(device, "device_check.slang")
+    a = np.arange(8, dtype=np.float32)
+    got = module.deviceCheck(a, 2.0, _result="numpy")
+    if not np.allclose(got, a * 2.0 + 1.0):
+        raise RuntimeError(f"test kernel returned wrong values {got[:4]}")
+    return device, capability
+
+
+def _report(device, backend: str, capability: int | None, tried: dict[str, str]) -> DeviceReport:
+    import slangpy as spy
+
+    names = sorted(str(f).split(".")[-1] for f in device.features)
+    tensor_cores, why = tensor_core_networks(backend, capability, os.environ.get(COOPERATIVE_ENV, "1"))
+    return DeviceReport(
+        backend=backend,
+        adapter=device.info.adapter_name,
+        software="software_device" in names or "llvmpipe" in device.info.adapter_name.lower(),
+        features=names,
+        cooperative_vector="cooperative_vector" in names,
+        cooperative_matrix="cooperative_matrix" in names,
+        slangpy_version=spy.__version__,
+        python_version=platform.python_version(),
+        shader_cache=str(shader_cache_path(backend)),
+        module_cache=str(device.desc.module_cache_path or ""),
+        shader_dir=str(shader_dir()),
+        tried=tried,
+        compute_capability=capability,
+        tensor_cores=f"{'yes' if tensor_cores else 'no'} ({why})",
+    )
+
+
+_CONTEXTS: dict[str, GpuContext] = {}
+
+
+class _RefuseTorch:
+    """An import hook that answers "not installed" for PyTorch (see :func:`import_slangpy`)."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ModuleNotFoundError(f"No module named {name!r} (not loaded with slangpy)", name=name)
+        return None
+
+
+def import_slangpy():
+    """Import slangpy without PyTorch, unless PyTorch is already loaded.
+
+    Wherever PyTorch is installed, slangpy's native module imports it while slangpy itself is imported (for
+    its torch-tensor interop), and slangpy's first call looks for it again. On a 2-core CPU with PyTorch
+    2.13's CPU build that made ``import slangpy`` take 1.45 s instead of 0.15 s, and a process that opens a
+    device and makes one call 4.7 s instead of 2.7 s. NeuralRaycast never hands torch tensors to slangpy, so
+    while slangpy loads, ``import torch`` is refused, and slangpy is told it has no torch; ``import torch``
+    works as usual afterwards. Where torch is already loaded (a Slicer session that uses it) nothing is
+    changed: slangpy finds it at no cost.
+    """
+    if "slangpy" in sys.modules or "torch" in sys.modules:
+        import slangpy
+
+        return slangpy
+    refuse = _RefuseTorch()
+    sys.meta_path.insert(0, refuse)
+    try:
+        import slangpy
+    finally:
+        sys.meta_path.remove(refuse)
+    try:  # slangpy 0.43's first call imports torch unless told it was looked for
+        from slangpy.torchintegration import detection
+    except ImportError:  # another slangpy: nothing to tell it
+        return slangpy
+    if getattr(detection, "_torch_module", False) is None:
+        detection._torch_module = False
+    return slangpy
+
+
+def open_device(choice: str | None = None) -> GpuContext:
+    """Open (once per process and backend) the best working device, or raise GpuUnavailableError."""
+    wanted = requested_backend(choice)
+    if wanted in _CONTEXTS:
+        return _CONTEXTS[wanted]
+    try:
+        import_slangpy()
+    except ImportError as error:
+        raise GpuUnavailableError(
+            f"slangpy is not installed ({error}); run `make demo` or `pip install slangpy==0.43.1`"
+        ) from error
+
+    order = BACKENDS if wanted == "auto" else (wanted,)
+    tried: dict[str, str] = {}
+    logger, level = _quiet_slangpy_logs()
+    try:
+        for backend in order:
+            try:
+                device, capability = _open(backend)
+            except Exception as error:  # each backend fails in its own way; keep the reason
+                tried[backend] = " ".join(str(error).split())[:200] or type(error).__name__
+                continue
+            context = GpuContext(device, backend, _report(device, backend, capability, tried))
+            _CONTEXTS[wanted] = _CONTEXTS[backend] = context
+            return context
+    finally:
+        logger.level = level
+    reasons = "; ".join(f"{name}: {why}" for name, why in tried.items())
+    raise GpuUnavailableError(f"no GPU device works ({reasons}). {INSTALL_HINT}")
+
+
+class PassClock:
+    """Seconds per named pass of GPU work, waiting for the device at each lap; does nothing without a dict."""
+
+    def __init__(self, gpu: GpuContext, timings: dict[str, float] | None) -> None:
+        self.gpu, self.timings = gpu, timings
+        self.last = time.perf_counter() if timings is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.timings is None:
+            return
+        self.gpu.device.wait()
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self.last
+        self.last = now
+
+    def skip(self) -> None:
+        """Start the next lap here without recording this one: the passes in between were timed on their own
+        (into the same dict), and a lap over them would count them twice in the sum of the phases."""
+        if self.timings is not None:
+            self.gpu.device.wait()
+            self.last = time.perf_counter()
+
+
+#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack): a 512² frame (8 MiB) 0.3 ms sooner than
+#: through the tensor's own read, a 1024² one (32 MiB) about 8 ms sooner (BENCHMARKS.md).
+PINNED_READ_BYTES = 1 << 20
+#: Pinned host buffers a CUDA ReadBack lends out at most: the arrays of that many reads can be held at once
+#: before a read copies into a fresh array instead.
+PINNED_FRAMES = 3
+
+
+class _PinnedLease:
+    """The owner (numpy ``base``) of the arrays one read returns, a view of pinned host memory: every array
+    made from them, views included, keeps it and so the buffer alive; while any lives the buffer is lent."""
+
+    def __init__(self, pinned: _PinnedBuffer) -> None:
+        self.buffer = pinned.buffer
+        self.__array_interface__ = {"shape": (pinned.size // 4,), "typestr": "<f4",
+                                    "data": (pinned.address, False), "version": 3}
+
+
+@dataclass
+class _PinnedBuffer:
+    """A CUDA read-back buffer (pinned host memory) and the lease of the last read into it."""
+
+    buffer: Any
+    address: int
+    size: int
+    lease: Any = None  # weakref to a _PinnedLease
+
+    @property
+    def free(self) -> bool:
+        return self.lease is None or self.lease() is None
+
+
+class ReadBack:
+    """Reads float32 device tensors into numpy. An array one read returns never changes with a later read.
+
+    - Software devices: through a host-readable buffer kept between reads (made again when the size
+      changes), then its ``to_numpy``; a 1024² G-buffer (32 MiB) takes about 40 % less time on lavapipe
+      than the tensor's own ``to_numpy`` (BENCHMARKS.md).
+    - CUDA, reads of :data:`PINNED_READ_BYTES` or more: into pinned host memory that the returned array is a
+      view of (no copy on the host), one of up to :data:`PINNED_FRAMES` buffers, each read into again once no
+      array of its last read is left; while all are held, into a buffer kept for that and copied from there
+      into an array numpy allocates. A 1024² G-buffer (32 MiB) on an H100 machine: 0.6 ms into pinned memory,
+      4.2–5.4 ms more for that copy (fresh pages fault in one by one), 20 ms for the tensor's ``to_numpy``
+      (BENCHMARKS.md). Smaller reads take ``to_numpy``.
+    """
+
+    def __init__(self, gpu: GpuContext) -> None:
+        self.gpu = gpu
+        self.kept = gpu.report.software
+        self._kept: Any = None  # the buffer that is copied from (software devices; CUDA with every lease held)
+        self._lent: list[_PinnedBuffer] = []  # CUDA: pinned buffers whose memory arrays are views of
+        self._unmapped = False  # CUDA gave a pinned buffer no host address: the tensor's own read
+
+    def read(self, tensor: Any) -> np.ndarray:
+        size = int(np.prod(tensor.shape)) * 4
+        if self.kept:
+            self._kept = self._copy_into(self._kept, tensor, size)
+            return self._kept.to_numpy().view(np.float32)
+        if self.gpu.backend == "cuda" and size >= PINNED_READ_BYTES and not self._unmapped:
+            pinned = self._free_pinned(size)
+            if pinned is not None:
+                self._copy_into(pinned.buffer, tensor, size)
+                lease = _PinnedLease(pinned)
+                pinned.lease = weakref.ref(lease)
+                return np.asarray(lease)
+            self._kept = self._copy_into(self._kept, tensor, size)  # every lease held: copy
+            address = cuda_host_pointer(self.gpu, self._kept.device_address)
+            if address is not None:
+                return np.array(_PinnedLease(_PinnedBuffer(self._kept, address, size)), copy=True)
+        return np.asarray(tensor.to_numpy(), np.float32).reshape(-1)
+
+    def _copy_into(self, buffer: Any, tensor: Any, size: int) -> Any:
+        """``tensor`` copied into ``buffer`` (a new host-readable one where None or of another size), waited
+        for; returns the buffer."""
+        if buffer is None or buffer.size != size:
+            buffer = self._host_buffer(size)
+        encoder = self.gpu.device.create_command_encoder()
+        encoder.copy_buffer(buffer, 0, tensor.storage, 0, size)
+        self.gpu.device.submit_command_buffer(encoder.finish())
+        self.gpu.device.wait()
+        return buffer
+
+    def _host_buffer(self, size: int) -> Any:
+        import slangpy as spy
+
+        with device_memory(f"a host copy of {size:,} bytes"):
+            return self.gpu.device.create_buffer(size=size, memory_type=spy.MemoryType.read_back,
+                                                 usage=spy.BufferUsage.copy_destination | spy.BufferUsage.copy_source)
+
+    def _free_pinned(self, size: int) -> _PinnedBuffer | None:
+        """A pinned buffer of ``size`` bytes that no live array uses: a lent one, else a new one while fewer than
+        PINNED_FRAMES are lent (a free one of another size makes room). None: all held, or no host address."""
+        for pinned in self._lent:
+            if pinned.size == size and pinned.free:
+                return pinned
+        if len(self._lent) >= PINNED_FRAMES:
+            stale = next((pinned for pinned in self._lent if pinned.free), None)
+            if stale is None:
+                return None
+            self._lent.remove(stale)
+        buffer = self._host_buffer(size)
+        address = cuda_host_pointer(self.gpu, buffer.device_address)
+        if address is None:
+            self._unmapped = True
+            return None
+        self._lent.append(_PinnedBuffer(buffer, address, size))
+        return self._lent[-1]

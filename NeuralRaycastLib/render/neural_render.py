@@ -1,0 +1,636 @@
+"""The differentiable renderer: any trainable scene (the neural field, or analytic spheres in the tests)
+rendered with the image formation model of the reference renderer, forward and backward.
+
+A batch of rays goes through a few small kernels rather than one large one:
+
+1. rays from a camera or from training patches (shaders/ray_samples.slang),
+2. sample points every ``step`` mm on the occupied part of each ray (an :class:`Occupancy` grid), listed,
+3. the scene's distances at every sample (one thread per entry of that list; shaders/diff_scene.slang),
+4. work lists of the shaded segments and of the samples at the ends of every composited one (a faint
+   segment borrows a shaded neighbour's surface values; shaders/segment_lists.slang), then normals and
+   appearance on the first list (one thread per entry),
+5. compositing front to back into per-ray sums (shaders/composite.slang),
+6. backward: compositing's gradient per stored value (one thread per composited segment, from what the
+   forward pass kept), then the scene's backward pass over both lists.
+
+Keeping the networks out of the ray loop keeps every kernel small (quick to compile, also on a CPU
+device) and lets all samples of a batch run in parallel; the lists keep every thread of a wave busy
+(most samples lie in empty space, and tensor-core networks need whole waves). A training batch's host reads
+each list's length before the passes over it; a rendered view's does not wait: its passes take the entries in
+turn over a number of threads fixed beforehand, and the lengths are read with the frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..gpu.device import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory, device_memory_total
+from .camera import Camera
+from .reference_render import PLANE_FLOATS, RenderedImage, image_from_planes
+
+OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
+KEPT_FLOATS = OUTPUTS + 2  # shaders/composite.slang: what the forward keeps per segment for the backward
+SURFACE_VALUES_PER_STRUCTURE = 7  # shaders/sample_buffers.slang: normal xyz, albedo rgb, specular
+
+
+class TrainableScene(Protocol):
+    """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
+    of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
+    (``distances``: the sampled slots, ``surface``: the shaded segments, over the launch given, whose threads
+    take entries i, i + launched, ... (SampleBuffers.launched, :func:`list_launch`); ``backward``: one thread
+    per entry of the lists of :class:`WorkLists`). A scene
+    whose appearance can train alone also has ``backward_appearance(lists, buffers, timings)``. The
+    backward passes' ``timings``, where given: each pass's seconds added there (see :class:`PassClock`)."""
+
+    structures: int
+
+    def distances(self, grid: Any, buffers: dict) -> None: ...
+
+    def surface(self, grid: Any, buffers: dict) -> None: ...
+
+    def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None: ...
+
+
+WAVE = 32  # launches over a work list cover whole waves of this many threads
+#: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
+#: the first figure and at most the second; on a CPU device the third. Fewer, larger bands mean fewer passes
+#: and waits: a 1024² frame on an H100 took 51.7–53.7 ms in bands of 8 GiB against 55.4–60.6 ms in bands of
+#: 2 GiB, 69.0–69.5 against 77.8–78.3 ms with mesh shadows (BENCHMARKS.md).
+BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
+#: A band's largest buffer (the distances at every sample slot) stays below this: on an H100 with most of its
+#: memory free, a 1024² view in one band, whose distances would take 4 GiB, could not be created.
+MAX_BUFFER_BYTES = 4 << 30
+#: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
+#: ``counted=False``): the networks' passes, then the shadow rays (whose loops over the list diverge more).
+LIST_THREADS_PER_RAY = 1
+SHADOW_THREADS_PER_RAY = 4
+#: Shaded segments per ray a batch makes room for at first (their surface values; more when needed).
+SHADED_PER_RAY = 16
+#: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
+#: the sample case this leaves out about 40 % of the non-empty segments and at most 0.003 of a pixel's opacity.
+MIN_SEGMENT_WEIGHT = 1e-4
+#: A composited segment adding less than this is not shaded: it takes the surface values of a shaded
+#: segment of the same crossing (shaders/segment_lists.slang), while its opacity counts in full.
+SHADE_WEIGHT = 1e-3
+
+
+@dataclass(frozen=True)
+class WorkLists:
+    """Entries in a batch's work lists: shaded segments, the samples at the ends of composited ones, and
+    every placed sample."""
+
+    shaded: int
+    touched: int
+    sampled: int = 0
+
+    @staticmethod
+    def launch(entries: int) -> Any:
+        """A 1-D launch over ``entries`` list entries, rounded up to whole waves."""
+        import slangpy as spy
+
+        return spy.grid((-(-entries // WAVE) * WAVE,))
+
+
+def list_launch(buffers: dict, threads: int) -> Any:
+    """A forward pass's launch over a work list: ``threads`` threads (whole waves, at least one), which take
+    entries i, i + launched, ... of the list (``buffers["launched"]``, shaders/sample_buffers.slang), so it
+    covers the list whatever its length: the list's own length (no thread idles), or a number fixed before the
+    list is counted (the host need not wait for the count)."""
+    launched = -(-max(threads, 1) // WAVE) * WAVE
+    buffers["launched"] = launched
+    return WorkLists.launch(launched)
+
+
+@dataclass(frozen=True)
+class RayTiles:
+    """A batch's rays as rows of pixels (a camera band, or patches stacked), which the listing kernels take
+    in tiles of TILE pixels, one wave a tile (shaders/ray_tiles.slang)."""
+
+    width: int
+    rows: int
+
+    TILE = (8, 4)  # shaders/ray_tiles.slang: TILE_WIDTH, TILE_HEIGHT
+
+    def launch(self) -> Any:
+        """One thread per pixel of every tile covering the rows (those past their ends have no ray)."""
+        import slangpy as spy
+
+        tile_width, tile_height = self.TILE
+        tiles = -(-self.width // tile_width) * -(-self.rows // tile_height)
+        return spy.grid((tiles * tile_width * tile_height,))
+
+    def struct(self) -> dict:
+        return {"width": self.width, "rows": self.rows}
+
+
+#: How far beyond the band, in cells, a segment is still sampled where its middle's distance is interpolated
+#: from the cells' corners (:class:`Occupancy`): room for the interpolation's error on a smooth field.
+INTERPOLATION_MARGIN_CELLS = 0.25
+
+
+@dataclass
+class Occupancy:
+    """Cells of an axis-aligned RAS grid where some surface may be; elsewhere rays are not sampled.
+
+    With ``nearest`` (min_k |d_k| at the cells' corners) a segment of an occupied cell is sampled only where
+    that distance, interpolated trilinearly at its middle, is within ``reach_mm``. Cells tested at their worst
+    point instead keep samples up to the band plus a margin of their half-diagonal from every surface, where
+    the smooth step adds nothing (on a 1 mm grid of the sample, 27 % of the samples lay beyond the band)."""
+
+    cells: np.ndarray  # (Z, Y, X) bool
+    origin: np.ndarray  # (3,) RAS mm of the corner of cell (0, 0, 0)
+    cell_mm: float
+    nearest: np.ndarray | None = None  # (Z + 1, Y + 1, X + 1) min_k |d_k| (mm) at the cells' corners
+    reach_mm: float = float("inf")
+
+    @classmethod
+    def from_distances(
+        cls,
+        distances: Callable[[np.ndarray], np.ndarray],
+        box: np.ndarray,
+        cell_mm: float,
+        band_mm: float,
+        lipschitz: float = 1.0,
+    ) -> Occupancy:
+        """Sampled where min_k |d_k|, interpolated from the cells' corners, is within ``band_mm`` (where the
+        smooth step is not flat) plus :data:`INTERPOLATION_MARGIN_CELLS`, and at least the cell's half-diagonal
+        times the distances' Lipschitz bound (so a cell a surface crosses is sampled there: its corners' values
+        are at most that); occupied where some corner's value is (the interpolation never goes below its
+        corners' least)."""
+        box = np.asarray(box, np.float64)
+        dims = np.maximum(np.ceil((box[1] - box[0]) / cell_mm).astype(int), 1)
+        axes = [box[0, a] + np.arange(dims[a] + 1) * cell_mm for a in range(3)]
+        z, y, x = np.meshgrid(axes[2], axes[1], axes[0], indexing="ij")
+        corners = np.stack([x, y, z], axis=-1).reshape(-1, 3)
+        nearest = np.min(np.abs(distances(corners)), axis=1).reshape(dims[2] + 1, dims[1] + 1, dims[0] + 1)
+        lowest = nearest[:-1, :-1, :-1]
+        for dz, dy, dx in np.ndindex(2, 2, 2):
+            lowest = np.minimum(lowest, nearest[dz:dz + dims[2], dy:dy + dims[1], dx:dx + dims[0]])
+        reach = max(band_mm + INTERPOLATION_MARGIN_CELLS * cell_mm, lipschitz * 0.5 * np.sqrt(3.0) * cell_mm)
+        return cls(lowest <= reach, box[0].copy(), float(cell_mm), nearest.astype(np.float32), float(reach))
+
+    def copy(self) -> Occupancy:
+        nearest = None if self.nearest is None else self.nearest.copy()
+        return Occupancy(self.cells.copy(), self.origin.copy(), self.cell_mm, nearest, self.reach_mm)
+
+    @property
+    def fraction(self) -> float:
+        return float(self.cells.mean())
+
+    def upload(self, gpu: GpuContext) -> tuple[Any, dict]:
+        """The device's copy (shaders/ray_samples.slang's Occupancy): the tensors to keep alive, the struct."""
+        import slangpy as spy
+
+        tensor = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(self.cells.astype(np.int32).reshape(-1)))
+        tensors = [tensor]
+        if self.nearest is not None:
+            tensors.append(spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(self.nearest.reshape(-1),
+                                                                                  np.float32)))
+        z, y, x = self.cells.shape
+        struct = {
+            "cells": tensor.storage.device_address,
+            "dims": spy.int3(x, y, z),
+            "origin": spy.float3(*map(float, self.origin)),
+            "cellInv": 1.0 / self.cell_mm,
+            "nearest": tensors[1].storage.device_address if self.nearest is not None else 0,
+            "reach": float(min(self.reach_mm, 3.0e38)),
+        }
+        return tensors, struct
+
+
+class RayBatch:
+    """Device buffers for up to ``capacity`` rays with ``max_samples`` samples each: per sample its distances,
+    per shaded segment its surface values (room for more is made once a batch's lists are counted), and
+    their gradients once a backward pass asks for them."""
+
+    def __init__(self, gpu: GpuContext, capacity: int, max_samples: int, structures: int) -> None:
+        import slangpy as spy
+
+        device = gpu.device
+        slots = capacity * max_samples
+        self.device = device
+        self.capacity, self.max_samples, self.structures = capacity, max_samples, structures
+        self.rays = spy.Tensor.zeros(device, shape=(capacity * 6,), dtype="float")
+        self.samples = spy.Tensor.zeros(device, shape=(slots * 2,), dtype="float")
+        self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
+        self.distances = spy.Tensor.zeros(device, shape=(slots * structures,), dtype="float")
+        self.surface_entry = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.visibility = spy.Tensor.zeros(device, shape=(slots,), dtype="float")
+        self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
+        self.d_sums = spy.Tensor.zeros_like(self.sums)
+        self.shaded_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.touched_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.sampled_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
+        self.list_counts = spy.Tensor.zeros(device, shape=(3,), dtype="int")
+        self.lists = WorkLists(0, 0, 0)
+        self.surface_capacity = 0
+        self.surface = self.surface_grads = self.distance_grads = self.kept = None
+        self.kept_for_backward = False  # the last forward kept what the backward needs (and zeroed its gradients)
+        self.struct = {
+            "rays": self.rays.storage.device_address,
+            "samples": self.samples.storage.device_address,
+            "counts": self.counts.storage.device_address,
+            "distances": self.distances.storage.device_address,
+            "distanceGrads": 0,
+            "surface": 0,
+            "surfaceGrads": 0,
+            "surfaceEntry": self.surface_entry.storage.device_address,
+            "surfaceCapacity": 0,
+            "visibility": self.visibility.storage.device_address,
+            "shadows": 0,
+            "maxSamples": max_samples,
+            "rayCount": capacity,  # the stride from a ray's slot to its next: the rays of this pass (set_rays)
+            "structures": structures,
+            "shadedSlots": self.shaded_slots.storage.device_address,
+            "touchedSlots": self.touched_slots.storage.device_address,
+            "sampledSlots": self.sampled_slots.storage.device_address,
+            "listCounts": self.list_counts.storage.device_address,
+            "launched": 1 << 30,  # (set for each launch over a forward pass's list: list_launch)
+            "kept": 0,
+        }
+        self.reserve_surfaces(capacity * SHADED_PER_RAY)
+
+    def set_rays(self, rays: int) -> None:
+        """Lay the slots out for ``rays`` rays (sample j of ray r in slot j · rays + r, shaders/sample_buffers.slang):
+        the passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
+        self.struct["rayCount"] = rays
+
+    def next_slots(self, slots: np.ndarray) -> np.ndarray:
+        """The slots of the same rays' next samples."""
+        return slots + self.struct["rayCount"]
+
+    @staticmethod
+    def bytes_per_ray(max_samples: int, structures: int) -> int:
+        """Device memory a ray takes in a rendering batch (no gradients): per sample its t and link,
+        distances, visibility, surface entry and three list entries; its first shaded segments' values."""
+        return 4 * (max_samples * (7 + structures) + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures)
+
+    @property
+    def surface_width(self) -> int:
+        return SURFACE_VALUES_PER_STRUCTURE * self.structures
+
+    def reserve_surfaces(self, entries: int) -> None:
+        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments.
+        The values are stored value by value (shaders/sample_buffers.slang): see :meth:`surface_values`."""
+        import slangpy as spy
+
+        if entries <= self.surface_capacity:
+            return
+        capacity = max(entries, self.surface_capacity + self.surface_capacity // 4)
+        shape = (capacity * self.surface_width,)
+        with device_memory(f"the surface values of {capacity:,} shaded segments"):
+            self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+            self.struct["surface"] = self.surface.storage.device_address
+            if self.surface_grads is not None:
+                self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+                self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+        self.surface_capacity = self.struct["surfaceCapacity"] = capacity
+
+    def surface_planes(self, tensor: Any) -> np.ndarray:
+        """The surface values (or gradients) in ``tensor`` as one row per value, a column per shaded-list entry."""
+        return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)
+
+    def surface_values(self, tensor: Any, entries: int) -> np.ndarray:
+        """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
+        return self.surface_planes(tensor)[:, :entries].T
+
+    def keep_gradients(self, rays: int) -> None:
+        """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
+        ``rays`` rays: a rendering-only batch does without them, and a batch made for a rendered band (far more
+        rays) holds them only for the rays trained on it."""
+        import slangpy as spy
+
+        slots = rays * self.max_samples
+        if self.kept is None or self.kept.shape[0] < slots * KEPT_FLOATS:
+            self.distance_grads = self.kept = None  # free the smaller ones first
+            with device_memory(f"the gradient buffers of {rays:,} rays"):
+                self.distance_grads = spy.Tensor.zeros(self.device, shape=(slots * self.structures,), dtype="float")
+                self.kept = spy.Tensor.zeros(self.device, shape=(slots * KEPT_FLOATS,), dtype="float")
+            self.struct["distanceGrads"] = self.distance_grads.storage.device_address
+        if self.surface_grads is None:
+            self.surface_grads = spy.Tensor.zeros_like(self.surface)
+            self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+
+
+class DiffRenderer:
+    """Renders a :class:`TrainableScene` and sends image gradients back into its parameters."""
+
+    def __init__(
+        self,
+        gpu: GpuContext,
+        scene: TrainableScene,
+        look: dict,
+        lighting: dict,
+        settings: dict,
+        occupancy: Occupancy,
+        max_samples: int = 256,
+        min_weight: float = MIN_SEGMENT_WEIGHT,
+        shade_weight: float = SHADE_WEIGHT,
+    ) -> None:
+        self.gpu, self.scene = gpu, scene
+        self.min_weight = min_weight  # 0: composite every non-empty segment
+        self.shade_weight = shade_weight  # at most min_weight: shade every composited segment (exact)
+        self.shading = {"look": look, "lighting": lighting, "settings": settings}
+        self.look, self.settings = look, settings
+        self.max_samples = max_samples
+        self.rays_module = gpu.load_module("ray_samples", scene.structures)
+        self.composite_module = gpu.load_module("composite", scene.structures)
+        self.lists_module = gpu.load_module("segment_lists", scene.structures)
+        self._batch: RayBatch | None = None
+        self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
+        self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
+        self._frame: Any = None  # a whole view's sums on the device (render)
+        self._planes: Any = None  # and its G-buffer
+        self._band_counts: Any = None  # each band's list counts, read with the frame (render)
+        self._read_back = ReadBack(gpu)
+        self.mesh_shadows = None
+        self.set_occupancy(occupancy)
+        self.ray_count = 0
+        self._tiles = RayTiles(0, 0)
+
+    @property
+    def box(self) -> np.ndarray:
+        """(2, 3) RAS box where samples are placed (from the march settings)."""
+        return np.array([list(self.settings["boxMin"]), list(self.settings["boxMax"])], np.float64)
+
+    @property
+    def epsilon(self) -> float:
+        return float(self.settings["epsilon"])
+
+    def set_occupancy(self, occupancy: Occupancy) -> None:
+        self.occupancy = occupancy
+        self._occupancy_tensors, self._occupancy = occupancy.upload(self.gpu)
+
+    def set_mesh_shadows(self, shadows) -> None:
+        """Shadow the key light with meshes (a :class:`~NeuralRaycastLib.render.mesh_shadows.MeshShadows`, e.g. of
+        the learned surfaces), or not (None). The visibility is a fixed mask: no gradient flows through it."""
+        self.mesh_shadows = shadows
+        if shadows is not None and not hasattr(self, "_shadow_module"):
+            self._shadow_module = self.gpu.load_module("segment_shadows", self.scene.structures)
+
+    def batch(self, rays: int) -> RayBatch:
+        """Buffers for ``rays`` rays (the last batch if it is large enough; GpuMemoryError if the device cannot
+        hold them)."""
+        if self._batch is None or self._batch.capacity < rays:
+            self._batch = None  # free the smaller one first
+            megabytes = rays * RayBatch.bytes_per_ray(self.max_samples, self.scene.structures) / 2**20
+            with device_memory(f"the sample buffers of {rays:,} rays ({megabytes:,.0f} MB)"):
+                self._batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
+        return self._batch
+
+    # rays ---------------------------------------------------------------------------------------------
+    def camera_rays(self, camera: Camera, first_row: int = 0, rows: int | None = None) -> RayBatch:
+        import slangpy as spy
+
+        rows = camera.height - first_row if rows is None else rows
+        batch = self.batch(rows * camera.width)
+        self.rays_module.cameraRays(spy.grid((rows, camera.width)), camera.to_shader(), first_row,
+                                    batch.rays.storage.device_address)
+        self.ray_count = rows * camera.width
+        batch.set_rays(self.ray_count)
+        self._tiles = RayTiles(camera.width, rows)
+        return batch
+
+    def patch_rays(self, cameras: Any, patches: np.ndarray, size: int) -> RayBatch:
+        """Rays of patches (view, x0, y0) of ``size``² pixels; ``cameras`` a tensor of packed cameras."""
+        import slangpy as spy
+
+        batch = self.batch(len(patches) * size * size)
+        self._patches = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(patches, np.int32).reshape(-1))
+        struct = {"cameras": cameras.storage.device_address, "patches": self._patches.storage.device_address,
+                  "size": size}
+        self.rays_module.patchRays(spy.grid((len(patches), size, size)), struct, batch.rays.storage.device_address)
+        self.ray_count = len(patches) * size * size
+        batch.set_rays(self.ray_count)
+        self._tiles = RayTiles(size, len(patches) * size)
+        return batch
+
+    # passes -------------------------------------------------------------------------------------------
+    def forward(self, batch: RayBatch, timings: dict[str, float] | None = None, sums_at: int | None = None,
+                for_backward: bool = False, counted: bool = True, backward_follows: bool = True) -> None:
+        """Samples, scene values and per-ray sums of the current rays (kept for :meth:`backward`).
+        ``timings``: add each pass's seconds there (waiting for the device after each; for profiling).
+        ``sums_at``: device address the sums go to instead of ``batch.sums`` (a band of a whole frame).
+        ``for_backward``: compositing also keeps what :meth:`backward` needs (else the backward composites
+        the batch again first).
+        ``counted``: the host reads each list's length before the passes over it (``batch.lists``), launches
+        one thread per entry and makes room for every shaded segment's values. Else (a rendered view's bands) it
+        never waits: one thread per ray takes every launched-th entry, the shaded segments have the room made
+        before, and ``batch.lists`` is unknown until the view's frame is read (:meth:`render`).
+        ``backward_follows``: list the samples a backward pass sends gradients to (the touched list); a
+        rendered view's bands do without."""
+        import slangpy as spy
+
+        clock = PassClock(self.gpu, timings)
+        launch, tiles = self._tiles.launch(), self._tiles.struct()
+        self.rays_module.clearLists(spy.grid((3,)), batch.struct)
+        self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
+        clock.lap("place samples")
+        # counted, exactly the listed samples: waves past the list's end would leave at once, but launching a
+        # ray's every possible slot halved the speed of this pass at 1024² on an H100 (BENCHMARKS.md)
+        sampled = int(batch.list_counts.to_numpy()[2]) if counted else LIST_THREADS_PER_RAY * self.ray_count
+        if sampled:
+            self.scene.distances(list_launch(batch.struct, sampled), batch.struct)
+        clock.lap("distances")
+        room = (1 << 31) - 1 if counted else batch.surface_capacity  # (counted: the room is made next)
+        self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
+                                       self.min_weight, self.shade_weight, tiles, room, backward_follows)
+        if counted:
+            batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
+            batch.reserve_surfaces(batch.lists.shaded)
+        shaded = batch.lists.shaded if counted else LIST_THREADS_PER_RAY * self.ray_count
+        clock.lap("work lists")
+        if shaded:
+            self.scene.surface(list_launch(batch.struct, shaded), batch.struct)
+        clock.lap("normals and appearance")
+        batch.struct["shadows"] = int(self.mesh_shadows is not None)
+        if self.mesh_shadows is not None and shaded:
+            key = self.shading["lighting"]["keyDirection"]
+            grid = self.mesh_shadows.light_grid((key.x, key.y, key.z))
+            threads = shaded if counted else SHADOW_THREADS_PER_RAY * self.ray_count
+            self._shadow_module.segmentVisibility(list_launch(batch.struct, threads), batch.struct, self.shading,
+                                                  self.mesh_shadows.struct, grid, self.mesh_shadows.settings)
+            clock.lap("mesh shadows")
+        self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
+        clock.lap("composite")
+
+    def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
+        """Composite the batch into the sums at ``sums_at``; ``for_backward``: also keep what the backward
+        needs, in buffers sized for the trained rays."""
+        if for_backward:
+            batch.keep_gradients(self.ray_count)
+        batch.struct["kept"] = batch.kept.storage.device_address if for_backward else 0
+        self.composite_module.compositeRay(self._tiles.launch(), batch.struct, self.shading, sums_at,
+                                           self._tiles.struct())
+        batch.kept_for_backward = for_backward
+
+    def sums(self, batch: RayBatch) -> np.ndarray:
+        return np.asarray(batch.sums.to_numpy()).reshape(-1, OUTPUTS)[: self.ray_count]
+
+    def backward(self, batch: RayBatch, d_sums: np.ndarray, geometry: bool = True) -> None:
+        """Add ∂L/∂parameters to the scene's gradient buffer, given ∂L/∂sums (rays, OUTPUTS) of the last
+        :meth:`forward`. With ``geometry=False`` (a scene with ``backward_appearance``) only the appearance
+        gets gradients, much faster while the geometry is frozen."""
+        self.composite_backward(batch, d_sums)
+        self.scene_backward(batch, geometry)
+
+    def composite_backward(self, batch: RayBatch, d_sums: np.ndarray) -> None:
+        """First half of :meth:`backward`: ∂L/∂(every stored sample value), in the batch's gradient buffers."""
+        n = self.ray_count
+        padded = np.zeros((batch.capacity, OUTPUTS), np.float32)
+        padded[:n] = np.asarray(d_sums, np.float32).reshape(n, OUTPUTS)
+        batch.d_sums.copy_from_numpy(padded.reshape(-1))
+        self.composite_backward_on_device(batch)
+
+    def composite_backward_on_device(self, batch: RayBatch) -> None:
+        """:meth:`composite_backward` with ∂L/∂sums already in ``batch.d_sums`` (written there by a loss
+        kernel: nothing goes through the host)."""
+        if not batch.kept_for_backward:  # (and each backward adds to gradients its forward zeroed)
+            self._composite(batch, batch.sums.storage.device_address, for_backward=True)
+        if batch.lists.touched:
+            self.composite_module.compositeSegmentBackward(WorkLists.launch(batch.lists.touched), batch.struct,
+                                                           self.shading, batch.sums.storage.device_address,
+                                                           batch.d_sums.storage.device_address)
+        batch.kept_for_backward = False
+
+    def scene_backward(self, batch: RayBatch, geometry: bool = True, timings: dict[str, float] | None = None) -> None:
+        """Second half of :meth:`backward`: the sample values' gradients into the scene's parameters
+        (``timings``: see :meth:`forward`)."""
+        if not batch.lists.shaded:
+            return
+        if geometry:
+            self.scene.backward(batch.lists, batch.struct, timings)
+        else:
+            self.scene.backward_appearance(batch.lists, batch.struct, timings)
+
+    def segment_albedo(self, batch: RayBatch) -> SegmentAlbedo:
+        """The albedo of every shaded segment of the last :meth:`forward` (the shaded work list; the faint
+        segments that borrow from them hold no albedo of their own) with its optical depth per structure (how
+        much of it is seen), for losses on the albedo itself."""
+        k, shaded = self.scene.structures, batch.lists.shaded
+        slots = np.asarray(batch.shaded_slots.to_numpy())[:shaded].astype(np.int64)
+        distances = np.asarray(batch.distances.to_numpy()).reshape(-1, k)
+        surface = batch.surface_values(batch.surface, shaded)
+        ends = np.stack([distances[slots], distances[batch.next_slots(slots)]]).astype(np.float64)
+        inside = 1.0 / (1.0 + np.exp(np.clip(ends / self.epsilon, -60.0, 60.0)))
+        weight = np.asarray(self.look["opticalDepth"][:k], np.float64) * np.abs(inside[1] - inside[0])
+        return SegmentAlbedo(slots, surface[:, 3 * k:6 * k].reshape(-1, k, 3), weight)
+
+    def add_albedo_gradient(self, batch: RayBatch, segments: SegmentAlbedo, d_albedo: np.ndarray) -> None:
+        """Add ∂L/∂albedo of those segments to the batch's surface gradients (between the two halves of the
+        backward)."""
+        k = self.scene.structures
+        grads = batch.surface_planes(batch.surface_grads).copy()
+        grads[3 * k:6 * k, :len(segments.slots)] += np.asarray(d_albedo, np.float32).reshape(-1, 3 * k).T
+        batch.surface_grads.copy_from_numpy(grads.reshape(-1))
+
+    def sample_counts(self, batch: RayBatch) -> np.ndarray:
+        return np.asarray(batch.counts.to_numpy())[: self.ray_count]
+
+    # whole images -------------------------------------------------------------------------------------
+    def band_rays(self) -> int:
+        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds (each buffer under
+        :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
+        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)
+        return min(self._band_limit, self._creatable_rays(), max(1, fitting))
+
+    def _creatable_rays(self) -> int:
+        """The most rays a batch may have with its largest buffer, the distances, under MAX_BUFFER_BYTES."""
+        return max(1, (MAX_BUFFER_BYTES - 1) // (self.max_samples * self.scene.structures * 4))
+
+    def _band_bytes(self) -> int:
+        least, most, software = BAND_BYTES
+        if self.gpu.report.software:
+            return software
+        if self._device_bytes is None:
+            self._device_bytes = device_memory_total(self.gpu) or 0
+        return min(most, max(least, self._device_bytes // 10))
+
+    def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
+                     timings: dict[str, float] | None = None, frame: Any = None, counted: bool = True
+                     ) -> Iterator[tuple[int, int, RayBatch]]:
+        """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
+        more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
+        after its :meth:`forward` (``timings``, ``counted``: see there; no backward follows, so the batch has
+        no touched list). With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows
+        of it. A band the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
+        rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
+        rows_per_pass = max(1, rays_per_pass // camera.width)
+        first = 0
+        while first < camera.height:
+            rows = min(rows_per_pass, camera.height - first)
+            at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
+            try:
+                batch = self.camera_rays(camera, first, rows)
+                self.forward(batch, timings, sums_at=at, counted=counted, backward_follows=False)
+            except GpuMemoryError:
+                if rows == 1:
+                    raise
+                # the device could not hold this band: half as many rows, for this view and the next ones
+                self._batch = None
+                rows_per_pass = max(1, rows // 2)
+                self._band_limit = rows_per_pass * camera.width
+                continue
+            yield first, rows, batch
+            first += rows
+
+    def render(self, camera: Camera, rays_per_pass: int | None = None,
+               timings: dict[str, float] | None = None) -> RenderedImage:
+        """One view (``timings``: see :meth:`forward`). The bands' sums stay on the device, where the
+        G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view. The host
+        never waits for a band's list counts (:meth:`forward` ``counted=False``); where a band listed more
+        shaded segments than it had room for, the view renders again, counted (and later views have the room)."""
+        import slangpy as spy
+
+        pixels = camera.height * camera.width
+        if self._frame is None or self._frame.shape[0] != pixels * OUTPUTS:  # one read-back of exactly the view
+            self._frame = self._planes = None
+            with device_memory(f"a {camera.width} × {camera.height} frame"):
+                self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
+                self._planes = spy.Tensor.zeros(self.gpu.device, shape=(pixels * PLANE_FLOATS,), dtype="float")
+        if self._band_counts is None or self._band_counts.shape[0] < camera.height * 3:
+            # each band's list counts (a band has a row at least)
+            self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
+        planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False)
+        if crowded:
+            planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True)
+        return image_from_planes(planes, camera.height, camera.width)
+
+    def _render_frame(self, camera: Camera, rays_per_pass: int | None, timings: dict[str, float] | None,
+                      counted: bool) -> tuple[np.ndarray, bool]:
+        """The view's G-buffer planes, read back, and whether some band listed more shaded segments than it had
+        room for (not ``counted``: each band's list counts are copied aside on the device and read with the
+        frame; the last band's batch then has its ``lists``)."""
+        import slangpy as spy
+
+        rooms = []  # each band's room for shaded segments
+        for band, (_first, _rows, batch) in enumerate(self.camera_bands(camera, rays_per_pass, timings, self._frame,
+                                                                        counted)):
+            rooms.append(batch.surface_capacity)
+            if not counted:
+                encoder = self.gpu.device.create_command_encoder()
+                encoder.copy_buffer(self._band_counts.storage, band * 12, batch.list_counts.storage, 0, 12)
+                self.gpu.device.submit_command_buffer(encoder.finish())
+        clock = PassClock(self.gpu, timings)
+        pixels = camera.height * camera.width
+        self.composite_module.finishPixel(spy.grid((pixels,)), pixels, self._frame.storage.device_address,
+                                          self._planes.storage.device_address)
+        clock.lap("G-buffer")
+        planes = self._read_back.read(self._planes)
+        clock.lap("read-back")
+        if counted:
+            return planes, False
+        counts = np.asarray(self._band_counts.to_numpy()).reshape(-1, 3)[:len(rooms)]
+        batch.lists = WorkLists(*(int(c) for c in counts[-1]))
+        return planes, bool(np.any(counts[:, 0] > np.asarray(rooms)))
+
+
+@dataclass
+class SegmentAlbedo:
+    slots: np.ndarray  # (N,) slot (sample · rays + ray) where each segment starts, in list order
+    albedo: np.ndarray  # (N, K, 3)
+    weight: np.ndarray  # (N, K) optical depth of each structure over the segment

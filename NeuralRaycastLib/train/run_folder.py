@@ -1,0 +1,314 @@
+"""Whole jobs on a study, shared by the CLI, the demo and the Slicer module: train a field into a run
+folder, and evaluate a run folder.
+
+A run folder holds ``run.json`` (what was trained on and how), ``model.safetensors``, ``train_log.json``
+(every logged loss term and held-out score) and ``reference/`` (the reference views used, with their
+training / held-out split).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..field.field import FieldLayout, NeuralField
+from ..gpu.device import GpuContext
+from ..mesh.mesh import Mesh, mesh_sdf_grid
+from ..render.camera import Camera
+from ..render.neural_render import DiffRenderer
+from ..render.reference_render import RenderedImage
+from ..render.reference_views import ReferenceViews, render_reference_views, save_reference_views
+from ..study.cache import load_study_cached
+from ..study.preprocess import PreparedStudy, prepare
+from ..study.study import Study, downsample_study
+from .trainer import PRESETS, TrainConfig, Trainer, TrainLog, field_renderer, learned_mesh_shadows, preset
+
+Progress = Callable[[str, float], None]
+RUN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    preset: str
+    seed: int = 0
+    views: int = 24
+    size: int = 512  # pixels, square views
+    held_out_every: int = 8
+    max_voxels: int | None = None  # downsample the study so no axis is longer (the quick preset)
+    iterations: int | None = None  # steps of all stages together, split as the preset splits them
+    shadows: bool = False  # key-light shadows in the references; the field is shaded through its own meshes
+    # The voxel size (mm) the field's finest cells follow instead of the study's: a warm-up's downsampled
+    # stand-in is given its study's, so that it compiles the study's kernels (warmup.py).
+    field_voxel_mm: float | None = None
+
+    @classmethod
+    def for_device(cls, gpu: GpuContext, name: str | None = None, **overrides: Any) -> RunSettings:
+        """The preset's defaults: ``quick`` (96³, 128² views) on a software device, ``standard`` otherwise."""
+        name = name or ("quick" if gpu.report.software else "standard")
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset '{name}' (choose from {', '.join(PRESETS)})")
+        base = cls(name, views=16, size=128, max_voxels=96) if name == "quick" else cls(name)
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def prepare_for_run(study_path: str | Path, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
+    return prepare_study_for_run(load_study_cached(study_path), settings, progress)
+
+
+def prepare_study_for_run(study: Study, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
+    """Downsample (the quick preset) and prepare an in-memory study, e.g. one read from a Slicer scene."""
+    if settings.max_voxels:
+        study = downsample_study(study, settings.max_voxels)
+    return prepare(study, progress=progress)
+
+
+def reference_views_for_run(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
+                            progress: Progress | None = None) -> ReferenceViews:
+    return render_reference_views(gpu, prepared, settings.views, settings.size, settings.size,
+                                  shadows=settings.shadows, held_out_every=settings.held_out_every,
+                                  progress=progress)
+
+
+class CancelOnInterrupt:
+    """While active, Ctrl-C asks training to stop at the next step (the state so far is saved);
+    a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def __enter__(self) -> CancelOnInterrupt:
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: no signal handling
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+@dataclass
+class TrainedRun:
+    """A trained (or loaded) field with what it needs to render: the prepared study and its renderer."""
+
+    folder: Path
+    prepared: PreparedStudy
+    field: NeuralField
+    renderer: DiffRenderer
+    settings: RunSettings
+    views: ReferenceViews | None = None  # the reference views trained on (None for a loaded model)
+    log: TrainLog | None = None
+
+    def render(self, camera: Camera) -> RenderedImage:
+        return self.renderer.render(camera)
+
+    def meshes(self, smoothing_iterations: int = 10, decimation: float = 0.0) -> list[Mesh]:
+        """One mesh per structure of the learned surfaces s_k = 0, in RAS millimetres (empty meshes kept, so
+        indices match the structures)."""
+        from .evaluate import learned_distances
+
+        return mesh_sdf_grid(learned_distances(self.field, self.prepared), self.prepared.affine,
+                             self.prepared.structures, smoothing_iterations, decimation)
+
+
+def train_run(
+    gpu: GpuContext,
+    study_path: str | Path,
+    out: str | Path,
+    settings: RunSettings,
+    progress: Progress | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    study: Study | None = None,
+    warm_up_first: bool = False,
+    device: str | None = None,
+) -> TrainedRun:
+    """Prepare the study file, render its reference views, train a field through all stages, save the run.
+
+    ``study`` is the file's content where the caller has read it already. ``warm_up_first``: on a GPU that
+    has not compiled this run's kernels yet, compile them with a warm-up first (``warmup.ensure_warm``; its
+    worker processes open ``device`` as ``gpu`` was opened)."""
+    prepared = prepare_study_for_run(study or load_study_cached(study_path), settings, progress)
+    if warm_up_first:
+        from .warmup import ensure_warm
+
+        ensure_warm(gpu, study_path, prepared, settings, progress, device)
+    return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
+
+
+def train_prepared(
+    gpu: GpuContext,
+    prepared: PreparedStudy,
+    out: str | Path,
+    settings: RunSettings,
+    progress: Progress | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    source: str | None = None,
+    config: TrainConfig | None = None,
+) -> TrainedRun:
+    """Render the prepared study's reference views, train a field through all stages, save the run folder.
+
+    ``source`` (the study's file, if any) is recorded so ``evaluate`` can prepare the study again. A cancel
+    (``should_stop``) still saves the state reached. ``config`` replaces the preset's training schedule
+    (``settings.iterations`` then does not apply).
+    """
+    from ..field.model_io import save_field
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    views = reference_views_for_run(gpu, prepared, settings, progress)
+    if config is None:
+        config = preset(settings.preset, settings.seed)
+        if settings.iterations is not None:
+            config = config.with_total_steps(settings.iterations)
+    config = replace(config, shadows=settings.shadows)
+    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
+    field = NeuralField(gpu, layout, seed=settings.seed)
+    # The view pictures are written while training runs: encoding them would otherwise delay its start.
+    with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+        saved = writer.submit(save_reference_views, views, folder / "reference")
+        trainer = Trainer(gpu, prepared, field, views, config)
+        log = trainer.run(progress, should_stop)
+        trainer.use_picture_settings()
+        saved.result()  # a failed write surfaces here, before anything says the run is done
+    save_field(folder / "model.safetensors", field, prepared,
+               {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
+    (folder / "train_log.json").write_text(json.dumps({
+        "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
+        "rays_per_second": log.rays_per_second(),
+        "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
+        "rays_per_second_after_first_steps": log.rays_per_second(after_first_step=True),
+        "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
+        "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
+        "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "rows": log.rows,
+    }, indent=1) + "\n")
+    (folder / "run.json").write_text(json.dumps({
+        "version": RUN_VERSION, "study": source, "settings": asdict(settings),
+        "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }, indent=2) + "\n")
+    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log)
+
+
+def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> TrainedRun:
+    """A run folder's field on ``prepared`` (the study it was trained on, prepared the same way); the model
+    file's study geometry must match (ModelFileError otherwise)."""
+    from ..field.model_io import load_field
+
+    folder = Path(folder)
+    settings: RunSettings = read_run(folder)["settings"]
+    field = load_field(gpu, folder / "model.safetensors", prepared)
+    return TrainedRun(folder, prepared, field, run_renderer(gpu, prepared, field, settings), settings)
+
+
+def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, settings: RunSettings) -> DiffRenderer:
+    """The renderer of a trained field as it was trained: with shadows from its own learned meshes if the
+    run's references had shadows."""
+    config = preset(settings.preset)
+    renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.render_cell_mm,
+                              shade_weight=config.render_shade_weight)  # as Trainer.use_picture_settings
+    if settings.shadows:
+        from ..render.style import RenderStyle
+
+        style = RenderStyle.default(prepared.structures, prepared.channel_names)
+        renderer.set_mesh_shadows(learned_mesh_shadows(gpu, prepared, field, style))
+    return renderer
+
+
+def read_run(folder: str | Path) -> dict[str, Any]:
+    folder = Path(folder)
+    path = folder / "run.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{folder} is not a run folder (no run.json; create one with 'neuralraycast fit')")
+    try:
+        run = json.loads(path.read_text())
+        if run.get("version") != RUN_VERSION:
+            raise ValueError(f"{path}: unsupported run version {run.get('version')!r}")
+        run["settings"] = RunSettings(**run["settings"])
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: damaged run description ({error})") from error
+    return run
+
+
+def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: NeuralField, views: ReferenceViews,
+                settings: RunSettings, renderer=None, rendered: dict | None = None) -> dict[str, Any]:
+    """The metrics of a trained field (see :func:`evaluate_run`), written to ``metrics.json``."""
+    from .evaluate import geometry_metrics
+    from .trainer import score_views
+
+    renderer = renderer or run_renderer(gpu, prepared, field, settings)
+    metrics: dict[str, Any] = score_views(renderer, views, views.held_out, rendered)
+    geometry = geometry_metrics(field, prepared)
+    metrics["dice"] = {name: g["dice"] for name, g in geometry.items()}
+    metrics["mean_surface_distance_mm"] = {name: g["mean_surface_distance_mm"] for name, g in geometry.items()}
+    metrics["hd95_mm"] = {name: g["hd95_mm"] for name, g in geometry.items()}
+    log_path = folder / "train_log.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    metrics["train_seconds"] = log.get("seconds")
+    metrics["train_rays_per_second"] = log.get("rays_per_second")
+    metrics["device"] = gpu.report.adapter
+    metrics["backend"] = gpu.backend
+    metrics["model_bytes"] = (folder / "model.safetensors").stat().st_size
+    metrics["preset"] = settings.preset
+    metrics["image_size"] = settings.size
+    metrics["study_shape"] = list(prepared.study.shape)
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> TrainedRun:
+    """A run folder's field on its study, prepared again from the study file recorded in ``run.json``."""
+    folder = Path(folder)
+    run = read_run(folder)
+    if not run.get("study"):
+        raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
+                         "use it where it was trained")
+    return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress))
+
+
+def export_run(folder: str | Path, out: str | Path, precision: str = "float16") -> Path:
+    """A copy of a run folder with its model's parameters stored in ``precision`` (float16: half the file,
+    for sharing and rendering; they are turned back into float32 when loaded). Every command and the
+    Slicer module read the copy as they read the run; its own scores come from evaluating it."""
+    from ..field.model_io import load_model, save_model
+
+    folder, out = Path(folder), Path(out)
+    read_run(folder)  # refuses what is not a run folder
+    if out.exists() and (out.resolve() == folder.resolve() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
+    model = load_model(folder / "model.safetensors")
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(folder, staging, ignore=shutil.ignore_patterns("model.safetensors", "metrics.json"))
+    try:
+        save_model(staging / "model.safetensors", model.layout, model.parameters, model.geometry,
+                   {**model.extra, "exported_from_precision": model.precision}, precision)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    staging.replace(out)  # all or nothing: a failed export leaves no half-written run folder
+    return out
+
+
+def evaluate_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Held-out PSNR / SSIM against freshly rendered reference views, and per-structure Dice and surface
+    distances; also written to ``metrics.json`` in the run folder."""
+    run = open_run(gpu, folder, progress)
+    views = reference_views_for_run(gpu, run.prepared, run.settings, progress)
+    return run_metrics(gpu, run.folder, run.prepared, run.field, views, run.settings, run.renderer)
