@@ -575,7 +575,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def _checkSameGrid(volumeNode, shape, affine: np.ndarray, refNode, refShape, refAffine) -> None:
         """Raise GridMismatchError unless ``volumeNode`` (voxel array shape ``shape``, KJI) lies on the
         reference grid (same shape, corners within a tenth of a voxel)."""
-        from NeuralRaycastLib.study.study import GRID_TOLERANCE_VOXELS, grid_corners
+        from NeuralRaycastLib.study.grid import off_grid_mm
 
         if tuple(shape[:3]) != tuple(refShape[:3]):
             raise GridMismatchError(
@@ -583,10 +583,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 f"(IJK) but the reference '{refNode.GetName()}' has {refShape[2]} x {refShape[1]} x {refShape[0]}; "
                 "resample it onto the reference volume first"
             )
-        shapeIjk = tuple(refShape[:3][::-1])
-        offset = float(np.abs(grid_corners(affine, shapeIjk) - grid_corners(refAffine, shapeIjk)).max())
-        tolerance = GRID_TOLERANCE_VOXELS * float(np.linalg.norm(refAffine[:3, :3], axis=0).min())
-        if offset > tolerance:
+        if (offset := off_grid_mm(affine, refAffine, tuple(refShape[:3][::-1]))) is not None:
             raise GridMismatchError(
                 f"Volume '{volumeNode.GetName()}' is not on the grid of the reference '{refNode.GetName()}' "
                 f"(corners differ by up to {offset:.2f} mm); register and resample it onto the reference first"

@@ -146,8 +146,8 @@ def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
 def test_a_cancelled_warm_up_stops_its_workers(tmp_path, monkeypatch):
     """While the parts compile (minutes) progress keeps coming; a cancel (Slicer's Cancel button) kills every
     worker and says so."""
+    from NeuralRaycastLib.train import warmup
     from NeuralRaycastLib.train.run_folder import RunSettings
-    from NeuralRaycastLib.train.trainer import warmup
     from NeuralRaycastLib.train.warmup import WarmUpCancelled, _parts_in_processes
 
     pids = tmp_path / "pids"
@@ -183,8 +183,8 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
     from types import SimpleNamespace
 
     from NeuralRaycastLib.study.study import Study, load_study
+    from NeuralRaycastLib.train import warmup
     from NeuralRaycastLib.train.run_folder import RunSettings, prepare_study_for_run
-    from NeuralRaycastLib.train.trainer import warmup
 
     study = load_study(phantom_study_dir)
     monkeypatch.setattr(warmup, "STAND_IN_VOXELS", max(study.shape) // 2)
@@ -240,8 +240,8 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
     the joint step's process starts only once all four have ended (it then finds their kernels cached).
     Workers are stand-ins here: the order is what is checked, with even five processes allowed, and that each
     is told the voxel size its field is sized for (a stand-in's study's)."""
+    from NeuralRaycastLib.train import warmup
     from NeuralRaycastLib.train.run_folder import RunSettings
-    from NeuralRaycastLib.train.trainer import warmup
 
     events: list[tuple[str, str]] = []
     commands: list[list[str]] = []
@@ -283,8 +283,8 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
 def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_at_a_time(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
+    from NeuralRaycastLib.train import warmup
     from NeuralRaycastLib.train.run_folder import RunSettings
-    from NeuralRaycastLib.train.trainer import warmup
 
     calls = []
     monkeypatch.setattr(warmup, "prepare_for_run", lambda study, settings: "prepared")
@@ -312,8 +312,8 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
     from conftest import phantom_prepared
 
     from NeuralRaycastLib.paths import SHADERS_ENV, shader_dir
+    from NeuralRaycastLib.train import warmup
     from NeuralRaycastLib.train.run_folder import RunSettings
-    from NeuralRaycastLib.train.trainer import warmup
 
     shaders = tmp_path / "shaders"
     shutil.copytree(shader_dir(), shaders)
@@ -357,8 +357,8 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
 def test_fit_asks_for_the_warm_up_before_training_unless_told_not_to(flags, tmp_path, capsys, monkeypatch):
     """The warm-up gets the study as the run prepared it (nothing prepared twice), before any training."""
     from NeuralRaycastLib.study.preprocess import PreparedStudy
-    from NeuralRaycastLib.train.trainer import run_folder as pipeline
-    from NeuralRaycastLib.train.trainer import warmup
+    from NeuralRaycastLib.train import run_folder as pipeline
+    from NeuralRaycastLib.train import warmup
 
     calls = []
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import phantom_prepared
 from field_reference import tiny_config
 
+from NeuralRaycastLib.field import field as field_module
 from NeuralRaycastLib.field.field import FieldConfig, FieldLayout, NetworkConfig, NeuralField
-from NeuralRaycastLib.field.field import field as field_module
 from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors
 from NeuralRaycastLib.study.sample.phantom import voxel_centres
 
@@ -388,7 +388,7 @@ def test_tensor_core_render_matches_the_per_thread_render(cuda, phantom):
     appearance network; the geometry network gets none from the images on either path (field_scene.py).
     With the geometry frozen (stage 2) only the appearance network gets gradients, nearly the same too."""
     from NeuralRaycastLib.render.camera import orbit_cameras
-    from NeuralRaycastLib.render.neural_render import OUTPUTS
+    from NeuralRaycastLib.render.sample_buffers import OUTPUTS
     from NeuralRaycastLib.train.trainer import field_renderer
 
     prepared = phantom[1]

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from NeuralRaycastLib.gpu.device import device as gpu
-from NeuralRaycastLib.gpu.device import device as gpu_module
+from NeuralRaycastLib.gpu import device as gpu
+from NeuralRaycastLib.gpu import device as gpu_module
 
 
 def test_default_device_runs_a_kernel(gpu):

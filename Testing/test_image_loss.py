@@ -134,7 +134,7 @@ def _rendered_batch(seed: int, patches: int, size: int):
 def _device_evaluator(gpu, patches: int, size: int, **weights):
     """The device loss of sums (P, size, size, 8) against fixed targets: sums -> (terms, ∂loss/∂sums)."""
     from NeuralRaycastLib.render.image_loss import DeviceImageLoss
-    from NeuralRaycastLib.render.neural_render import OUTPUTS, RayBatch
+    from NeuralRaycastLib.render.sample_buffers import OUTPUTS, RayBatch
 
     rays = patches * size * size
     batch = RayBatch(gpu, rays + 40, max_samples=2, structures=1)  # more room than rays, as in training

@@ -9,17 +9,12 @@ from conftest import analytic_prepared
 
 from NeuralRaycastLib.render.camera import Camera, orbit_cameras
 from NeuralRaycastLib.render.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.render.neural_render import (
-    MIN_SEGMENT_WEIGHT,
-    OUTPUTS,
-    SHADE_WEIGHT,
-    DiffRenderer,
-    Occupancy,
-    RayBatch,
-    WorkLists,
-)
+from NeuralRaycastLib.render.neural_render import MIN_SEGMENT_WEIGHT, SHADE_WEIGHT, DiffRenderer
+from NeuralRaycastLib.render.occupancy import Occupancy
 from NeuralRaycastLib.render.patches import PatchSampler, pack_cameras
 from NeuralRaycastLib.render.reference_render import ReferenceRenderer, hybrid_shadows
+from NeuralRaycastLib.render.sample_buffers import KEPT_FLOATS, OUTPUTS, RayBatch
+from NeuralRaycastLib.render.scene import WorkLists
 from NeuralRaycastLib.render.style import Lighting, RenderStyle, StructureStyle
 from NeuralRaycastLib.study.sample.phantom import sphere_sdf
 from NeuralRaycastLib.study.structures import Structure
@@ -342,7 +337,7 @@ def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
 def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkeypatch):
     """A view renders in bands whose sample buffers fit BAND_BYTES (the same picture as in one band), and a
     rendering batch holds no gradient buffers until a backward pass asks for them, then only for its rays."""
-    from NeuralRaycastLib.render.reference_render import neural_render
+    from NeuralRaycastLib.render import neural_render
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
     renderer, _scene = sphere_renderer(gpu, SPHERES)
@@ -365,7 +360,7 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
     assert batch.distance_grads is not None and batch.surface_grads is not None
     slots = 2 * camera.width * renderer.max_samples  # gradient buffers for the rays trained, not the capacity
     assert batch.distance_grads.shape[0] == slots * renderer.scene.structures
-    assert batch.kept.shape[0] == slots * neural_render.KEPT_FLOATS
+    assert batch.kept.shape[0] == slots * KEPT_FLOATS
 
 
 def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, monkeypatch):
@@ -373,7 +368,7 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
     and never so many rays that the distances buffer would reach MAX_BUFFER_BYTES."""
     from types import SimpleNamespace
 
-    from NeuralRaycastLib.render.reference_render import neural_render
+    from NeuralRaycastLib.render import neural_render
 
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)

@@ -248,7 +248,7 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
                                                                                monkeypatch):
     """On a GPU that has not compiled the run's kernels, training first compiles them in worker processes
     (PythonSlicer) with the progress bar and Cancel live; a cancel there trains and writes nothing."""
-    from NeuralRaycastLib.train.trainer import warmup
+    from NeuralRaycastLib.train import warmup
 
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()

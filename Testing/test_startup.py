@@ -72,7 +72,7 @@ def test_a_second_run_in_the_process_reuses_its_studys_first_occupancy_grid(monk
 
     import numpy as np
 
-    from NeuralRaycastLib.field.field import field_render as field_scene
+    from NeuralRaycastLib.field import field_render as field_scene
 
     x = np.linspace(-8, 8, 17)
     d = np.sqrt(np.add.outer(np.add.outer(x**2, x**2), x**2)) - 5

@@ -9,9 +9,9 @@ import pytest
 from conftest import save_nifti
 
 from NeuralRaycastLib.array_cache import read_entry, write_entry
+from NeuralRaycastLib.study import cache as study_cache
 from NeuralRaycastLib.study.cache import load_study_cached
 from NeuralRaycastLib.study.study import StudyError, load_study
-from NeuralRaycastLib.study.study import cache as study_cache
 
 
 def assert_same_study(a, b):

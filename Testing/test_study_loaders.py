@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import save_nifti
 
-from NeuralRaycastLib.study.study import Study, StudyError, interpolate_ijk, load_study, sample_at, write_study
+from NeuralRaycastLib.study.grid import interpolate_ijk, sample_at
+from NeuralRaycastLib.study.study import Study, StudyError, load_study, write_study
 
 
 def test_brats_folder_loads_channels_labels_and_default_structures(tiny_brats):

@@ -17,9 +17,9 @@ from NeuralRaycastLib.render.image_loss import (
     geometry_loss_and_gradient,
     patch_loss_and_gradient,
 )
-from NeuralRaycastLib.render.neural_render import OUTPUTS
 from NeuralRaycastLib.render.patches import PatchSampler
 from NeuralRaycastLib.render.reference_views import render_reference_views
+from NeuralRaycastLib.render.sample_buffers import OUTPUTS
 from NeuralRaycastLib.study.sample.phantom import Phantom
 from NeuralRaycastLib.train.evaluate import geometry_metrics
 from NeuralRaycastLib.train.trainer import Trainer, TrainLog, field_renderer, preset

@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from ..gpu.device import GpuContext, PassClock
-from ..render.neural_render import Occupancy, WorkLists
-from ..render.reference_render import interleaved_volumes
+from ..render.occupancy import Occupancy
+from ..render.scene import WorkLists
 from ..render.style import BAND_WIDTHS
+from ..render.volume import interleaved_volumes
+from ..study.grid import sample_at
 from ..study.preprocess import PreparedStudy
-from ..study.study import sample_at
 from .field import NeuralField
 
 

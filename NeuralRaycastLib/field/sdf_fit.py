@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..gpu.device import GpuContext, PassClock
-from ..render.reference_render import interleaved_volumes
+from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
 

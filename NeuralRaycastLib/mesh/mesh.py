@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..study.grid import interpolate_ijk
 from ..study.structures import Structure
-from ..study.study import interpolate_ijk
 
 EXPORT_FORMATS = ("vtp", "stl", "obj", "ply")
 

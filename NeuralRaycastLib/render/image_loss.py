@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .metrics import SSIM_K1, SSIM_K2, SSIM_SIGMA, SSIM_TRUNCATE
-from .neural_render import OUTPUTS, RayBatch  # OUTPUTS: floats per pixel of the rendered sums and references
+from .sample_buffers import OUTPUTS, RayBatch  # OUTPUTS: floats per pixel of the rendered sums and references
 
 if TYPE_CHECKING:
     from ..gpu.device import GpuContext

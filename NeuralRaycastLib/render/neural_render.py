@@ -22,40 +22,19 @@ turn over a number of threads fixed beforehand, and the lengths are read with th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ..gpu.device import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory, device_memory_total
 from .camera import Camera
-from .reference_render import PLANE_FLOATS, RenderedImage, image_from_planes
+from .image import PLANE_FLOATS, RenderedImage, image_from_planes
+from .occupancy import Occupancy
+from .sample_buffers import OUTPUTS, RayBatch, RayTiles
+from .scene import TrainableScene, WorkLists, list_launch
 
-OUTPUTS = 8  # shaders/composite.slang: r, g, b, a, normal xyz, depth (sums)
-KEPT_FLOATS = OUTPUTS + 2  # shaders/composite.slang: what the forward keeps per segment for the backward
-SURFACE_VALUES_PER_STRUCTURE = 7  # shaders/sample_buffers.slang: normal xyz, albedo rgb, specular
-
-
-class TrainableScene(Protocol):
-    """What the renderer needs from a scene: its structure count and its sample kernels (the generic ones
-    of shaders/diff_scene.slang instantiated for the scene), each launched over whole waves of a work list
-    (``distances``: the sampled slots, ``surface``: the shaded segments, over the launch given, whose threads
-    take entries i, i + launched, ... (SampleBuffers.launched, :func:`list_launch`); ``backward``: one thread
-    per entry of the lists of :class:`WorkLists`). A scene
-    whose appearance can train alone also has ``backward_appearance(lists, buffers, timings)``. The
-    backward passes' ``timings``, where given: each pass's seconds added there (see :class:`PassClock`)."""
-
-    structures: int
-
-    def distances(self, grid: Any, buffers: dict) -> None: ...
-
-    def surface(self, grid: Any, buffers: dict) -> None: ...
-
-    def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None: ...
-
-
-WAVE = 32  # launches over a work list cover whole waves of this many threads
 #: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
 #: the first figure and at most the second; on a CPU device the third. Fewer, larger bands mean fewer passes
 #: and waits: a 1024² frame on an H100 took 51.7–53.7 ms in bands of 8 GiB against 55.4–60.6 ms in bands of
@@ -68,252 +47,12 @@ MAX_BUFFER_BYTES = 4 << 30
 #: ``counted=False``): the networks' passes, then the shadow rays (whose loops over the list diverge more).
 LIST_THREADS_PER_RAY = 1
 SHADOW_THREADS_PER_RAY = 4
-#: Shaded segments per ray a batch makes room for at first (their surface values; more when needed).
-SHADED_PER_RAY = 16
 #: A segment adding less than this to its pixel's opacity (transmittance × opacity) is not composited. On
 #: the sample case this leaves out about 40 % of the non-empty segments and at most 0.003 of a pixel's opacity.
 MIN_SEGMENT_WEIGHT = 1e-4
 #: A composited segment adding less than this is not shaded: it takes the surface values of a shaded
 #: segment of the same crossing (shaders/segment_lists.slang), while its opacity counts in full.
 SHADE_WEIGHT = 1e-3
-
-
-@dataclass(frozen=True)
-class WorkLists:
-    """Entries in a batch's work lists: shaded segments, the samples at the ends of composited ones, and
-    every placed sample."""
-
-    shaded: int
-    touched: int
-    sampled: int = 0
-
-    @staticmethod
-    def launch(entries: int) -> Any:
-        """A 1-D launch over ``entries`` list entries, rounded up to whole waves."""
-        import slangpy as spy
-
-        return spy.grid((-(-entries // WAVE) * WAVE,))
-
-
-def list_launch(buffers: dict, threads: int) -> Any:
-    """A forward pass's launch over a work list: ``threads`` threads (whole waves, at least one), which take
-    entries i, i + launched, ... of the list (``buffers["launched"]``, shaders/sample_buffers.slang), so it
-    covers the list whatever its length: the list's own length (no thread idles), or a number fixed before the
-    list is counted (the host need not wait for the count)."""
-    launched = -(-max(threads, 1) // WAVE) * WAVE
-    buffers["launched"] = launched
-    return WorkLists.launch(launched)
-
-
-@dataclass(frozen=True)
-class RayTiles:
-    """A batch's rays as rows of pixels (a camera band, or patches stacked), which the listing kernels take
-    in tiles of TILE pixels, one wave a tile (shaders/ray_tiles.slang)."""
-
-    width: int
-    rows: int
-
-    TILE = (8, 4)  # shaders/ray_tiles.slang: TILE_WIDTH, TILE_HEIGHT
-
-    def launch(self) -> Any:
-        """One thread per pixel of every tile covering the rows (those past their ends have no ray)."""
-        import slangpy as spy
-
-        tile_width, tile_height = self.TILE
-        tiles = -(-self.width // tile_width) * -(-self.rows // tile_height)
-        return spy.grid((tiles * tile_width * tile_height,))
-
-    def struct(self) -> dict:
-        return {"width": self.width, "rows": self.rows}
-
-
-#: How far beyond the band, in cells, a segment is still sampled where its middle's distance is interpolated
-#: from the cells' corners (:class:`Occupancy`): room for the interpolation's error on a smooth field.
-INTERPOLATION_MARGIN_CELLS = 0.25
-
-
-@dataclass
-class Occupancy:
-    """Cells of an axis-aligned RAS grid where some surface may be; elsewhere rays are not sampled.
-
-    With ``nearest`` (min_k |d_k| at the cells' corners) a segment of an occupied cell is sampled only where
-    that distance, interpolated trilinearly at its middle, is within ``reach_mm``. Cells tested at their worst
-    point instead keep samples up to the band plus a margin of their half-diagonal from every surface, where
-    the smooth step adds nothing (on a 1 mm grid of the sample, 27 % of the samples lay beyond the band)."""
-
-    cells: np.ndarray  # (Z, Y, X) bool
-    origin: np.ndarray  # (3,) RAS mm of the corner of cell (0, 0, 0)
-    cell_mm: float
-    nearest: np.ndarray | None = None  # (Z + 1, Y + 1, X + 1) min_k |d_k| (mm) at the cells' corners
-    reach_mm: float = float("inf")
-
-    @classmethod
-    def from_distances(
-        cls,
-        distances: Callable[[np.ndarray], np.ndarray],
-        box: np.ndarray,
-        cell_mm: float,
-        band_mm: float,
-        lipschitz: float = 1.0,
-    ) -> Occupancy:
-        """Sampled where min_k |d_k|, interpolated from the cells' corners, is within ``band_mm`` (where the
-        smooth step is not flat) plus :data:`INTERPOLATION_MARGIN_CELLS`, and at least the cell's half-diagonal
-        times the distances' Lipschitz bound (so a cell a surface crosses is sampled there: its corners' values
-        are at most that); occupied where some corner's value is (the interpolation never goes below its
-        corners' least)."""
-        box = np.asarray(box, np.float64)
-        dims = np.maximum(np.ceil((box[1] - box[0]) / cell_mm).astype(int), 1)
-        axes = [box[0, a] + np.arange(dims[a] + 1) * cell_mm for a in range(3)]
-        z, y, x = np.meshgrid(axes[2], axes[1], axes[0], indexing="ij")
-        corners = np.stack([x, y, z], axis=-1).reshape(-1, 3)
-        nearest = np.min(np.abs(distances(corners)), axis=1).reshape(dims[2] + 1, dims[1] + 1, dims[0] + 1)
-        lowest = nearest[:-1, :-1, :-1]
-        for dz, dy, dx in np.ndindex(2, 2, 2):
-            lowest = np.minimum(lowest, nearest[dz:dz + dims[2], dy:dy + dims[1], dx:dx + dims[0]])
-        reach = max(band_mm + INTERPOLATION_MARGIN_CELLS * cell_mm, lipschitz * 0.5 * np.sqrt(3.0) * cell_mm)
-        return cls(lowest <= reach, box[0].copy(), float(cell_mm), nearest.astype(np.float32), float(reach))
-
-    def copy(self) -> Occupancy:
-        nearest = None if self.nearest is None else self.nearest.copy()
-        return Occupancy(self.cells.copy(), self.origin.copy(), self.cell_mm, nearest, self.reach_mm)
-
-    @property
-    def fraction(self) -> float:
-        return float(self.cells.mean())
-
-    def upload(self, gpu: GpuContext) -> tuple[Any, dict]:
-        """The device's copy (shaders/ray_samples.slang's Occupancy): the tensors to keep alive, the struct."""
-        import slangpy as spy
-
-        tensor = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(self.cells.astype(np.int32).reshape(-1)))
-        tensors = [tensor]
-        if self.nearest is not None:
-            tensors.append(spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(self.nearest.reshape(-1),
-                                                                                  np.float32)))
-        z, y, x = self.cells.shape
-        struct = {
-            "cells": tensor.storage.device_address,
-            "dims": spy.int3(x, y, z),
-            "origin": spy.float3(*map(float, self.origin)),
-            "cellInv": 1.0 / self.cell_mm,
-            "nearest": tensors[1].storage.device_address if self.nearest is not None else 0,
-            "reach": float(min(self.reach_mm, 3.0e38)),
-        }
-        return tensors, struct
-
-
-class RayBatch:
-    """Device buffers for up to ``capacity`` rays with ``max_samples`` samples each: per sample its distances,
-    per shaded segment its surface values (room for more is made once a batch's lists are counted), and
-    their gradients once a backward pass asks for them."""
-
-    def __init__(self, gpu: GpuContext, capacity: int, max_samples: int, structures: int) -> None:
-        import slangpy as spy
-
-        device = gpu.device
-        slots = capacity * max_samples
-        self.device = device
-        self.capacity, self.max_samples, self.structures = capacity, max_samples, structures
-        self.rays = spy.Tensor.zeros(device, shape=(capacity * 6,), dtype="float")
-        self.samples = spy.Tensor.zeros(device, shape=(slots * 2,), dtype="float")
-        self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
-        self.distances = spy.Tensor.zeros(device, shape=(slots * structures,), dtype="float")
-        self.surface_entry = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.visibility = spy.Tensor.zeros(device, shape=(slots,), dtype="float")
-        self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
-        self.d_sums = spy.Tensor.zeros_like(self.sums)
-        self.shaded_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.touched_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.sampled_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.list_counts = spy.Tensor.zeros(device, shape=(3,), dtype="int")
-        self.lists = WorkLists(0, 0, 0)
-        self.surface_capacity = 0
-        self.surface = self.surface_grads = self.distance_grads = self.kept = None
-        self.kept_for_backward = False  # the last forward kept what the backward needs (and zeroed its gradients)
-        self.struct = {
-            "rays": self.rays.storage.device_address,
-            "samples": self.samples.storage.device_address,
-            "counts": self.counts.storage.device_address,
-            "distances": self.distances.storage.device_address,
-            "distanceGrads": 0,
-            "surface": 0,
-            "surfaceGrads": 0,
-            "surfaceEntry": self.surface_entry.storage.device_address,
-            "surfaceCapacity": 0,
-            "visibility": self.visibility.storage.device_address,
-            "shadows": 0,
-            "maxSamples": max_samples,
-            "rayCount": capacity,  # the stride from a ray's slot to its next: the rays of this pass (set_rays)
-            "structures": structures,
-            "shadedSlots": self.shaded_slots.storage.device_address,
-            "touchedSlots": self.touched_slots.storage.device_address,
-            "sampledSlots": self.sampled_slots.storage.device_address,
-            "listCounts": self.list_counts.storage.device_address,
-            "launched": 1 << 30,  # (set for each launch over a forward pass's list: list_launch)
-            "kept": 0,
-        }
-        self.reserve_surfaces(capacity * SHADED_PER_RAY)
-
-    def set_rays(self, rays: int) -> None:
-        """Lay the slots out for ``rays`` rays (sample j of ray r in slot j · rays + r, shaders/sample_buffers.slang):
-        the passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
-        self.struct["rayCount"] = rays
-
-    def next_slots(self, slots: np.ndarray) -> np.ndarray:
-        """The slots of the same rays' next samples."""
-        return slots + self.struct["rayCount"]
-
-    @staticmethod
-    def bytes_per_ray(max_samples: int, structures: int) -> int:
-        """Device memory a ray takes in a rendering batch (no gradients): per sample its t and link,
-        distances, visibility, surface entry and three list entries; its first shaded segments' values."""
-        return 4 * (max_samples * (7 + structures) + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures)
-
-    @property
-    def surface_width(self) -> int:
-        return SURFACE_VALUES_PER_STRUCTURE * self.structures
-
-    def reserve_surfaces(self, entries: int) -> None:
-        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments.
-        The values are stored value by value (shaders/sample_buffers.slang): see :meth:`surface_values`."""
-        import slangpy as spy
-
-        if entries <= self.surface_capacity:
-            return
-        capacity = max(entries, self.surface_capacity + self.surface_capacity // 4)
-        shape = (capacity * self.surface_width,)
-        with device_memory(f"the surface values of {capacity:,} shaded segments"):
-            self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
-            self.struct["surface"] = self.surface.storage.device_address
-            if self.surface_grads is not None:
-                self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
-                self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
-        self.surface_capacity = self.struct["surfaceCapacity"] = capacity
-
-    def surface_planes(self, tensor: Any) -> np.ndarray:
-        """The surface values (or gradients) in ``tensor`` as one row per value, a column per shaded-list entry."""
-        return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)
-
-    def surface_values(self, tensor: Any, entries: int) -> np.ndarray:
-        """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
-        return self.surface_planes(tensor)[:, :entries].T
-
-    def keep_gradients(self, rays: int) -> None:
-        """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
-        ``rays`` rays: a rendering-only batch does without them, and a batch made for a rendered band (far more
-        rays) holds them only for the rays trained on it."""
-        import slangpy as spy
-
-        slots = rays * self.max_samples
-        if self.kept is None or self.kept.shape[0] < slots * KEPT_FLOATS:
-            self.distance_grads = self.kept = None  # free the smaller ones first
-            with device_memory(f"the gradient buffers of {rays:,} rays"):
-                self.distance_grads = spy.Tensor.zeros(self.device, shape=(slots * self.structures,), dtype="float")
-                self.kept = spy.Tensor.zeros(self.device, shape=(slots * KEPT_FLOATS,), dtype="float")
-            self.struct["distanceGrads"] = self.distance_grads.storage.device_address
-        if self.surface_grads is None:
-            self.surface_grads = spy.Tensor.zeros_like(self.surface)
-            self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
 
 
 class DiffRenderer:

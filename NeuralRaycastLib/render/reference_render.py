@@ -6,62 +6,17 @@ deterministic, the same on CUDA and on Vulkan (lavapipe on a CPU).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from ..gpu.device import GpuContext, ReadBack
+from ..study.grid import grid_corners_bounds
 from ..study.preprocess import PreparedStudy
-from ..study.study import grid_corners_bounds
 from .camera import Camera
+from .image import PLANE_FLOATS, RenderedImage, image_from_planes
 from .style import BAND_WIDTHS, RenderStyle
-
-
-@dataclass
-class RenderedImage:
-    """One rendered view. ``rgba`` is premultiplied; ``depth`` is mm along the ray (0 where empty)."""
-
-    rgba: np.ndarray  # (H, W, 4) float32
-    depth: np.ndarray  # (H, W) float32
-    normal: np.ndarray  # (H, W, 3) float32, RAS, unit where anything was hit
-
-    def rgb(self, background: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> np.ndarray:
-        """Colour composited over a background, (H, W, 3) in [0, 1]."""
-        alpha = self.rgba[..., 3:4]
-        return np.clip(self.rgba[..., :3] + (1.0 - alpha) * np.asarray(background, np.float32), 0.0, 1.0)
-
-
-def volume_stack(gpu: GpuContext, volumes: np.ndarray, ras_to_ijk: np.ndarray):
-    """Upload (V, I, J, K) float32 volumes: (the tensor, which must stay alive; the shader struct)."""
-    import slangpy as spy
-
-    volumes = np.ascontiguousarray(volumes, dtype=np.float32)
-    tensor = spy.Tensor.from_numpy(gpu.device, volumes.reshape(-1))
-    struct = {
-        "data": tensor.storage.device_address,
-        "dims": spy.int3(*map(int, volumes.shape[1:])),
-        "count": int(volumes.shape[0]),
-        "rasToIjk": spy.float4x4(np.asarray(ras_to_ijk, dtype=np.float32)),
-    }
-    return tensor, struct
-
-
-def interleaved_volumes(gpu: GpuContext, volumes: np.ndarray, ras_to_ijk: np.ndarray):
-    """Upload (V, I, J, K) float32 volumes interleaved, each voxel's V values padded to whole float4s, for
-    ``InterleavedVolumes`` in shaders/volume.slang: (the tensor, which must stay alive; the shader struct)."""
-    import slangpy as spy
-
-    volumes = np.asarray(volumes, dtype=np.float32)
-    count = volumes.shape[0]
-    interleaved = np.zeros((*volumes.shape[1:], -(-count // 4) * 4), np.float32)
-    interleaved[..., :count] = np.moveaxis(volumes, 0, -1)
-    tensor = spy.Tensor.from_numpy(gpu.device, interleaved.reshape(-1))
-    struct = {
-        "data": tensor.storage.device_address,
-        "dims": spy.int3(*map(int, volumes.shape[1:])),
-        "rasToIjk": spy.float4x4(np.asarray(ras_to_ijk, dtype=np.float32)),
-    }
-    return tensor, struct
+from .volume import volume_stack
 
 
 def march_settings(prepared: PreparedStudy, style: RenderStyle) -> dict:
@@ -80,21 +35,6 @@ def march_settings(prepared: PreparedStudy, style: RenderStyle) -> dict:
         "boxMin": spy.float3(*map(float, low)),
         "boxMax": spy.float3(*map(float, high)),
     }
-
-
-#: Floats per pixel of a frame written as planes (shaders/image_formation.slang's storePixel): RGBA, normal,
-#: depth.
-PLANE_FLOATS = 8
-
-
-def image_from_planes(planes: np.ndarray, height: int, width: int) -> RenderedImage:
-    """A frame's G-buffer written as planes (RGBA, normal, depth; shaders/composite.slang's finishPixel):
-    the image's arrays are views of the one read-back array, not copies."""
-    pixels = height * width
-    planes = np.asarray(planes, np.float32).reshape(-1)
-    return RenderedImage(planes[:4 * pixels].reshape(height, width, 4),
-                         planes[7 * pixels:8 * pixels].reshape(height, width),
-                         planes[4 * pixels:7 * pixels].reshape(height, width, 3))
 
 
 class ReferenceRenderer:

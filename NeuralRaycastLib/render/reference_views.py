@@ -22,8 +22,9 @@ from ..paths import cache_folder, shader_dir
 from ..study.preprocess import PreparedStudy
 from ..study.study import map_in_threads
 from .camera import Camera, orbit_cameras, split_views
+from .image import RenderedImage
 from .metrics import contact_sheet, depth_picture, normal_picture, save_png
-from .reference_render import ReferenceRenderer, RenderedImage
+from .reference_render import ReferenceRenderer
 from .style import RenderStyle
 
 #: Bump when what a cached set of views holds changes.

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .grid import grid_corners_bounds, off_grid_mm
 from .structures import BRATS_STRUCTURES
 
 #: BraTS channel suffixes (both the classic and the 2023 names) -> channel name used here.
@@ -42,7 +43,6 @@ MANIFEST = "manifest.json"
 MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "brain_mask", "structures"}
 
 #: Two grids are the same when every corner of the volume lands within this fraction of a voxel.
-GRID_TOLERANCE_VOXELS = 0.1
 
 
 T = TypeVar("T")
@@ -124,49 +124,6 @@ class Study:
         return validate(study)
 
 
-def grid_corners(affine: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """RAS coordinates of the 8 corner voxel centres, shape (8, 3)."""
-    idx = np.array([[i, j, k, 1.0] for i in (0, shape[0] - 1) for j in (0, shape[1] - 1) for k in (0, shape[2] - 1)])
-    return (idx @ np.asarray(affine).T)[:, :3]
-
-
-def grid_corners_bounds(affine: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    corners = grid_corners(affine, shape)
-    return np.stack([corners.min(axis=0), corners.max(axis=0)])
-
-
-def interpolate_ijk(volume: np.ndarray, ijk: np.ndarray) -> np.ndarray:
-    """Trilinear interpolation of a volume (I, J, K), or of a stack of them (S, I, J, K), at voxel
-    coordinates (N, 3); outside the grid the edge values continue. Shape (N,) or (S, N).
-
-    The same numbers as ``scipy.ndimage.map_coordinates(order=1, mode="nearest")``, in numpy alone (so
-    starting a training run does not load scipy) and one gather per corner for a whole stack."""
-    shape = np.array(volume.shape[-3:])
-    ijk = np.clip(np.asarray(ijk, np.float64), 0, shape - 1)
-    base = np.minimum(np.floor(ijk).astype(np.intp), np.maximum(shape - 2, 0))
-    upper = ijk - base  # the weights of the upper corners per axis; 1 - upper those of the lower ones
-    lower = 1.0 - upper
-    flat = volume.reshape(*volume.shape[:-3], -1)
-    strides = np.array([shape[1] * shape[2], shape[2], 1])
-    steps = np.where(shape > 1, strides, 0)  # a one-voxel axis has no upper corner
-    first = base @ strides
-    result = np.zeros((*volume.shape[:-3], len(ijk)))
-    for a in (0, 1):
-        wa = (upper if a else lower)[:, 0]
-        for b in (0, 1):
-            wab = wa * (upper if b else lower)[:, 1]
-            for c in (0, 1):
-                index = first + (a * steps[0] + b * steps[1] + c * steps[2])
-                result += (wab * (upper if c else lower)[:, 2]) * np.take(flat, index, axis=-1)
-    return result
-
-
-def sample_at(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """A volume (or a stack of them, see :func:`interpolate_ijk`) trilinearly at RAS points (N, 3)."""
-    ras_to_ijk = np.linalg.inv(np.asarray(affine, np.float64))
-    return interpolate_ijk(volume, np.asarray(points) @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3])
-
-
 # ---------------------------------------------------------------------------------------------------------
 # validation
 
@@ -185,11 +142,6 @@ def _check_finite(array: np.ndarray, source: str) -> None:
     bad = int(np.count_nonzero(~np.isfinite(array)))
     if bad:
         raise StudyError(f"{source}: contains {bad} NaN or infinite voxel(s)")
-
-
-def _same_grid(affine_a: np.ndarray, affine_b: np.ndarray, shape: tuple[int, ...]) -> float:
-    """Largest corner displacement between two grids of the same shape, in millimetres."""
-    return float(np.abs(grid_corners(affine_a, shape) - grid_corners(affine_b, shape)).max())
 
 
 def validate(study: Study) -> Study:
@@ -374,9 +326,7 @@ def _load_files(
                     f"{path}: grid {tuple(image.shape[:3])} differs from {channel_files[next(iter(channel_files))]} "
                     f"{ref_shape}; resample it onto the first channel's grid"
                 )
-            offset = _same_grid(reference.affine, image.affine, ref_shape)
-            tolerance = GRID_TOLERANCE_VOXELS * float(np.linalg.norm(reference.affine[:3, :3], axis=0).min())
-            if offset > tolerance:
+            if (offset := off_grid_mm(image.affine, reference.affine, ref_shape)) is not None:
                 raise StudyError(
                     f"{path}: not on the same grid as the first channel (corners differ by up to {offset:.2f} mm); "
                     "co-register and resample it first"

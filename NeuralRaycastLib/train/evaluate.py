@@ -15,8 +15,8 @@ import numpy as np
 
 from ..field.field import NeuralField
 from ..mesh.mesh import extract_surface, resample_sdf
+from ..study.grid import sample_at
 from ..study.preprocess import PreparedStudy, structure_mask
-from ..study.study import sample_at
 
 
 def learned_distances(field: NeuralField, prepared: PreparedStudy) -> np.ndarray:

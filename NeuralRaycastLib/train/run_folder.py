@@ -22,8 +22,8 @@ from ..field.field import FieldLayout, NeuralField
 from ..gpu.device import GpuContext
 from ..mesh.mesh import Mesh, mesh_sdf_grid
 from ..render.camera import Camera
+from ..render.image import RenderedImage
 from ..render.neural_render import DiffRenderer
-from ..render.reference_render import RenderedImage
 from ..render.reference_views import ReferenceViews, render_reference_views, save_reference_views
 from ..study.cache import load_study_cached
 from ..study.preprocess import PreparedStudy, prepare

@@ -39,8 +39,9 @@ from ..field.field import COOPERATIVE_ENV, FieldLayout, NeuralField
 from ..field.sdf_fit import SdfFitter
 from ..gpu.device import GpuContext, open_device
 from ..paths import shader_dir
-from ..render.neural_render import WAVE, RayBatch, WorkLists
 from ..render.reference_views import ReferenceViews, render_reference_views
+from ..render.sample_buffers import RayBatch
+from ..render.scene import WAVE, WorkLists
 from ..study.preprocess import PreparedStudy
 from ..study.study import Study, downsample_study, write_study
 from .run_folder import RunSettings, prepare_for_run, prepare_study_for_run
