@@ -38,10 +38,11 @@ except ModuleNotFoundError as _error:
         raise
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import NeuralRaycastLib
+from NeuralRaycastLib.train import presets as _presets  # the presets' table imports nothing heavy
 
 MODULE_NAME = "NeuralRaycast"
 README_URL = "https://github.com/SlicerNeuralRaycast/SlicerNeuralRaycast#readme"
-PRESETS = ("auto", "quick", "standard", "high")
+PRESETS = (_presets.AUTO, *_presets.PRESETS)
 DEVICES = ("auto", "cuda", "vulkan")
 #: Extra channels beside the reference volume (the parameter node wrapper has no GUI for node lists).
 ADDITIONAL_VOLUME_PARAMETERS = ("inputVolume2", "inputVolume3", "inputVolume4")
@@ -575,7 +576,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def _checkSameGrid(volumeNode, shape, affine: np.ndarray, refNode, refShape, refAffine) -> None:
         """Raise GridMismatchError unless ``volumeNode`` (voxel array shape ``shape``, KJI) lies on the
         reference grid (same shape, corners within a tenth of a voxel)."""
-        from NeuralRaycastLib.study.grid import off_grid_mm
+        from NeuralRaycastLib.grid import off_grid_mm
 
         if tuple(shape[:3]) != tuple(refShape[:3]):
             raise GridMismatchError(
@@ -857,18 +858,15 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         """The slangpy device (opened once per process); raises GpuUnavailableError naming what to install."""
         from NeuralRaycastLib.gpu.device import open_device
 
-        return open_device(None if device in (None, "", "auto") else device)
+        return open_device(device)
 
     @staticmethod
     def runSettings(gpu, preset: str = "auto", seed: int = 0, iterations: int = 0, views: int = 0, size: int = 0,
                     shadows: bool = False):
         """``auto`` is the quick preset on a software device (lavapipe) and the standard one on a GPU; zeros
         keep the preset's number of iterations, reference views and view size."""
-        from NeuralRaycastLib.train.run_folder import RunSettings
-
-        return RunSettings.for_device(gpu, None if preset in (None, "", "auto") else preset, seed=seed,
-                                      iterations=iterations or None, views=views or None, size=size or None,
-                                      shadows=shadows)
+        return _presets.RunSettings.for_device(gpu, preset, seed=seed, iterations=iterations, views=views,
+                                               size=size, shadows=shadows)
 
     @staticmethod
     def defaultRunFolder(studyName: str) -> str:
@@ -898,22 +896,19 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         side by side (``NeuralRaycastLib.train.warmup``; about half a minute on an H100, once per machine), which
         keeps Slicer responsive.
         """
-        from NeuralRaycastLib.train.run_folder import prepare_study_for_run, train_prepared
-        from NeuralRaycastLib.train.warmup import ensure_warm_for_study
+        from NeuralRaycastLib.train.run import train_study
 
         gpu = self.gpuContext(device)
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
-        startTime = time.time()
-        prepared = prepare_study_for_run(study, settings, progress)
-        if (python := self.workerPython()) is not None:  # else the run compiles its kernels itself
-            ensure_warm_for_study(gpu, study, prepared, settings, progress,
-                                  None if device in (None, "", "auto") else device, shouldStop, python)
-        elif not gpu.report.software:
+        python = self.workerPython()  # None: the run compiles its kernels itself
+        if python is None and not gpu.report.software:
             logging.warning("PythonSlicer not found: the kernels compile in Slicer's own process (slower)")
         folder = str(runFolder) if runFolder and str(runFolder) not in ("", ".") else self.defaultRunFolder(study.name)
-        self.run = train_prepared(gpu, prepared, folder, settings, progress, shouldStop, config=config)
+        startTime = time.time()
+        self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
+                               worker_python=python, config=config)
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
                      f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
         return self.run
@@ -922,7 +917,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 resampleToReference: bool = False, brainMaskNode=None):
         """Reload a trained model for the study in the scene (the one it was trained on: its geometry is
         checked). Returns the TrainedRun (also kept as ``self.run``)."""
-        from NeuralRaycastLib.train.run_folder import load_run, prepare_study_for_run, read_run
+        from NeuralRaycastLib.train.run_folder import load_run, prepare_for_run, read_run
 
         folder = str(runFolder or "")
         if folder in ("", ".") or not os.path.isdir(folder):
@@ -930,7 +925,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         settings = read_run(folder)["settings"]
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
-        prepared = prepare_study_for_run(study, settings)
+        prepared = prepare_for_run(study, settings)
         self.run = load_run(self.gpuContext(device), folder, prepared)
         return self.run
 
@@ -1186,12 +1181,12 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
         import tempfile
         from dataclasses import replace
 
-        from NeuralRaycastLib.train.trainer import preset
+        from NeuralRaycastLib.train.presets import training_schedule
 
         self.delayDisplay("Starting the train, render and models test (about a minute on a CPU)")
         logic = NeuralRaycastLogic()
         # Mostly geometry (what the models show), a few rendering steps.
-        quick = preset("quick")
+        quick = training_schedule("quick")
         schedule = replace(quick, geometry=replace(quick.geometry, steps=150), appearance_steps=4, joint_steps=4,
                            eval_every=8)
         with tempfile.TemporaryDirectory() as folder:

@@ -89,3 +89,15 @@ def shader_dir() -> Path:
         + ", ".join(str(c) for c in candidates)
         + f"); set {SHADERS_ENV} to the project's shaders/ folder"
     )
+
+
+def shader_sources_digest() -> str:
+    """A SHA-256 of every ``.slang`` file (names and contents): what compiled kernels and the pictures they
+    make depend on, for cache keys that must change when any shader does."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for source in sorted(shader_dir().glob("*.slang")):
+        digest.update(source.name.encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()

@@ -1,9 +1,17 @@
-"""Console progress for long steps: a bar on a terminal, plain lines otherwise (logs, CI)."""
+"""Progress and cancel for long work: the callback types every long job takes, a console bar, and Ctrl-C
+as a cancel request."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from collections.abc import Callable
+
+#: ``progress(message, fraction)``: what a long job reports, the fraction done in [0, 1].
+Progress = Callable[[str, float], None]
+#: ``should_stop()``: polled by a long job between steps; True asks it to stop (keeping what it reached).
+ShouldStop = Callable[[], bool]
 
 
 class ConsoleProgress:
@@ -27,3 +35,30 @@ class ConsoleProgress:
             self.stream.write(f"{self.label}: {fraction:4.0%} {elapsed:6.1f}s {message}\n")
         self.last_message = message
         self.stream.flush()
+
+
+class CancelOnInterrupt:
+    """While active, Ctrl-C asks training to stop at the next step (the state so far is saved);
+    a second Ctrl-C interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def __enter__(self) -> CancelOnInterrupt:
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread: no signal handling
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)

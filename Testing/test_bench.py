@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 
-from NeuralRaycastLib.bench.suites import frame_notes, memory_row, timed_each
+from NeuralRaycastLib.bench.report import frame_notes, timed_each
+from NeuralRaycastLib.bench.suites import memory_row
 
 
 def test_memory_row_reports_the_largest_sample_and_lists_them_all():

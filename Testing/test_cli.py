@@ -136,7 +136,7 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
 
 
 def test_a_failing_warm_up_worker_is_reported_with_its_error(tmp_path):
-    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.presets import RunSettings
     from NeuralRaycastLib.train.warmup import _parts_in_processes
 
     with pytest.raises(RuntimeError, match="warm-up failed in fit: .*missing"):
@@ -147,7 +147,7 @@ def test_a_cancelled_warm_up_stops_its_workers(tmp_path, monkeypatch):
     """While the parts compile (minutes) progress keeps coming; a cancel (Slicer's Cancel button) kills every
     worker and says so."""
     from NeuralRaycastLib.train import warmup
-    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.presets import RunSettings
     from NeuralRaycastLib.train.warmup import WarmUpCancelled, _parts_in_processes
 
     pids = tmp_path / "pids"
@@ -184,31 +184,32 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
 
     from NeuralRaycastLib.study.study import Study, load_study
     from NeuralRaycastLib.train import warmup
-    from NeuralRaycastLib.train.run_folder import RunSettings, prepare_study_for_run
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run_folder import prepare_for_run
 
     study = load_study(phantom_study_dir)
     monkeypatch.setattr(warmup, "STAND_IN_VOXELS", max(study.shape) // 2)
     settings = RunSettings("standard")
-    prepared = prepare_study_for_run(study, settings)
+    prepared = prepare_for_run(study, settings)
     gpu = SimpleNamespace(backend="cuda", report=SimpleNamespace(
         software=False, shader_cache=str(tmp_path / "cache"), slangpy_version="0.43.1", adapter="a GPU"))
     seen = []
 
-    def warm_up_before_run(gpu, path, settings, progress, device, should_stop, python):
+    def warm_up_before_run(gpu, path, settings, progress, should_stop, python):
         seen.append((load_study(path), python, should_stop, settings))
         return {"all parts": 1.0}
 
     monkeypatch.setattr(warmup, "_warm_up_before_run", warm_up_before_run)
     stop = lambda: False  # noqa: E731
-    assert warmup.ensure_warm_for_study(gpu, study, prepared, settings, should_stop=stop, python="PythonSlicer")
+    assert warmup.ensure_warm(gpu, study, prepared, settings, should_stop=stop, python="PythonSlicer")
     stand_in, python, should_stop, used = seen[-1]
     assert max(stand_in.shape) <= warmup.STAND_IN_VOXELS < max(study.shape)
     assert stand_in.channel_names == study.channel_names and stand_in.structures == study.structures
     # its field sized for the study's voxels, which set how many levels of the hash grid are dense
     assert used.field_voxel_mm == float(prepared.spacing.min())
-    assert (warmup.kernels_key(gpu, prepare_study_for_run(stand_in, used), used)
+    assert (warmup.kernels_key(gpu, prepare_for_run(stand_in, used), used)
             == warmup.kernels_key(gpu, prepared, settings)
-            != warmup.kernels_key(gpu, prepare_study_for_run(stand_in, settings), settings))
+            != warmup.kernels_key(gpu, prepare_for_run(stand_in, settings), settings))
     assert python == "PythonSlicer" and should_stop is stop
 
     def disk_full(study, folder):
@@ -216,7 +217,7 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
 
     write_study = warmup.write_study
     monkeypatch.setattr(warmup, "write_study", disk_full)
-    assert warmup.ensure_warm_for_study(gpu, study, prepared, settings) is None and len(seen) == 1
+    assert warmup.ensure_warm(gpu, study, prepared, settings) is None and len(seen) == 1
     assert "the run compiles its kernels itself" in capsys.readouterr().err
     monkeypatch.setattr(warmup, "write_study", write_study)
 
@@ -226,13 +227,13 @@ def test_a_study_held_in_memory_warms_up_through_a_smaller_stand_in_with_the_sam
         return Study(study.name, study.channels, study.affine, labels, structures=study.structures)
 
     monkeypatch.setattr(warmup, "downsample_study", loses_a_structure)
-    warmup.ensure_warm_for_study(gpu, study, prepared, settings)
+    warmup.ensure_warm(gpu, study, prepared, settings)
     assert seen[-1][0].shape == study.shape  # the whole study instead
 
     stamp = warmup.warm_up_stamp(gpu, prepared, settings)
     stamp.parent.mkdir(parents=True)
     stamp.write_text("{}")
-    assert warmup.ensure_warm_for_study(gpu, study, prepared, settings) is None and len(seen) == 2
+    assert warmup.ensure_warm(gpu, study, prepared, settings) is None and len(seen) == 2
 
 
 def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_step_after_them(monkeypatch):
@@ -241,7 +242,7 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
     Workers are stand-ins here: the order is what is checked, with even five processes allowed, and that each
     is told the voxel size its field is sized for (a stand-in's study's)."""
     from NeuralRaycastLib.train import warmup
-    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.presets import RunSettings
 
     events: list[tuple[str, str]] = []
     commands: list[list[str]] = []
@@ -284,19 +285,19 @@ def test_a_warm_up_on_a_gpu_compiles_each_part_in_a_process_of_its_own_even_one_
     from types import SimpleNamespace
 
     from NeuralRaycastLib.train import warmup
-    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.presets import RunSettings
 
     calls = []
     monkeypatch.setattr(warmup, "prepare_for_run", lambda study, settings: "prepared")
     monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: "views")
     monkeypatch.setattr(warmup, "warm_up_part", lambda *args: calls.append(("here", args[-1])))
-    monkeypatch.setattr(warmup, "_parts_in_processes",
-                        lambda study, settings, device, jobs, report, *_: calls.append(("processes", jobs)) or {})
+    monkeypatch.setattr(warmup, "_parts_in_processes", lambda study, settings, device, jobs, report, *_:
+                        calls.append(("processes", device, jobs)) or {})
     monkeypatch.setattr(warmup, "warm_up_stamp", lambda gpu, prepared, settings: tmp_path / f"{gpu.name}.json")
     for software in (False, True):
-        gpu = SimpleNamespace(name=f"software-{software}", report=SimpleNamespace(software=software))
+        gpu = SimpleNamespace(name=f"software-{software}", backend="vulkan", report=SimpleNamespace(software=software))
         warmup.warm_up(gpu, "study", RunSettings("standard"), jobs=1)
-    assert calls == [("processes", 1), *[("here", part) for part in warmup.PARTS]]
+    assert calls == [("processes", "vulkan", 1), *[("here", part) for part in warmup.PARTS]]  # workers open its backend
     assert {p.name for p in tmp_path.iterdir()} == {"software-False.json", "software-True.json"}  # stamps left
 
 
@@ -313,7 +314,7 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
 
     from NeuralRaycastLib.paths import SHADERS_ENV, shader_dir
     from NeuralRaycastLib.train import warmup
-    from NeuralRaycastLib.train.run_folder import RunSettings
+    from NeuralRaycastLib.train.presets import RunSettings
 
     shaders = tmp_path / "shaders"
     shutil.copytree(shader_dir(), shaders)
@@ -357,21 +358,20 @@ def test_fit_and_demo_on_a_gpu_warm_up_first_once_until_their_kernels_change(mon
 def test_fit_asks_for_the_warm_up_before_training_unless_told_not_to(flags, tmp_path, capsys, monkeypatch):
     """The warm-up gets the study as the run prepared it (nothing prepared twice), before any training."""
     from NeuralRaycastLib.study.preprocess import PreparedStudy
-    from NeuralRaycastLib.train import run_folder as pipeline
-    from NeuralRaycastLib.train import warmup
+    from NeuralRaycastLib.train import run
 
     calls = []
 
     class Stop(Exception):
         pass
 
-    def train_prepared(gpu, prepared, *args, **kwargs):
+    def reference_views(gpu, prepared, *args, **kwargs):
         calls.append(("train", prepared))
         raise Stop
 
-    monkeypatch.setattr(warmup, "ensure_warm",
+    monkeypatch.setattr(run, "ensure_warm",
                         lambda gpu, study, prepared, settings, *rest: calls.append(("warm-up", prepared)))
-    monkeypatch.setattr(pipeline, "train_prepared", train_prepared)
+    monkeypatch.setattr(run, "reference_views_for_run", reference_views)
     assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
     manifest = capsys.readouterr().out.strip()
     with pytest.raises(Stop):

@@ -207,7 +207,8 @@ def test_field_for_another_study_is_rejected(saved, geometry):
 def test_export_of_a_model_beyond_float16_leaves_nothing_behind(tmp_path, layout, geometry):
     from dataclasses import asdict
 
-    from NeuralRaycastLib.train.run_folder import RUN_VERSION, RunSettings, export_run
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run_folder import RUN_VERSION, export_run
 
     run = tmp_path / "run"
     params = np.zeros(layout.count, np.float32)

@@ -56,6 +56,7 @@ def test_backend_choice_from_argument_and_environment(monkeypatch):
     monkeypatch.setenv(gpu.DEVICE_ENV, "Vulkan")
     assert gpu.requested_backend() == "vulkan"
     assert gpu.requested_backend("cuda") == "cuda"  # the explicit option wins
+    assert gpu.requested_backend("auto") == "vulkan"  # auto (the Slicer module's default) defers to it
     monkeypatch.setenv(gpu.DEVICE_ENV, "metal")
     with pytest.raises(ValueError, match="unknown device 'metal'"):
         gpu.requested_backend()

@@ -146,3 +146,20 @@ def test_code_comments_carry_no_dates():
              for path in [*LIB.rglob("*.py"), *(ROOT / "shaders").glob("*.slang")]
              for line, text in comments_and_docstrings(path) if DATED.search(text)]
     assert not dated, "dated notes in the code (say why, not when):\n" + "\n".join(dated)
+
+
+def test_the_public_names_load_from_the_package_on_first_use():
+    import subprocess
+    import sys
+
+    import NeuralRaycastLib
+
+    for name in NeuralRaycastLib.__all__:
+        assert getattr(NeuralRaycastLib, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        NeuralRaycastLib.nothing  # noqa: B018
+    # importing the package itself loads none of them (Slicer imports it before its dependencies exist)
+    loaded = subprocess.run([sys.executable, "-c", "import sys, NeuralRaycastLib; "
+                             "print(sorted(m for m in sys.modules if m.startswith('NeuralRaycastLib.')))"],
+                            capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == "[]"

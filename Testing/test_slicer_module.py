@@ -222,7 +222,7 @@ def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
 
 @pytest.mark.gpu
 def test_cancel_keeps_a_saved_state_and_the_scene_unchanged(module, scene, self_test, tmp_path):
-    from NeuralRaycastLib.train.trainer import preset
+    from NeuralRaycastLib.train.presets import training_schedule
 
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()
@@ -233,7 +233,7 @@ def test_cancel_keeps_a_saved_state_and_the_scene_unchanged(module, scene, self_
         polls.append(1)
         return len(polls) > 5
 
-    quick = preset("quick")
+    quick = training_schedule("quick")
     schedule = replace(quick, geometry=replace(quick.geometry, steps=40, monitor_every=10))
     run = logic.train(volumes, segmentation, preset="quick", views=4, size=32, config=schedule,
                       runFolder=tmp_path / "run", shouldStop=cancel_after_a_few_steps)
@@ -248,20 +248,20 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
                                                                                monkeypatch):
     """On a GPU that has not compiled the run's kernels, training first compiles them in worker processes
     (PythonSlicer) with the progress bar and Cancel live; a cancel there trains and writes nothing."""
-    from NeuralRaycastLib.train import warmup
+    from NeuralRaycastLib.train import run, warmup
 
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()
     before = node_ids(scene)
     calls, messages = [], []
 
-    def compiling(gpu, study, prepared, settings, progress, device, should_stop, python):
+    def compiling(gpu, study, prepared, settings, progress, should_stop, python):
         calls.append((sorted(study.structures), python))
         progress("SDF fit (stage 1): compiled", 0.4)
         if should_stop():
             raise warmup.WarmUpCancelled("cancelled while compiling the kernels; nothing was trained")
 
-    monkeypatch.setattr(warmup, "ensure_warm_for_study", compiling)
+    monkeypatch.setattr(run, "ensure_warm", compiling)
     with pytest.raises(warmup.WarmUpCancelled):
         logic.train(volumes, segmentation, preset="quick", views=4, size=32, runFolder=tmp_path / "run",
                     progress=lambda message, fraction: messages.append(message), shouldStop=lambda: True)

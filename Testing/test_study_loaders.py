@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import save_nifti
 
-from NeuralRaycastLib.study.grid import interpolate_ijk, sample_at
+from NeuralRaycastLib.grid import interpolate_ijk, sample_at
 from NeuralRaycastLib.study.study import Study, StudyError, load_study, write_study
 
 

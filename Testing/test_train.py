@@ -22,7 +22,8 @@ from NeuralRaycastLib.render.reference_views import render_reference_views
 from NeuralRaycastLib.render.sample_buffers import OUTPUTS
 from NeuralRaycastLib.study.sample.phantom import Phantom
 from NeuralRaycastLib.train.evaluate import geometry_metrics
-from NeuralRaycastLib.train.trainer import Trainer, TrainLog, field_renderer, preset
+from NeuralRaycastLib.train.presets import training_schedule
+from NeuralRaycastLib.train.trainer import Trainer, TrainLog, field_renderer
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +82,7 @@ def test_patches_come_from_the_training_views_mostly_where_something_is_shown():
 def test_training_reproduces_held_out_views_and_the_segmentation(gpu, phantom_views):
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
-    config = replace(preset("quick"), appearance_steps=15, joint_steps=15, eval_every=15)
+    config = replace(training_schedule("quick"), appearance_steps=15, joint_steps=15, eval_every=15)
     config = replace(config, geometry=replace(config.geometry, steps=120))
     trainer = Trainer(gpu, prepared, field, views, config)
     log = trainer.run()
@@ -114,7 +115,7 @@ def test_finished_fields_pictures_place_and_shade_fewer_samples_and_look_the_sam
 
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
-    config = replace(preset("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5, shade_weight=1e-3,
+    config = replace(training_schedule("quick"), occupancy_cell_mm=5.0, render_cell_mm=2.5, shade_weight=1e-3,
                      render_shade_weight=3e-3)
     trainer = Trainer(gpu, prepared, field, views, config)
     SdfFitter(gpu, prepared, field, replace(config.geometry, steps=120)).run()
@@ -134,7 +135,7 @@ def test_finished_fields_pictures_place_and_shade_fewer_samples_and_look_the_sam
 def test_cancel_keeps_a_finite_state(gpu, phantom_views):
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
-    config = replace(preset("quick"), appearance_steps=5, joint_steps=5)
+    config = replace(training_schedule("quick"), appearance_steps=5, joint_steps=5)
     config = replace(config, geometry=replace(config.geometry, steps=20, monitor_every=10))
     calls = []
 
@@ -228,7 +229,7 @@ def test_training_with_shadows_keeps_them_out_of_the_albedo(gpu, phantom_views):
     assert np.mean(darker > 0.05) > 0.02  # the shadows matter in these pictures
 
     field = new_field(gpu, prepared)
-    config = replace(preset("quick"), appearance_steps=25, joint_steps=10, eval_every=35, shadows=True,
+    config = replace(training_schedule("quick"), appearance_steps=25, joint_steps=10, eval_every=35, shadows=True,
                      mesh_every=4)
     config = replace(config, geometry=replace(config.geometry, steps=120))
     trainer = Trainer(gpu, prepared, field, shadowed, config)
@@ -255,7 +256,7 @@ def fitted_trainer(gpu, phantom_views, **weights) -> Trainer:
     prepared, views = phantom_views
     field = new_field(gpu, prepared)
     SdfFitter(gpu, prepared, field, FitConfig(steps=60, batch=1 << 12, seed=1)).run()
-    trainer = Trainer(gpu, prepared, field, views, replace(preset("quick"), **weights))
+    trainer = Trainer(gpu, prepared, field, views, replace(training_schedule("quick"), **weights))
     trainer.refresh_occupancy()
     return trainer
 

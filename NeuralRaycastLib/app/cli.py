@@ -18,7 +18,8 @@ from ..progress import ConsoleProgress
 from ..study.sample import CASES
 from ..study.sample.icbm import SampleDataError
 from ..study.study import StudyError
-from ..train.trainer import PRESETS, TrainingError
+from ..train.presets import AUTO, PRESETS, get_preset, presets_help
+from ..train.trainer import TrainingError
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
 USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, FileNotFoundError, FileExistsError,
@@ -115,19 +116,21 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
+    from ..progress import CancelOnInterrupt
     from ..study.cache import load_study_cached
-    from ..train.run_folder import CancelOnInterrupt, RunSettings, train_run
+    from ..train.presets import RunSettings
+    from ..train.run import train_study
 
-    study = load_study_cached(args.study)  # a bad study fails at once, before the device opens
+    load_study_cached(args.study)  # a bad study fails at once, before the device opens (then read from the cache)
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
-                                      views=args.views, size=args.size, shadows=args.shadows or None)
-    if args.preset is None and gpu.report.software:
-        print("software device: the 'quick' preset (study at most 96 voxels a side, 128 x 128 views)",
-              file=sys.stderr)
+                                      views=args.views, size=args.size, shadows=args.shadows)
+    if args.preset in (None, AUTO):
+        where = "software device" if gpu.report.software else "GPU"
+        print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
     with CancelOnInterrupt() as cancel:
-        run = train_run(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel, study,
-                        warm_up_first=not args.no_warmup, device=args.device)
+        run = train_study(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel,
+                          warm_up=not args.no_warmup)
     log = run.log
     state = "cancelled; the state so far is saved" if log.cancelled else "done"
     psnr = log.last("heldout_psnr")
@@ -227,7 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_warmup(args: argparse.Namespace) -> int:
     """Compile the kernels the demo and 'fit' use on this machine, so later runs start at once."""
     from ..study.sample import cached_sample
-    from ..train.run_folder import RunSettings
+    from ..train.presets import RunSettings
     from ..train.warmup import default_jobs, warm_up
 
     gpu = open_device(args.device)
@@ -235,7 +238,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     study = args.study or cached_sample("icbm", progress=ConsoleProgress("sample icbm"))
     jobs = args.jobs or default_jobs(gpu)
     seconds = warm_up(gpu, study, settings, ConsoleProgress(f"warm-up ({settings.preset}, {jobs} at once)"),
-                      jobs=jobs, device=args.device)
+                      jobs=jobs)
     for phase, value in seconds.items():
         print(f"{phase:45s} {value:7.1f} s")
     print(f"shader cache: {gpu.report.shader_cache}")
@@ -299,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=CHOICES, default=None,
                        help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan)")
 
+    def preset_option(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--preset", choices=[AUTO, *PRESETS], default=None, help=f"{what}: {presets_help()}")
+
     def warmup_option(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-warmup", action="store_true",
                        help="on a GPU whose kernels this machine has not compiled yet, compile them in the run "
@@ -347,13 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     device_option(p)
     p.add_argument("study", help="study folder or manifest.json")
     p.add_argument("--out", required=True, help="run folder (model.safetensors, train_log.json, reference/)")
-    p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="quick (CPU: study <= 96 voxels a side, 128 px views), standard, high "
-                        "(default: quick on a software device, else standard)")
+    preset_option(p, "training preset")
     p.add_argument("--iterations", type=int, default=None,
                    help="optimisation steps of all stages together (default: the preset's)")
-    p.add_argument("--views", type=int, default=None, help="reference views (default: 16 quick, 24 otherwise)")
-    p.add_argument("--size", type=int, default=None, help="view size in pixels (default: 128 quick, 512 otherwise)")
+    p.add_argument("--views", type=int, default=None, help="reference views (default: the preset's)")
+    p.add_argument("--size", type=int, default=None, help="view size in pixels (default: the preset's)")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
@@ -412,18 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="compile the kernels of the demo and 'fit' ahead (kept in the shader cache)")
     device_option(p)
     p.add_argument("study", nargs="?", default=None, help="study to warm up for (default: the icbm sample)")
-    p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="preset to warm up for (default: quick on a software device, else standard)")
+    preset_option(p, "preset to warm up for")
     p.add_argument("--jobs", type=int, default=0,
-                   help="compile the kernels in this many processes at once (default: up to three on a GPU "
-                        "machine, the SDF fit, forward passes and joint backward side by side; one on a "
-                        "software device)")
+                   help="compile the kernels in this many processes at once (default: up to four on a GPU "
+                        "machine, the SDF fit, the forward passes and the joint backward's two passes side by "
+                        "side; one on a software device)")
     p.set_defaults(run=cmd_warmup)
 
     p = sub.add_parser("demo", help="the main job on the built-in sample case: train, render, mesh, report.html")
     device_option(p)
-    p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="training preset (default: quick on a software device, else standard)")
+    preset_option(p, "training preset")
     p.add_argument("--out", default="demo-output", help="output folder (default: demo-output)")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")

@@ -16,11 +16,13 @@ import numpy as np
 from .. import __version__
 from ..gpu.device import open_device
 from ..mesh.mesh import write_mesh
-from ..progress import ConsoleProgress
+from ..progress import CancelOnInterrupt, ConsoleProgress
 from ..render.camera import orbit_cameras
 from ..render.metrics import depth_picture, normal_picture, psnr, save_png
 from ..study.sample import write_sample
-from ..train.run_folder import CancelOnInterrupt, RunSettings, run_metrics, train_run
+from ..train.presets import AUTO, RunSettings, get_preset
+from ..train.run import train_study
+from ..train.run_folder import run_metrics
 from .report import save_comparison, save_gif, write_report
 
 
@@ -46,8 +48,8 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     print(gpu.report.as_text(), flush=True)
     settings = RunSettings.for_device(gpu, preset_name, seed=seed)
     note = ""
-    if preset_name is None and gpu.report.software:
-        note = ("No GPU was found: the quick preset ran on the CPU (study at most 96 voxels a side, 128² views); "
+    if preset_name in (None, AUTO) and gpu.report.software:
+        note = (f"No GPU was found: the preset {get_preset(settings.preset).describe()} ran on the CPU; "
                 "a GPU runs the standard preset at full resolution.")
         print(note, flush=True)
 
@@ -57,8 +59,8 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
 
     clock = time.perf_counter()
     with CancelOnInterrupt() as cancel:
-        run = train_run(gpu, manifest, out / "run", settings, ConsoleProgress(f"train ({settings.preset})"), cancel,
-                        warm_up_first=warm_up_first, device=device)
+        run = train_study(gpu, manifest, out / "run", settings, ConsoleProgress(f"train ({settings.preset})"), cancel,
+                          warm_up=warm_up_first)
     timings["prepare, reference views and training"] = time.perf_counter() - clock
     renderer = run.renderer
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (the imports themselves are what the probe times)
     from ..gpu.device import GpuContext
-    from ..train.run_folder import RunSettings
+    from ..train.presets import RunSettings
 
 MILESTONES = (
     "imports",
@@ -45,7 +45,7 @@ def run_start(study: str, spawned: float, preset_name: str | None = None, device
         times[name] = time.time() - spawned
 
     from ..gpu.device import open_device
-    from ..train.run_folder import RunSettings
+    from ..train.presets import RunSettings
 
     _import_training()
     mark("imports")
@@ -60,7 +60,7 @@ def start_in_process(gpu: GpuContext, study: str | Path, preset_name: str | None
     """The same start in a process that already has the device open (a second run in Slicer or in a Python
     session, where the kernels are loaded too once a first run has started): seconds at each milestone
     after the imports and the device."""
-    from ..train.run_folder import RunSettings
+    from ..train.presets import RunSettings
 
     start = time.perf_counter()
     times: dict[str, float] = {}
@@ -77,11 +77,11 @@ def _import_training() -> None:
 
 def _start_training(gpu: GpuContext, study: str | Path, settings: RunSettings, mark: Callable[[str], None]) -> None:
     """Study, reference views, field and trainer, one SDF-fit step and one joint step, as ``fit`` starts."""
-    from ..field.field import FieldLayout, NeuralField
+    from ..field.field import NeuralField
     from ..field.sdf_fit import SdfFitter
     from ..render.reference_views import save_reference_views
     from ..train.run_folder import prepare_for_run, reference_views_for_run
-    from ..train.trainer import Trainer, preset
+    from ..train.trainer import Trainer
 
     prepared = prepare_for_run(study, settings)
     mark("study prepared")
@@ -90,8 +90,8 @@ def _start_training(gpu: GpuContext, study: str | Path, settings: RunSettings, m
     # fit writes the view pictures while it trains; so does this probe, into a folder it then removes
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(1) as writer:
         saved = writer.submit(save_reference_views, views, Path(folder) / "reference")
-        field = NeuralField(gpu, FieldLayout.for_study(prepared, small=gpu.report.software), seed=settings.seed)
-        config = preset(settings.preset, settings.seed)
+        field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+        config = settings.schedule()
         trainer = Trainer(gpu, prepared, field, views, config)
         mark("field and trainer")
         SdfFitter(gpu, prepared, field, config.geometry).step()

@@ -7,80 +7,16 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from ..gpu.device import GpuContext, device_memory_in_use
 from .kernel_clock import kernel_clock
+from .report import BenchReport, BenchRow, frame_notes, timed, timed_each
 from .torch_peer import bench_torch_peer
-
-
-@dataclass
-class BenchRow:
-    suite: str
-    metric: str
-    value: float
-    unit: str
-    notes: str = ""
-
-
-@dataclass
-class BenchReport:
-    date: str
-    device: dict
-    command: str
-    study: str
-    rows: list[BenchRow] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def markdown(self) -> str:
-        lines = [
-            f"### {self.date} · {self.device['adapter']} ({self.device['backend']})",
-            "",
-            f"Command: `{self.command}`  ",
-            f"Study: {self.study}  ",
-            f"slangpy {self.device['slangpy_version']}, Python {self.device['python_version']}, "
-            f"{platform.system()} {platform.machine()}",
-            "",
-            "| suite | metric | value | unit | notes |",
-            "|---|---|---:|---|---|",
-        ]
-        def cell(text: str) -> str:
-            return text.replace("|", "\\|")  # a metric such as "mean |s - B|" must not split the row
-
-        lines += [f"| {r.suite} | {cell(r.metric)} | {r.value:.4g} | {r.unit} | {cell(r.notes)} |" for r in self.rows]
-        return "\n".join(lines) + "\n"
-
-
-def timed_each(function: Callable[[], object], min_seconds: float, max_repeats: int) -> list[float]:
-    """Seconds of each of repeated calls (at least one, until ``min_seconds`` in all or ``max_repeats``)."""
-    seconds: list[float] = []
-    while not seconds or (sum(seconds) < min_seconds and len(seconds) < max_repeats):
-        start = time.perf_counter()
-        function()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
-def timed(function: Callable[[], object], min_seconds: float, max_repeats: int) -> tuple[float, int]:
-    """Seconds per call over repeated calls, and how many (as :func:`timed_each` repeats them)."""
-    seconds = timed_each(function, min_seconds, max_repeats)
-    return sum(seconds) / len(seconds), len(seconds)
-
-
-def frame_notes(seconds: list[float]) -> str:
-    """How a row's repeated frames spread: the mean (the row's value) is pulled up by single slow frames, which
-    the median is not."""
-    if len(seconds) == 1:
-        return "1 run incl. read-back"
-    return (f"{len(seconds)} runs incl. read-back: median {1e3 * float(np.median(seconds)):.2f} ms, "
-            f"fastest {1e3 * min(seconds):.2f} ms, slowest {1e3 * max(seconds):.2f} ms")
 
 
 def bench_reference(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
@@ -224,43 +160,41 @@ def per_thread_fit_rate(fitter, steps: int = 10) -> float:
 
 
 def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
-    """The whole training (``standard`` preset; ``quick`` on a study downsampled to 96³ with 128² views):
+    """The whole training (``standard`` preset; ``quick`` with its downsampled study and small views):
     training rays/s (stages 2 and 3: forward + backward + Adam), held-out PSNR over time, geometry scores,
     and the neural render's frame time at 512² and 1024² without and with mesh shadows (meshes of the
     learned surfaces), next to the reference renderer with volumetric shadows."""
-    from ..field.field import FieldLayout, NeuralField
+    from ..field.field import NeuralField
     from ..render.camera import orbit_cameras
     from ..render.metrics import psnr
     from ..render.reference_render import ReferenceRenderer
-    from ..render.reference_views import render_reference_views
-    from ..study.preprocess import prepare
-    from ..study.study import downsample_study
     from ..train.evaluate import geometry_metrics
-    from ..train.trainer import Trainer, learned_mesh_shadows, preset
+    from ..train.presets import RunSettings
+    from ..train.run_folder import prepare_for_run, reference_views_for_run
+    from ..train.trainer import Trainer, learned_mesh_shadows
 
-    name = "quick" if quick else "standard"
-    if quick:
-        prepared = prepare(downsample_study(prepared.study, 96))
+    # train_study's steps, taken one at a time so that each is timed apart
+    settings = RunSettings.for_device(gpu, "quick" if quick else "standard")
+    name = settings.preset
+    prepared = prepare_for_run(prepared.study, settings)
     shape = "x".join(map(str, prepared.study.shape))
-    size, count = (128, 16) if quick else (512, 24)
-    views = render_reference_views(gpu, prepared, count, size, size)
-    # As a run does on a GPU (pipeline.train_run's warm_up_first): the training's kernels compiled first, in
-    # processes side by side, where this machine has not compiled them yet; not part of the training's time.
+    size = settings.size
+    views = reference_views_for_run(gpu, prepared, settings)
+    # As a run does on a GPU: the training's kernels compiled first, in processes side by side, where this
+    # machine has not compiled them yet; not part of the training's time.
     warm_up, warm_up_note = 0.0, "not on a CPU device: it compiles in the training's own process"
     if not gpu.report.software:
-        from ..train.run_folder import RunSettings
-        from ..train.warmup import ensure_warm_for_study
+        from ..train.warmup import ensure_warm
 
         clock = time.perf_counter()
-        ran = ensure_warm_for_study(gpu, prepared.study, prepared, RunSettings.for_device(gpu, name),
-                                    lambda message, fraction: progress(f"warm-up: {message}", fraction))
+        ran = ensure_warm(gpu, prepared.study, prepared, settings,
+                          lambda message, fraction: progress(f"warm-up: {message}", fraction))
         warm_up = time.perf_counter() - clock if ran is not None else 0.0
         warm_up_note = ("this machine's first training of this preset: its kernels compiled in processes side by "
                         "side, as `neuralraycast run` does" if warm_up
                         else "none needed: the kernels were compiled already")
-    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
-    field = NeuralField(gpu, layout, seed=0)
-    trainer = Trainer(gpu, prepared, field, views, preset(name))
+    field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+    trainer = Trainer(gpu, prepared, field, views, settings.schedule())
     memory = {"field and trainer made": device_memory_in_use(gpu)}
     log = trainer.run(lambda message, fraction: progress(f"train: {message}", fraction))
     memory["training done"] = device_memory_in_use(gpu)

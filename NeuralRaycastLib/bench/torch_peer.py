@@ -56,13 +56,14 @@ import numpy as np
 
 from ..field.field import FieldLayout, NeuralField
 from ..field.sdf_fit import WAVE, FitConfig, SdfFitter, active_levels, band_errors, band_voxels, learning_rate_factor
+from ..progress import Progress
 
 if TYPE_CHECKING:
     import torch
 
     from ..gpu.device import GpuContext
     from ..study.preprocess import PreparedStudy
-    from .suites import BenchRow
+    from .report import BenchRow
 
 TORCH_MISSING = "PyTorch is not installed: the peer benchmark needs it (it is not a dependency of NeuralRaycast)"
 HASH_PRIME_Y, HASH_PRIME_Z = 2654435761, 805459861  # shaders/hash_encoding.slang
@@ -713,7 +714,7 @@ class PeerBench:
     gpu: GpuContext
     prepared: PreparedStudy
     quick: bool
-    progress: Callable[[str, float], None]
+    progress: Progress
     rows: list[BenchRow] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -735,7 +736,7 @@ class PeerBench:
         self.batches = PeerBatches(self.prepared, self.config, self.device)
 
     def row(self, metric: str, value: float, unit: str, notes: str = "") -> None:
-        from .suites import BenchRow
+        from .report import BenchRow
 
         self.rows.append(BenchRow(SUITE, metric, value, unit, notes))
 

@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from ..gpu.device import GpuContext, PassClock
+from ..grid import sample_at
 from ..render.occupancy import Occupancy
 from ..render.scene import WorkLists
 from ..render.style import BAND_WIDTHS
 from ..render.volume import interleaved_volumes
-from ..study.grid import sample_at
 from ..study.preprocess import PreparedStudy
 from .field import NeuralField
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..gpu.device import GpuContext, PassClock
+from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
 
-Progress = Callable[[str, float], None]
 WAVE = 32  # points per wave
 STEPS_AHEAD = 4  # fit steps sent to the device before waiting for it (SdfFitter.run)
 
@@ -247,7 +246,7 @@ class SdfFitter:
         )
         return float(np.sum(values, dtype=np.float64))
 
-    def run(self, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None) -> FitResult:
+    def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> FitResult:
         """Fit to the end, or until ``should_stop()`` says so (the result then says ``cancelled``)."""
         c = self.config
         report = progress or (lambda message, fraction: None)
@@ -291,7 +290,7 @@ def fit_sdf(
     field: NeuralField,
     config: FitConfig | None = None,
     progress: Progress | None = None,
-    should_stop: Callable[[], bool] | None = None,
+    should_stop: ShouldStop | None = None,
 ) -> FitResult:
     """Fit ``field`` (in place) to the study's boundary maps."""
     return SdfFitter(gpu, prepared, field, config or FitConfig()).run(progress, should_stop)

@@ -160,7 +160,10 @@ class GpuContext:
 
 
 def requested_backend(choice: str | None = None) -> str:
-    """The backend asked for: the explicit argument, else ``$NEURALRAYCAST_DEVICE``, else ``auto``."""
+    """The backend asked for: the explicit argument, else (none, or ``auto``: the Slicer module's default)
+    ``$NEURALRAYCAST_DEVICE``, else ``auto``."""
+    if choice is not None and choice.strip().lower() in ("", "auto"):
+        choice = None
     value = (choice or os.environ.get(DEVICE_ENV) or "auto").strip().lower()
     if value not in CHOICES:
         raise ValueError(f"unknown device '{value}': choose one of {', '.join(CHOICES)}")

@@ -12,13 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from ..study.grid import interpolate_ijk
-from ..study.structures import Structure
+from ..grid import interpolate_ijk
 
 EXPORT_FORMATS = ("vtp", "stl", "obj", "ply")
+
+
+class Named(Protocol):
+    """What a mesh is named and coloured after: a study's structure (study/structures.py), say."""
+
+    name: str
+    color: tuple[float, float, float]
 
 
 @dataclass
@@ -245,7 +252,7 @@ def mesh_structure(
 def mesh_sdf_grid(
     sdf: np.ndarray,
     affine: np.ndarray,
-    structures: Sequence[Structure],
+    structures: Sequence[Named],
     smoothing_iterations: int = 0,
     decimation: float = 0.0,
     normals: bool = True,

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..gpu.device import GpuContext, ReadBack
-from ..study.grid import grid_corners_bounds
+from ..grid import grid_corners_bounds
 from ..study.preprocess import PreparedStudy
 from .camera import Camera
 from .image import PLANE_FLOATS, RenderedImage, image_from_planes

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,8 @@ import numpy as np
 
 from ..array_cache import read_entry, write_entry
 from ..gpu.device import GpuContext
-from ..paths import cache_folder, shader_dir
+from ..paths import cache_folder, shader_sources_digest
+from ..progress import Progress
 from ..study.preprocess import PreparedStudy
 from ..study.study import map_in_threads
 from .camera import Camera, orbit_cameras, split_views
@@ -64,7 +64,7 @@ def render_reference_views(
     shadows: bool = False,
     view_angle: float = 30.0,
     held_out_every: int = 8,
-    progress: Callable[[str, float], None] | None = None,
+    progress: Progress | None = None,
     cache_root: Path | None = None,
 ) -> ReferenceViews:
     """Orbit views of the prepared study; from the view cache when the same views were rendered before
@@ -99,9 +99,7 @@ def view_cache_key(gpu: GpuContext, prepared: PreparedStudy, style: RenderStyle,
     digest.update(repr(prepared.structures).encode())
     digest.update(repr(style).encode())
     digest.update(repr(cameras).encode())
-    for source in sorted(shader_dir().glob("*.slang")):
-        digest.update(source.name.encode())
-        digest.update(source.read_bytes())
+    digest.update(shader_sources_digest().encode())
     return digest.hexdigest()[:32]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from ..array_cache import read_entry, write_entry
 from ..paths import cache_folder
+from ..progress import Progress
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -36,7 +36,6 @@ EXACT_BAND_VOXELS = 3.0
 NORMALISE_PERCENTILES = (0.5, 99.5)
 OCCUPANCY_BLOCK = 8
 
-Progress = Callable[[str, float], None]
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .grid import grid_corners_bounds, off_grid_mm
+from ..grid import grid_corners_bounds, off_grid_mm
 from .structures import BRATS_STRUCTURES
 
 #: BraTS channel suffixes (both the classic and the 2023 names) -> channel name used here.

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..field.field import NeuralField
+from ..grid import sample_at
 from ..mesh.mesh import extract_surface, resample_sdf
-from ..study.grid import sample_at
 from ..study.preprocess import PreparedStudy, structure_mask
 
 

@@ -1,69 +1,43 @@
-"""Whole jobs on a study, shared by the CLI, the demo and the Slicer module: train a field into a run
-folder, and evaluate a run folder.
+"""Run folders: what a training wrote, read back, rendered, scored and exported.
 
-A run folder holds ``run.json`` (what was trained on and how), ``model.safetensors``, ``train_log.json``
-(every logged loss term and held-out score) and ``reference/`` (the reference views used, with their
-training / held-out split).
+A run folder holds ``run.json`` (what was trained on and how: the study's file, if any, and the
+:class:`~NeuralRaycastLib.train.presets.RunSettings`), ``model.safetensors``, ``train_log.json`` (every
+logged loss term and held-out score) and ``reference/`` (the reference views used, with their training /
+held-out split). :func:`~NeuralRaycastLib.train.run.train_study` writes one.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import signal
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..field.field import FieldLayout, NeuralField
+from ..field.field import NeuralField
 from ..gpu.device import GpuContext
 from ..mesh.mesh import Mesh, mesh_sdf_grid
+from ..progress import Progress
 from ..render.camera import Camera
 from ..render.image import RenderedImage
 from ..render.neural_render import DiffRenderer
-from ..render.reference_views import ReferenceViews, render_reference_views, save_reference_views
+from ..render.reference_views import ReferenceViews, render_reference_views
 from ..study.cache import load_study_cached
 from ..study.preprocess import PreparedStudy, prepare
 from ..study.study import Study, downsample_study
-from .trainer import PRESETS, TrainConfig, Trainer, TrainLog, field_renderer, learned_mesh_shadows, preset
+from .presets import RunSettings, training_schedule
+from .trainer import TrainLog, field_renderer, learned_mesh_shadows
 
-Progress = Callable[[str, float], None]
 RUN_VERSION = 1
 
 
-@dataclass(frozen=True)
-class RunSettings:
-    preset: str
-    seed: int = 0
-    views: int = 24
-    size: int = 512  # pixels, square views
-    held_out_every: int = 8
-    max_voxels: int | None = None  # downsample the study so no axis is longer (the quick preset)
-    iterations: int | None = None  # steps of all stages together, split as the preset splits them
-    shadows: bool = False  # key-light shadows in the references; the field is shaded through its own meshes
-    # The voxel size (mm) the field's finest cells follow instead of the study's: a warm-up's downsampled
-    # stand-in is given its study's, so that it compiles the study's kernels (warmup.py).
-    field_voxel_mm: float | None = None
-
-    @classmethod
-    def for_device(cls, gpu: GpuContext, name: str | None = None, **overrides: Any) -> RunSettings:
-        """The preset's defaults: ``quick`` (96³, 128² views) on a software device, ``standard`` otherwise."""
-        name = name or ("quick" if gpu.report.software else "standard")
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset '{name}' (choose from {', '.join(PRESETS)})")
-        base = cls(name, views=16, size=128, max_voxels=96) if name == "quick" else cls(name)
-        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def prepare_for_run(study_path: str | Path, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
-    return prepare_study_for_run(load_study_cached(study_path), settings, progress)
-
-
-def prepare_study_for_run(study: Study, settings: RunSettings, progress: Progress | None = None) -> PreparedStudy:
-    """Downsample (the quick preset) and prepare an in-memory study, e.g. one read from a Slicer scene."""
+def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None
+                    ) -> PreparedStudy:
+    """A study (in memory, e.g. read from a Slicer scene, or its file) downsampled as the settings ask (the
+    quick preset) and prepared: brain mask, boundary maps, tumour probability."""
+    if not isinstance(study, Study):
+        study = load_study_cached(study)
     if settings.max_voxels:
         study = downsample_study(study, settings.max_voxels)
     return prepare(study, progress=progress)
@@ -74,33 +48,6 @@ def reference_views_for_run(gpu: GpuContext, prepared: PreparedStudy, settings: 
     return render_reference_views(gpu, prepared, settings.views, settings.size, settings.size,
                                   shadows=settings.shadows, held_out_every=settings.held_out_every,
                                   progress=progress)
-
-
-class CancelOnInterrupt:
-    """While active, Ctrl-C asks training to stop at the next step (the state so far is saved);
-    a second Ctrl-C interrupts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def __call__(self) -> bool:
-        return self.requested
-
-    def __enter__(self) -> CancelOnInterrupt:
-        def handler(signum, frame):
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-
-        try:
-            self._previous = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread: no signal handling
-            self._previous = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 @dataclass
@@ -127,65 +74,12 @@ class TrainedRun:
                              self.prepared.structures, smoothing_iterations, decimation)
 
 
-def train_run(
-    gpu: GpuContext,
-    study_path: str | Path,
-    out: str | Path,
-    settings: RunSettings,
-    progress: Progress | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    study: Study | None = None,
-    warm_up_first: bool = False,
-    device: str | None = None,
-) -> TrainedRun:
-    """Prepare the study file, render its reference views, train a field through all stages, save the run.
-
-    ``study`` is the file's content where the caller has read it already. ``warm_up_first``: on a GPU that
-    has not compiled this run's kernels yet, compile them with a warm-up first (``warmup.ensure_warm``; its
-    worker processes open ``device`` as ``gpu`` was opened)."""
-    prepared = prepare_study_for_run(study or load_study_cached(study_path), settings, progress)
-    if warm_up_first:
-        from .warmup import ensure_warm
-
-        ensure_warm(gpu, study_path, prepared, settings, progress, device)
-    return train_prepared(gpu, prepared, out, settings, progress, should_stop, str(Path(study_path).resolve()))
-
-
-def train_prepared(
-    gpu: GpuContext,
-    prepared: PreparedStudy,
-    out: str | Path,
-    settings: RunSettings,
-    progress: Progress | None = None,
-    should_stop: Callable[[], bool] | None = None,
-    source: str | None = None,
-    config: TrainConfig | None = None,
-) -> TrainedRun:
-    """Render the prepared study's reference views, train a field through all stages, save the run folder.
-
-    ``source`` (the study's file, if any) is recorded so ``evaluate`` can prepare the study again. A cancel
-    (``should_stop``) still saves the state reached. ``config`` replaces the preset's training schedule
-    (``settings.iterations`` then does not apply).
-    """
+def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
+              settings: RunSettings, source: str | None) -> None:
+    """Save a trained field with its training log and ``run.json`` into ``folder`` (``source``: the study's
+    file, so that ``evaluate`` can prepare the study again; None for a study held in memory)."""
     from ..field.model_io import save_field
 
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    views = reference_views_for_run(gpu, prepared, settings, progress)
-    if config is None:
-        config = preset(settings.preset, settings.seed)
-        if settings.iterations is not None:
-            config = config.with_total_steps(settings.iterations)
-    config = replace(config, shadows=settings.shadows)
-    layout = FieldLayout.for_study(prepared, small=gpu.report.software)
-    field = NeuralField(gpu, layout, seed=settings.seed)
-    # The view pictures are written while training runs: encoding them would otherwise delay its start.
-    with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
-        saved = writer.submit(save_reference_views, views, folder / "reference")
-        trainer = Trainer(gpu, prepared, field, views, config)
-        log = trainer.run(progress, should_stop)
-        trainer.use_picture_settings()
-        saved.result()  # a failed write surfaces here, before anything says the run is done
     save_field(folder / "model.safetensors", field, prepared,
                {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
     (folder / "train_log.json").write_text(json.dumps({
@@ -201,7 +95,6 @@ def train_prepared(
         "version": RUN_VERSION, "study": source, "settings": asdict(settings),
         "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }, indent=2) + "\n")
-    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log)
 
 
 def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> TrainedRun:
@@ -218,7 +111,7 @@ def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> Tr
 def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, settings: RunSettings) -> DiffRenderer:
     """The renderer of a trained field as it was trained: with shadows from its own learned meshes if the
     run's references had shadows."""
-    config = preset(settings.preset)
+    config = training_schedule(settings.preset)
     renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.render_cell_mm,
                               shade_weight=config.render_shade_weight)  # as Trainer.use_picture_settings
     if settings.shadows:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -38,6 +37,7 @@ from ..field.field import NeuralField
 from ..field.field_render import FieldScene, boundary_occupancy, field_occupancy
 from ..field.sdf_fit import Adam, FitConfig, SdfFitter, learning_rate_factor
 from ..gpu.device import GpuContext, PassClock
+from ..progress import Progress, ShouldStop
 from ..render.image_loss import DeviceImageLoss, albedo_consistency_and_gradient
 from ..render.metrics import psnr, ssim
 from ..render.neural_render import SHADE_WEIGHT, DiffRenderer
@@ -46,8 +46,6 @@ from ..render.reference_render import march_settings
 from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
-
-Progress = Callable[[str, float], None]
 
 
 class TrainingError(RuntimeError):
@@ -107,36 +105,6 @@ class TrainConfig:
         return replace(self.geometry, steps=steps, batch=self.sdf_batch, rate_table=self.rate_table,
                        rate_geometry=self.rate_geometry, rate_appearance=self.rate_appearance,
                        warmup_steps=min(self.geometry.warmup_steps, max(steps // 10, 1)), coarse_to_fine=0.0)
-
-
-def preset(name: str, seed: int = 0) -> TrainConfig:
-    """``quick`` (a CPU device: small batches), ``standard`` (a GPU), ``high`` (a GPU, longer)."""
-    if name == "quick":  # 2 mm occupancy cells: on a 2-core CPU 24 % fewer samples and a better held-out
-        # picture (three runs: +0.2 to +1.9 dB, SSIM +0.006 to +0.012) in the same time; 120 appearance steps
-        # rather than 60: 47.0-48.7 dB over four seeds instead of 39.6-46.4 dB, for about 11 s (BENCHMARKS.md).
-        # Its pictures too on 2 mm cells: on a CPU a 1 mm grid takes 9-13 s to make. Shading down to 3e-3 while
-        # training: 18-19 % more rays/s, 48.19 / 47.88 dB against 48.33 / 47.89 dB at 1e-3 over two seeds.
-        return TrainConfig(FitConfig(steps=300, batch=1 << 13, seed=seed), appearance_steps=120, joint_steps=60,
-                           patches=4, max_samples=192, sdf_batch=1 << 12, eval_every=60, occupancy_cell_mm=2.0,
-                           shade_weight=3e-3, render_cell_mm=2.0, seed=seed)
-    if name == "standard":  # sized to train the full-resolution sample in well under a minute on one GPU. 128
-        # patches (32,768 rays) per step for 150 + 75 render steps, the rays of 64 patches for 300 + 150, and
-        # shading down to 3e-3 while training: on an H100, three seeds in one process, 2.16-2.58 M rays/s, 8.6-10.4 s
-        # of training, 50.2-51.0 dB / SSIM >= 0.9957, against 1.52-1.82 M rays/s, 15.0-16.5 s, 51.2-51.7 dB with
-        # 64 patches at 1e-3 (2.00-2.14 M at 3e-3, as good). BENCHMARKS.md, 2026-11-26, has these and the history.
-        # Its pictures shade down to 4e-3: the largest weight that keeps its views within 63 dB of exact
-        # shading (63.1-66.8 dB; 3e-3 66.0-69.8 dB), 0.7 fewer shaded segments per ray of the 1024² view
-        # (the quick preset's views keep 3e-3: 61.1-62.8 dB at 4e-3; BENCHMARKS.md).
-        return TrainConfig(FitConfig(steps=600, batch=1 << 16, seed=seed), appearance_steps=150, joint_steps=75,
-                           patches=128, eval_every=25, rate_table=1e-3, rate_geometry=5e-4, rate_appearance=2e-3,
-                           shade_weight=3e-3, render_shade_weight=4e-3, seed=seed)
-    if name == "high":
-        return TrainConfig(FitConfig(steps=4000, batch=1 << 18, seed=seed), appearance_steps=600,
-                           joint_steps=5000, patches=64, seed=seed)
-    raise ValueError(f"unknown preset '{name}' (quick, standard, high)")
-
-
-PRESETS = ("quick", "standard", "high")
 
 
 @dataclass
@@ -346,7 +314,7 @@ class Trainer:
         self.renderer.shade_weight = self.config.render_shade_weight
 
     # the whole schedule -----------------------------------------------------------------------------------
-    def run(self, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None) -> TrainLog:
+    def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> TrainLog:
         c = self.config
         report = progress or (lambda message, fraction: None)
         stop = should_stop or (lambda: False)

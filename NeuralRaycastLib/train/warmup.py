@@ -28,26 +28,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
 from .. import __version__
-from ..field.field import COOPERATIVE_ENV, FieldLayout, NeuralField
+from ..field.field import COOPERATIVE_ENV, NeuralField
 from ..field.sdf_fit import SdfFitter
 from ..gpu.device import GpuContext, open_device
-from ..paths import shader_dir
+from ..paths import shader_sources_digest
+from ..progress import Progress, ShouldStop
 from ..render.reference_views import ReferenceViews, render_reference_views
 from ..render.sample_buffers import RayBatch
 from ..render.scene import WAVE, WorkLists
 from ..study.preprocess import PreparedStudy
 from ..study.study import Study, downsample_study, write_study
-from .run_folder import RunSettings, prepare_for_run, prepare_study_for_run
-from .trainer import Trainer, preset
-
-Progress = Callable[[str, float], None]
+from .presets import RunSettings, training_schedule
+from .run_folder import prepare_for_run
+from .trainer import Trainer
 
 
 class WarmUpCancelled(Exception):
@@ -78,9 +77,8 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     """Run one step of ``part`` (a key of :data:`PARTS`) as training would, on a fresh field."""
     if part not in PARTS:
         raise ValueError(f"unknown warm-up part '{part}' ({', '.join(PARTS)})")
-    layout = FieldLayout.for_study(prepared, small=gpu.report.software, voxel_mm=settings.field_voxel_mm)
-    field = NeuralField(gpu, layout, seed=settings.seed)
-    config = replace(preset(settings.preset, settings.seed).with_total_steps(3), patches=1,
+    field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+    config = replace(training_schedule(settings.preset, settings.seed).with_total_steps(3), patches=1,
                      shadows=settings.shadows)
     trainer = Trainer(gpu, prepared, field, views, config)
     if part == "fit":
@@ -123,11 +121,10 @@ def default_jobs(gpu: GpuContext) -> int:
 
 
 def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
-            jobs: int = 1, device: str | None = None, should_stop: Callable[[], bool] | None = None,
-            python: str | None = None) -> dict[str, float]:
-    """Compile every kernel a run of ``settings`` on this study uses (reference renderer, SDF fit, both
+            jobs: int = 1, should_stop: ShouldStop | None = None, python: str | None = None) -> dict[str, float]:
+    """Compile every kernel a run of ``settings`` on this study file uses (reference renderer, SDF fit, both
     backward passes of the renderer, Adam); ``jobs`` > 1 compiles the parts in that many processes at
-    once (``device``: the backend they open, as ``gpu`` was opened). Kernels are specialised by the number
+    once (each opens the backend ``gpu`` runs on). Kernels are specialised by the number
     of structures and channels, so a study with other counts compiles its own. On a GPU every part runs in a
     worker process of its own, even one at a time (a part compiled after the others in the same process was
     much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Leaves
@@ -151,7 +148,7 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
             warm_up_part(gpu, prepared, views, settings, part)
             seconds[title] = time.perf_counter() - clock
     else:
-        seconds.update(_parts_in_processes(study_path, settings, device, jobs, report, should_stop, python))
+        seconds.update(_parts_in_processes(study_path, settings, gpu.backend, jobs, report, should_stop, python))
     stamp = warm_up_stamp(gpu, prepared, settings)
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds}, indent=1))
@@ -163,16 +160,14 @@ def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings)
     """What the kernels of a run depend on, as a hash: the shader sources, the field's sizes for this study
     (its network sizes and which levels of its hash grid are dense), the preset and shadows, the device and the
     versions. A warm-up leaves a stamp by this key."""
-    layout = FieldLayout.for_study(prepared, small=gpu.report.software, voxel_mm=settings.field_voxel_mm)
+    layout = settings.field_layout(gpu, prepared)
     described = {
         "version": __version__, "slangpy": gpu.report.slangpy_version, "backend": gpu.backend,
         "adapter": gpu.report.adapter, "defines": layout.defines(), "preset": settings.preset,
         "shadows": bool(settings.shadows), "cooperative": os.environ.get(COOPERATIVE_ENV, ""),
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
-    for source in sorted(shader_dir().glob("*.slang")):
-        digest.update(source.name.encode())
-        digest.update(source.read_bytes())
+    digest.update(shader_sources_digest().encode())
     return digest.hexdigest()[:32]
 
 
@@ -182,24 +177,32 @@ def warm_up_stamp(gpu: GpuContext, prepared: PreparedStudy, settings: RunSetting
     return Path(gpu.report.shader_cache) / "warm-ups" / f"{kernels_key(gpu, prepared, settings)}.json"
 
 
-def ensure_warm(gpu: GpuContext, study_path: str | Path, prepared: PreparedStudy, settings: RunSettings,
-                progress: Progress | None = None, device: str | None = None,
-                should_stop: Callable[[], bool] | None = None, python: str | None = None
+def ensure_warm(gpu: GpuContext, study: Study | str | Path, prepared: PreparedStudy, settings: RunSettings,
+                progress: Progress | None = None, should_stop: ShouldStop | None = None, python: str | None = None
                 ) -> dict[str, float] | None:
     """Before a run on a GPU: unless a warm-up has compiled this run's kernels on the machine already (its
-    stamp), run one, its parts in processes side by side. Compiled by the run itself, one kernel after
-    another in one process, they take far longer: on a fresh H100 machine the demo's first joint step was
-    still compiling more than 11 minutes after the first two stages (8.5 minutes, most of it compiling) ended,
-    where a warm-up compiled everything in 5.4-6.9 minutes then and in 25 s since both networks run on the
-    project's own tensor-core kernels (BENCHMARKS.md). A software device compiles in
-    the run's own process either way: nothing to do there. A failed warm-up is reported and the run goes
-    on, compiling what it needs itself. ``prepared``: the study file's, as the run prepared it (it gives the
-    kernels' sizes). Its progress messages say that the kernels compile once per machine. ``should_stop``
-    and ``python``: see :func:`warm_up` (a cancel raises :class:`WarmUpCancelled`). Returns the warm-up's
-    seconds, or None where none ran."""
+    stamp), run one, its parts in worker processes side by side; compiled by the run itself, one kernel after
+    another in one process, they take far longer. A software device compiles in the run's own process either
+    way: nothing to do there.
+
+    ``study``: the run's study file, which the workers read, or a study held in memory (a Slicer scene's),
+    for which they read a stand-in written to a temporary folder (:func:`_write_stand_in`). ``prepared``: the
+    study as the run prepared it (it gives the kernels' sizes). A failed warm-up is reported and the run goes
+    on, compiling what it needs itself. ``should_stop`` and ``python``: see :func:`warm_up` (a cancel raises
+    :class:`WarmUpCancelled`). Returns the warm-up's seconds, or None where none ran."""
     if not needs_warm_up(gpu, prepared, settings):
         return None
-    return _warm_up_before_run(gpu, study_path, settings, progress, device, should_stop, python)
+    if not isinstance(study, Study):
+        return _warm_up_before_run(gpu, study, settings, progress, should_stop, python)
+    with tempfile.TemporaryDirectory(prefix="neuralraycast-warm-up-") as folder:
+        try:
+            stand_in = _write_stand_in(gpu, study, prepared, settings, Path(folder) / "stand-in")
+            path, settings = stand_in or (write_study(study, Path(folder) / "study"), settings)
+        except OSError as error:  # no room for it, say: as a failed warm-up, the run compiles itself
+            print(f"warning: the warm-up could not write the study ({error}); the run compiles its kernels itself",
+                  file=sys.stderr)
+            return None
+        return _warm_up_before_run(gpu, path, settings, progress, should_stop, python)
 
 
 def needs_warm_up(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> bool:
@@ -209,15 +212,14 @@ def needs_warm_up(gpu: GpuContext, prepared: PreparedStudy, settings: RunSetting
 
 
 def _warm_up_before_run(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None,
-                        device: str | None, should_stop: Callable[[], bool] | None, python: str | None
-                        ) -> dict[str, float] | None:
+                        should_stop: ShouldStop | None, python: str | None) -> dict[str, float] | None:
     """:func:`warm_up` in processes side by side, its progress saying why the run waits; a failure is
     reported and the run goes on (None)."""
     report = progress or (lambda message, fraction: None)
     try:
         return warm_up(gpu, study_path, settings,
                        lambda message, fraction: report(f"compiling kernels (once per machine): {message}", fraction),
-                       jobs=default_jobs(gpu), device=device, should_stop=should_stop, python=python)
+                       jobs=default_jobs(gpu), should_stop=should_stop, python=python)
     except RuntimeError as error:
         print(f"warning: the warm-up failed ({error}); the run compiles its kernels itself", file=sys.stderr)
         return None
@@ -230,29 +232,6 @@ REPORT_EVERY_S = 1.0
 STAND_IN_VOXELS = 64
 
 
-def ensure_warm_for_study(gpu: GpuContext, study: Study, prepared: PreparedStudy, settings: RunSettings,
-                          progress: Progress | None = None, device: str | None = None,
-                          should_stop: Callable[[], bool] | None = None, python: str | None = None
-                          ) -> dict[str, float] | None:
-    """:func:`ensure_warm` for a study held in memory (Slicer's scene) rather than a file. The workers read a
-    stand-in from a temporary folder: the study downsampled to :data:`STAND_IN_VOXELS`, with the same
-    structures and channels and its field sized for the study's voxels, so its kernels (which depend on those
-    counts, the field's sizes and the settings) are the study's; where the downsampling loses a structure or
-    the kernels would differ, the whole study is written instead. Where it cannot be written, the run compiles
-    its kernels itself (a warning says so)."""
-    if not needs_warm_up(gpu, prepared, settings):
-        return None
-    with tempfile.TemporaryDirectory(prefix="neuralraycast-warm-up-") as folder:
-        try:
-            stand_in = _write_stand_in(gpu, study, prepared, settings, Path(folder) / "stand-in")
-            path, settings = stand_in or (write_study(study, Path(folder) / "study"), settings)
-        except OSError as error:  # no room for it, say: as a failed warm-up, the run compiles itself
-            print(f"warning: the warm-up could not write the study ({error}); the run compiles its kernels itself",
-                  file=sys.stderr)
-            return None
-        return _warm_up_before_run(gpu, path, settings, progress, device, should_stop, python)
-
-
 def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, settings: RunSettings,
                     folder: Path) -> tuple[Path, RunSettings] | None:
     """The study downsampled to :data:`STAND_IN_VOXELS`, written to ``folder`` where it has the study's kernels,
@@ -261,7 +240,7 @@ def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, sett
     stand_in = downsample_study(study, STAND_IN_VOXELS)
     stand_in_settings = replace(settings, field_voxel_mm=float(prepared.spacing.min()))
     try:
-        stand_in_key = kernels_key(gpu, prepare_study_for_run(stand_in, stand_in_settings), stand_in_settings)
+        stand_in_key = kernels_key(gpu, prepare_for_run(stand_in, stand_in_settings), stand_in_settings)
     except ValueError:  # a structure too small to survive the downsampling (StudyError)
         return None
     if stand_in_key != kernels_key(gpu, prepared, settings):
@@ -270,7 +249,7 @@ def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, sett
 
 
 def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: str | None, jobs: int,
-                        report: Progress, should_stop: Callable[[], bool] | None = None,
+                        report: Progress, should_stop: ShouldStop | None = None,
                         python: str | None = None) -> dict[str, float]:
     """Each part in its own worker process, at most ``jobs`` at once; seconds of each and of them all."""
     seconds: dict[str, float] = {}

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from ...progress import Progress
 
 CASES = ("icbm", "phantom", "fixture")
 #: Bump when a case's files change, so cached copies are written again.
@@ -109,7 +110,7 @@ def write_sample(
     case: str = "icbm",
     spacing: float | None = None,
     seed: int = 0,
-    progress: Callable[[str, float], None] | None = None,
+    progress: Progress | None = None,
 ) -> Path:
     """Create a sample study in ``folder``; returns the path of its ``manifest.json``."""
     report = progress or (lambda message, fraction: None)

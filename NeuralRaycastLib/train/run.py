@@ -1,0 +1,67 @@
+"""The one way to train: :func:`train_study`, which the command line (``fit``), the demo and the Slicer
+module all call.
+
+    study (a file or in memory) -> prepare (downsample, brain mask, boundary maps)
+        -> warm-up (compile the kernels once per machine, on a GPU) -> reference views
+        -> Trainer (geometry, appearance, joint) -> run folder
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ..field.field import NeuralField
+from ..gpu.device import GpuContext
+from ..progress import Progress, ShouldStop
+from ..render.reference_views import save_reference_views
+from ..study.study import Study
+from .presets import RunSettings
+from .run_folder import TrainedRun, prepare_for_run, reference_views_for_run, write_run
+from .trainer import TrainConfig, Trainer
+from .warmup import ensure_warm
+
+
+def train_study(
+    gpu: GpuContext,
+    study: Study | str | Path,
+    out: str | Path,
+    settings: RunSettings | None = None,
+    progress: Progress | None = None,
+    should_stop: ShouldStop | None = None,
+    *,
+    warm_up: bool = True,
+    worker_python: str | None = None,
+    config: TrainConfig | None = None,
+) -> TrainedRun:
+    """Train a neural field on ``study`` and save it as a run folder ``out``; returns the trained run.
+
+    ``study``: a study folder or manifest (recorded in the run, so ``evaluate`` can prepare it again), or a
+    :class:`~NeuralRaycastLib.study.study.Study` held in memory (a Slicer scene's). ``settings``: the preset
+    and its overrides (default: the device's preset). ``should_stop`` is polled between steps: a cancel keeps
+    and saves the state reached (``run.log.cancelled``), or, while the kernels compile, raises
+    :class:`~NeuralRaycastLib.train.warmup.WarmUpCancelled` (nothing trained).
+
+    ``warm_up``: on a GPU that has not compiled this run's kernels yet, compile them first in worker
+    processes side by side (:func:`~NeuralRaycastLib.train.warmup.ensure_warm`; ``worker_python`` is the
+    interpreter they run in, default this one); compiled by the run itself they take far longer.
+    ``config`` replaces the preset's training schedule whole (scripting, tests).
+    """
+    settings = settings or RunSettings.for_device(gpu)
+    source = None if isinstance(study, Study) else str(Path(study).expanduser().resolve())
+    prepared = prepare_for_run(study, settings, progress)
+    if warm_up:
+        ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    views = reference_views_for_run(gpu, prepared, settings, progress)
+    field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+    # The view pictures are written while training runs: encoding them would otherwise delay its start.
+    with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+        saved = writer.submit(save_reference_views, views, folder / "reference")
+        trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
+        log = trainer.run(progress, should_stop)
+        trainer.use_picture_settings()
+        saved.result()  # a failed write surfaces here, before anything says the run is done
+    write_run(folder, gpu, prepared, field, log, settings, source)
+    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log)
