@@ -893,8 +893,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite, WarmUpCancelled if cancelled while the kernels compile (nothing trained then).
         On a GPU that has not compiled this run's kernels yet, they are compiled first in worker processes
-        side by side (``NeuralRaycastLib.train.warmup``; about half a minute on an H100, once per machine), which
-        keeps Slicer responsive.
+        side by side (``NeuralRaycastLib.train.warmup``, once per machine), which keeps Slicer responsive while
+        they compile.
         """
         from NeuralRaycastLib.train.run import train_study
 

@@ -24,8 +24,8 @@ def cache_dir() -> Path:
 #: Size of the compiled-kernel database (LMDB; its file grows only as entries are written). slangpy's default is
 #: 128 MiB, and once an entry does not fit, slangpy 0.43 can neither make room (deleting from a full LMDB map
 #: fails: MDB_MAP_FULL) nor store it: every later run compiles that kernel again, minutes for the tensor-core
-#: ones. On an H100 machine the render and fit kernels compiled by a warm-up were compiled again by the next
-#: one while the small reference-renderer kernels were found (BENCHMARKS.md). gpu.py opens devices with it.
+#: ones. At the default size the render and fit kernels a warm-up compiled were compiled again by the next
+#: one, while the small reference-renderer kernels were found (BENCHMARKS.md). gpu.py opens devices with it.
 #: slangpy evicts the least recently used entries as the database nears this size.
 SHADER_CACHE_BYTES = 2 << 30
 

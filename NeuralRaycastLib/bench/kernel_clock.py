@@ -1,11 +1,12 @@
 """GPU time per kernel, from timestamps the device writes around each launch (for the benchmark).
 
 The passes' own clock (gpu.PassClock) waits for the device after each pass: simple, but every wait adds the
-host's latency to the pass and leaves the device idle while the next pass is sent, so a fit step of 1.5 ms
-measured 2.4 ms that way. Here every slangpy call made inside the block is bracketed by two timestamp writes,
-each submitted on its own, and nothing waits: where the host sends work faster than the device runs it, each
-bracket holds its kernel alone. Where the device runs dry (short kernels, or a read in between), a bracket also
-holds the time the host took to send the kernel, so the brackets are an upper bound for short kernels.
+host's latency to the pass and leaves the device idle while the next pass is sent, so a short fit step
+measures markedly longer that way. Here every slangpy call made inside the block is bracketed by two
+timestamp writes, each submitted on its own, and nothing waits: where the host sends work faster than the
+device runs it, each bracket holds its kernel alone. Where the device runs dry (short kernels, or a read in
+between), a bracket also holds the time the host took to send the kernel, so the brackets are an upper bound
+for short kernels.
 """
 
 from __future__ import annotations

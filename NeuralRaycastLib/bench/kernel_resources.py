@@ -1,10 +1,9 @@
 """What the compiled CUDA kernels hold per thread (registers, spills, shared memory) and the occupancy that
 follows: ``ptxas -v`` run on the PTX that the shader cache keeps for every kernel.
 
-Nsight Compute crashed on these kernels on the machines measured, so hardware counters were not to be had;
-register pressure is what this shows instead. It matters here: slangpy launches groups of 32 threads, and a
-kernel at 255 registers a thread fits 8 of them (8 warps of 64) on an SM (BENCHMARKS.md, "What bounds each
-figure").
+Nsight Compute crashes on these kernels, so hardware counters are not to be had; register pressure is what
+this shows instead. It matters here: slangpy launches groups of 32 threads, and a kernel at 255 registers a
+thread fits 8 of them (8 warps of 64) on an SM (BENCHMARKS.md, "What bounds each figure").
 """
 
 from __future__ import annotations

@@ -398,8 +398,8 @@ class NeuralField:
     def upload_tiled_networks(self, unless_current: bool = False) -> None:
         """Copy both networks' current weights into the tiled layout and zero those copies' gradients (before
         each pass of the kernels on tensor cores that trains them). ``unless_current``: for passes that only
-        read the weights, nothing where the copies already hold them (frames of a finished field: the copy took
-        0.13-0.29 ms of a 1024² frame on an H100)."""
+        read the weights, nothing where the copies already hold them (frames of a finished field, where the copy
+        would be a measurable part of every frame)."""
         import slangpy as spy
 
         if unless_current and self._tiled_version == self.weights_version:
@@ -491,8 +491,8 @@ class NeuralField:
         it the network's values mean nothing, so a point there gets the distance at the nearest point of
         the box plus its distance to the box (every structure is outside, as it should be).
         """
-        # In float32, as the kernel reads them, and without np.clip and np.linalg.norm, which took 2.5 times
-        # as long on a fine grid's millions of points (BENCHMARKS.md).
+        # In float32, as the kernel reads them, and without np.clip and np.linalg.norm, which are markedly
+        # slower on a fine grid's millions of points (BENCHMARKS.md).
         points = np.asarray(points, dtype=np.float32).reshape(-1, 3)
         low = np.asarray(self.layout.origin, np.float64)
         high = (low + np.asarray(self.layout.extent, np.float64)).astype(np.float32)

@@ -10,18 +10,16 @@ appearance network's gradients go back to the field's buffer after each backward
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
 cancel (a surface moved forward along a ray adds opacity on one side and removes it on the other), and
-half-precision activations do not resolve them: on an H100, after a short training on the sample, the
-tensor-core backward's gradient for the geometry network had a cosine of 0.25–0.55 with the fp32
-per-thread one (with or without loss scaling by 2⁸–2¹²), against 0.9998 for the hash table's and 1.0 for
-the appearance network's. Dropping that one group keeps every gradient the trainer uses accurate, on
-every backend alike, and made a joint training step 5× faster on the H100 (BENCHMARKS.md), with geometry
-scores as good and the held-out PSNR 1.3 dB lower (still 5.6 dB above its target). That cosine was at least
-partly a fault found later: every tensor-core weight gradient was read back in the wrong order within its
-tiles (cosine 0.38-0.67 layer by layer against the per-thread or float64 ones, biases exact) until
-they were put in order (5f55d32); the comparison has not been repeated since. Neither backward
-computes that group's gradients at all: the per-thread one is given a null gradient buffer (shaders/mlp.slang),
-the tensor-core one runs its backward pass without the weights' part (MmaMlp.frozenBackward, in the field's
-``frozen_module``)."""
+half-precision activations do not resolve them: after a short training on the sample, the
+tensor-core backward's gradient for the geometry network pointed far from the fp32 per-thread one (with or
+without loss scaling), while the hash table's and the appearance network's matched theirs. Dropping that
+one group keeps every gradient the trainer uses accurate, on every backend alike, and makes a joint
+training step several times faster, with geometry scores as good and the held-out PSNR slightly lower,
+still above its target (BENCHMARKS.md). That comparison predates a fix to the order in which tensor-core
+weight gradients are read back within their tiles, a fault that also lowered their agreement, and has not
+been repeated. Neither backward computes that group's gradients at all: the per-thread one is given a null
+gradient buffer (shaders/mlp.slang), the tensor-core one runs its backward pass without the weights' part
+(MmaMlp.frozenBackward, in the field's ``frozen_module``)."""
 
 from __future__ import annotations
 

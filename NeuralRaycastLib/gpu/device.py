@@ -99,9 +99,8 @@ class DeviceReport:
 
 
 #: The structure slots kernels are compiled for (shaders/image_formation.slang's STRUCTURE_SLOTS): the fewest
-#: that hold a study's structures. Loops over fewer slots make smaller kernels: the compositing of a 1024² neural
-#: render of the sample (4 structures) took 2.03-2.05 ms with 4 slots against 2.64-2.66 ms with 8 on an H100
-#: (BENCHMARKS.md).
+#: that hold a study's structures. Loops over fewer slots make smaller kernels: the compositing of a neural
+#: render of the sample (4 structures) is markedly faster with 4 slots than with 8 (BENCHMARKS.md).
 STRUCTURE_SLOTS = (4, 8)
 
 
@@ -175,10 +174,10 @@ def shader_cache_path(backend: str) -> Path:
 
 
 # Every device also keeps Slang's parsed modules on disk: a new process then loads them in a fraction of a
-# second instead of parsing slangpy's and our modules again (about 3 s of a start on a 2-core CPU; on an H100
-# machine opening the device went from 2.7 to 0.7 s). Slang checks each cached module against its sources and
-# imports. It needs the folder of Slang's standard modules among the include paths, or a module importing one
-# of them (`import slang.neural`) fails to resolve; a slangpy without that folder gets no module cache.
+# second instead of parsing slangpy's and our modules again, which takes seconds of every start and most of
+# the time opening a device takes. Slang checks each cached module against its sources and imports. It needs
+# the folder of Slang's standard modules among the include paths, or a module importing one of them
+# (`import slang.neural`) fails to resolve; a slangpy without that folder gets no module cache.
 def module_cache_path(backend: str) -> Path:
     return cache_folder("modules") / backend
 
@@ -407,12 +406,11 @@ def import_slangpy():
     """Import slangpy without PyTorch, unless PyTorch is already loaded.
 
     Wherever PyTorch is installed, slangpy's native module imports it while slangpy itself is imported (for
-    its torch-tensor interop), and slangpy's first call looks for it again. On a 2-core CPU with PyTorch
-    2.13's CPU build that made ``import slangpy`` take 1.45 s instead of 0.15 s, and a process that opens a
-    device and makes one call 4.7 s instead of 2.7 s. NeuralRaycast never hands torch tensors to slangpy, so
-    while slangpy loads, ``import torch`` is refused, and slangpy is told it has no torch; ``import torch``
-    works as usual afterwards. Where torch is already loaded (a Slicer session that uses it) nothing is
-    changed: slangpy finds it at no cost.
+    its torch-tensor interop), and slangpy's first call looks for it again. That makes ``import slangpy``
+    many times slower, and adds seconds to a process that opens a device and makes one call. NeuralRaycast
+    never hands torch tensors to slangpy, so while slangpy loads, ``import torch`` is refused, and slangpy is
+    told it has no torch; ``import torch`` works as usual afterwards. Where torch is already loaded (a Slicer
+    session that uses it) nothing is changed: slangpy finds it at no cost.
     """
     if "slangpy" in sys.modules or "torch" in sys.modules:
         import slangpy
@@ -487,8 +485,8 @@ class PassClock:
             self.last = time.perf_counter()
 
 
-#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack): a 512² frame (8 MiB) 0.3 ms sooner than
-#: through the tensor's own read, a 1024² one (32 MiB) about 8 ms sooner (BENCHMARKS.md).
+#: Reads of this size or more take CUDA's pinned-buffer way (ReadBack): frames arrive sooner that way than
+#: through the tensor's own read, the larger the frame the more so (BENCHMARKS.md).
 PINNED_READ_BYTES = 1 << 20
 #: Pinned host buffers a CUDA ReadBack lends out at most: the arrays of that many reads can be held at once
 #: before a read copies into a fresh array instead.
@@ -523,14 +521,14 @@ class ReadBack:
     """Reads float32 device tensors into numpy. An array one read returns never changes with a later read.
 
     - Software devices: through a host-readable buffer kept between reads (made again when the size
-      changes), then its ``to_numpy``; a 1024² G-buffer (32 MiB) takes about 40 % less time on lavapipe
-      than the tensor's own ``to_numpy`` (BENCHMARKS.md).
+      changes), then its ``to_numpy``; a large G-buffer takes markedly less time so on lavapipe than through
+      the tensor's own ``to_numpy`` (BENCHMARKS.md).
     - CUDA, reads of :data:`PINNED_READ_BYTES` or more: into pinned host memory that the returned array is a
       view of (no copy on the host), one of up to :data:`PINNED_FRAMES` buffers, each read into again once no
       array of its last read is left; while all are held, into a buffer kept for that and copied from there
-      into an array numpy allocates. A 1024² G-buffer (32 MiB) on an H100 machine: 0.6 ms into pinned memory,
-      4.2–5.4 ms more for that copy (fresh pages fault in one by one), 20 ms for the tensor's ``to_numpy``
-      (BENCHMARKS.md). Smaller reads take ``to_numpy``.
+      into an array numpy allocates. A read into pinned memory is many times faster than the tensor's
+      ``to_numpy``, and with that copy (fresh pages fault in one by one) still faster (BENCHMARKS.md).
+      Smaller reads take ``to_numpy``.
     """
 
     def __init__(self, gpu: GpuContext) -> None:

@@ -88,7 +88,7 @@ def resample_sdf(
     shape = tuple(int(n) for n in shape)
     matrix, offset = np.asarray(affine, np.float64)[:3, :3], np.asarray(affine, np.float64)[:3, 3]
     # The points of one i-slice, less the slice's own step: every chunk of whole slices adds its steps to it
-    # (cheaper than the (I·J·K, 3) index array of every voxel, which a re-extraction while training paid).
+    # (cheaper than the (I·J·K, 3) index array of every voxel, which each re-extraction while training would pay).
     jk = np.indices(shape[1:], dtype=np.float64).reshape(2, -1).T
     plane = jk @ matrix[:, 1:].T + offset
     slices = max(1, chunk // max(len(plane), 1))
@@ -162,7 +162,7 @@ def extract_surface(volume: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray,
         faces = faces[:, ::-1].copy()
     # Marching cubes shares each edge's vertex between its cubes; it repeats a vertex only where it lies on a
     # voxel centre (the SDF exactly 0 there), so only those are welded: none on a learned SDF, whose values
-    # are never exactly 0, and a sort of the whole mesh's vertices took most of its time.
+    # are never exactly 0, and a sort of the whole mesh's vertices would take most of its time.
     on_voxel = np.flatnonzero(np.all(vertices == np.floor(vertices), axis=1))
     if len(on_voxel) == 0:
         return ras, faces

@@ -37,11 +37,10 @@ from .scene import TrainableScene, WorkLists, list_launch
 
 #: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
 #: the first figure and at most the second; on a CPU device the third. Fewer, larger bands mean fewer passes
-#: and waits: a 1024² frame on an H100 took 51.7–53.7 ms in bands of 8 GiB against 55.4–60.6 ms in bands of
-#: 2 GiB, 69.0–69.5 against 77.8–78.3 ms with mesh shadows (BENCHMARKS.md).
+#: and waits, and render a frame faster, with or without mesh shadows (BENCHMARKS.md).
 BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
-#: A band's largest buffer (the distances at every sample slot) stays below this: on an H100 with most of its
-#: memory free, a 1024² view in one band, whose distances would take 4 GiB, could not be created.
+#: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
+#: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
 MAX_BUFFER_BYTES = 4 << 30
 #: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
 #: ``counted=False``): the networks' passes, then the shadow rays (whose loops over the list diverge more).
@@ -170,7 +169,7 @@ class DiffRenderer:
         self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
         clock.lap("place samples")
         # counted, exactly the listed samples: waves past the list's end would leave at once, but launching a
-        # ray's every possible slot halved the speed of this pass at 1024² on an H100 (BENCHMARKS.md)
+        # ray's every possible slot makes this pass much slower (BENCHMARKS.md)
         sampled = int(batch.list_counts.to_numpy()[2]) if counted else LIST_THREADS_PER_RAY * self.ray_count
         if sampled:
             self.scene.distances(list_launch(batch.struct, sampled), batch.struct)

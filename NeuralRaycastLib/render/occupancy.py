@@ -22,7 +22,7 @@ class Occupancy:
     With ``nearest`` (min_k |d_k| at the cells' corners) a segment of an occupied cell is sampled only where
     that distance, interpolated trilinearly at its middle, is within ``reach_mm``. Cells tested at their worst
     point instead keep samples up to the band plus a margin of their half-diagonal from every surface, where
-    the smooth step adds nothing (on a 1 mm grid of the sample, 27 % of the samples lay beyond the band)."""
+    the smooth step adds nothing (on a 1 mm grid of the sample, about a quarter of the samples)."""
 
     cells: np.ndarray  # (Z, Y, X) bool
     origin: np.ndarray  # (3,) RAS mm of the corner of cell (0, 0, 0)

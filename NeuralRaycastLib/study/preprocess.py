@@ -234,8 +234,8 @@ def _load_cached(path: Path, shape: tuple[int, ...], count: int) -> tuple[dict[s
 
 
 def _cached_ranges(meta: dict, channels: int) -> list[tuple[float, float]] | None:
-    """The channels' normalisation ranges kept with a cache entry (their percentiles over the brain took
-    0.1-0.3 s for the sample at full resolution on a 2-core CPU), or None where the entry has none."""
+    """The channels' normalisation ranges kept with a cache entry (their percentiles over the brain are slow
+    to compute at full resolution), or None where the entry has none."""
     ranges = meta.get("channel_ranges")
     try:
         pairs = [(float(low), float(high)) for low, high in ranges]

@@ -53,8 +53,8 @@ PRESETS: dict[str, Preset] = {
     preset.name: preset
     for preset in (
         # Small batches for a CPU device. Coarser occupancy cells (2 mm) than a GPU's place fewer samples and
-        # gave a better held-out picture in the same time; its pictures keep them, since a finer grid takes
-        # seconds to make on a CPU. Shading down to 3e-3 while training trades nothing measurable for more
+        # give a better held-out picture in the same time; its pictures keep them, since a finer grid is slow
+        # to make on a CPU. Shading down to 3e-3 while training trades nothing measurable for more
         # rays per second (BENCHMARKS.md).
         Preset("quick", "a CPU", views=16, size=128, max_voxels=96,
                fit=dict(steps=300, batch=1 << 13),

@@ -71,14 +71,13 @@ class TrainConfig:
     # training (neural_render.SHADE_WEIGHT says more; the quick preset's is larger, see there).
     shade_weight: float = SHADE_WEIGHT
     # Occupancy cells of the finished field's pictures (Trainer.use_picture_settings, run renderers): finer than
-    # training's, so rays place fewer samples in empty space. Sample case at 1024² on an H200: 44.9 / 34.0 / 28.1
-    # samples per ray and distances 27.7 / 22.0 / 18.4 ms at 4 / 2 / 1 mm, the picture the same within 77 dB;
-    # the 1 mm grid takes about 1 s to make once (BENCHMARKS.md). Training keeps its coarser grid, refreshed at
-    # every evaluation.
+    # training's, so rays place fewer samples in empty space and the distances pass takes less time, the picture
+    # the same to well within 8-bit steps; the fine grid is made once (BENCHMARKS.md). Training keeps its coarser
+    # grid, refreshed at every evaluation.
     render_cell_mm: float = 1.0
-    # ... and in the finished field's pictures: at 3e-3 a trained quick field's views shade 20 % fewer segments
-    # per ray than at 1e-3 (12.7 -> 10.1), the pictures within 63 dB of exact shading (75 dB at 1e-3; 8-bit
-    # steps are 59 dB) and as close to the references (BENCHMARKS.md). The standard preset's is 4e-3 (see there).
+    # ... and in the finished field's pictures: at 3e-3 a trained quick field's views shade markedly fewer
+    # segments per ray than at 1e-3, the pictures within 63 dB of exact shading (8-bit steps are 59 dB) and as
+    # close to the references (BENCHMARKS.md). The standard preset's is 4e-3 (see there).
     render_shade_weight: float = 3e-3
     eval_every: int = 200
     seed: int = 0
@@ -115,7 +114,7 @@ class TrainLog:
     stage_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     # Each render stage's first step, device work included: it also loads that stage's kernels and sets up the
-    # calls to them (on a 2-core CPU's lavapipe, with every cache warm, 0.57 s against 0.06 s for the next).
+    # calls to them, so even with every cache warm it takes several times as long as the steps after it.
     first_step_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: bool = False
     skipped_steps: int = 0
@@ -277,8 +276,8 @@ class Trainer:
     def profile_steps(self, joint: bool = True, steps: int = 10, patches: int | None = None) -> dict[str, float]:
         """Mean seconds per phase of a stage-3 (``joint``) or stage-2 step of ``patches`` patches (default:
         the configuration's), waiting for the device after each phase; the field is left as it was. A first,
-        untimed step takes what only a first step costs (a fresh Adam's first update took 15 against 3.5 ms
-        on lavapipe, and made Adam look 8× slower in these profiles than in the SDF fit's)."""
+        untimed step takes what only a first step costs (a fresh Adam's first update is several times slower
+        than the next, and would make Adam look far slower in these profiles than in the SDF fit's)."""
         saved = self.field.parameters()
         adam, sdf = self.render_optimisers(steps + 1)
         timings: dict[str, float] = {}
@@ -359,8 +358,8 @@ class Trainer:
             remesh = c.shadows and joint and (step + 1) % c.mesh_every == 0 and step < steps - 1
             first = stage not in self.log.first_step_seconds
             if evaluate or remesh or first or step == c.appearance_steps - 1:
-                # Steps do not wait for the device: the next one is set up while it still works on this one (on
-                # an H200 a stage-2 step took 13.3 ms so, against 19.4 ms when each step waited; BENCHMARKS.md).
+                # Steps do not wait for the device: the next one is set up while it still works on this one, so
+                # a step takes markedly less time than when each waits (BENCHMARKS.md).
                 # A stage's time takes in its device work here, before anything else and where the stage ends;
                 # each stage's first step waits too, so that its one-time cost is its own (TrainLog).
                 self.gpu.device.wait()

@@ -3,16 +3,16 @@
 A run's kernels fall into parts: the SDF fit (stage 1); the rendering stages' forward passes with the
 appearance backward (stage 2) and evaluation renders; the joint backward's two passes (stage 3: the scene's
 backward through the distances, and through the normals and appearance), each a part of its own, the
-slowest kernels to compile (on a fresh H100 machine the four parts took 245-410 s side by side, 413 s in all,
-against 529 s with that backward as one part); and a joint step, which then only loads them. One step of
+slowest kernels to compile (split in two, that backward compiles beside the other parts and the warm-up
+ends sooner than with it as one part; BENCHMARKS.md); and a joint step, which then only loads them. One step of
 each part is run on tiny views with a fresh field: what is compiled is exactly what training calls. The joint
 backward's kernels are compiled by a launch over an empty batch (every entry past the end of its list: nothing
 is computed), so they need no forward pass first. Slang and the GPU compiler work on one kernel at a time in
 a process, so on a machine with cores to spare the first four parts compile in parallel processes
 (``jobs``); the shader cache is a database that several processes may fill at once. The joint step's
 process starts once they have ended (:data:`AFTER`) and finds their kernels cached. On a GPU each part gets
-a process of its own even one at a time: on an H100 machine the joint backward took 205 s in a process of
-its own, and had not finished after 352 s in the process that had just compiled the other parts.
+a process of its own even one at a time: the joint backward compiles far more slowly in a process that has
+just compiled the other parts than in a fresh one (BENCHMARKS.md).
 
 ``python -m NeuralRaycastLib.train.warmup STUDY PART [--preset P] [--device D]`` is the worker a parallel
 warm-up starts for each part.
@@ -126,7 +126,7 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     backward passes of the renderer, Adam); ``jobs`` > 1 compiles the parts in that many processes at
     once (each opens the backend ``gpu`` runs on). Kernels are specialised by the number
     of structures and channels, so a study with other counts compiles its own. On a GPU every part runs in a
-    worker process of its own, even one at a time (a part compiled after the others in the same process was
+    worker process of its own, even one at a time (a part compiled after the others in the same process is
     much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Leaves
     its stamp (:func:`warm_up_stamp`) once done. Returns seconds per phase (the parts' own seconds, and with
     worker processes the wall time they took together). With worker processes, ``should_stop`` is polled
@@ -225,7 +225,7 @@ def _warm_up_before_run(gpu: GpuContext, study_path: str | Path, settings: RunSe
         return None
 
 
-#: Seconds between progress reports while the workers compile (each part takes 10-20 s on an H100).
+#: Seconds between progress reports while the workers compile (each part takes many seconds).
 REPORT_EVERY_S = 1.0
 
 #: The largest side, in voxels, of the stand-in that a study held in memory sends to the warm-up's workers.
