@@ -16,6 +16,7 @@ before a :class:`Study` is returned; each problem raises :class:`StudyError` nam
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -41,6 +42,10 @@ BRATS_BRAIN_MASK = ("brainmask",)
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 MANIFEST = "manifest.json"
 MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "brain_mask", "structures"}
+#: The most voxels one volume may hold (512³, a 0.5 mm grid over a whole head): a header claiming more is
+#: refused before any voxel is read, since reading allocates what the header claims.
+MAX_VOLUME_VOXELS = 512**3
+MAX_VOLUME_SIDE = round(MAX_VOLUME_VOXELS ** (1 / 3))
 
 #: Two grids are the same when every corner of the volume lands within this fraction of a voxel.
 
@@ -264,15 +269,45 @@ def _resolve_structures(study: Study) -> dict[str, tuple[int, ...]]:
 # files
 
 
+def _reason(error: BaseException) -> str:
+    """An exception's text on one line, or its type's name where it has none (a MemoryError, say)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _read_nifti(path: Path, role: str):
     import nibabel as nib
 
     if not path.is_file():
         raise StudyError(f"{path}: {role} file not found")
     try:
-        return nib.load(str(path))  # reads the header only; the voxels are read in _image_data
+        image = nib.load(str(path))  # reads the header only; the voxels are read in _image_data
     except Exception as error:  # nibabel raises many types for corrupt files
-        raise StudyError(f"{path}: {role} is not a readable NIfTI file ({error})") from error
+        raise StudyError(f"{path}: {role} is not a readable NIfTI file ({_reason(error)})") from error
+    _check_header(image, path, role)
+    return image
+
+
+def _check_header(image, path: Path, role: str) -> None:
+    """Refuse what the header claims before anything is allocated for it: more than 3 dimensions, more
+    voxels than :data:`MAX_VOLUME_VOXELS`, or (uncompressed ``.nii``) more bytes than the file holds."""
+    shape = tuple(int(n) for n in image.shape)
+    if len(shape) < 3 or any(n != 1 for n in shape[3:]):
+        raise StudyError(f"{path}: expected a 3-D volume, got shape {shape}")
+    voxels = math.prod(shape)
+    if voxels > MAX_VOLUME_VOXELS:
+        raise StudyError(
+            f"{path}: {role} header claims shape {shape} ({voxels:,} voxels), more than the {MAX_VOLUME_VOXELS:,} "
+            f"({MAX_VOLUME_SIDE}³) a volume may have; resample it to a coarser grid (or the file is damaged)"
+        )
+    proxy = image.dataobj  # where the voxels start and their type on disk, as the header says
+    if path.name.endswith(".nii") and hasattr(proxy, "offset") and hasattr(proxy, "dtype"):
+        needed = int(proxy.offset) + voxels * np.dtype(proxy.dtype).itemsize
+        size = path.stat().st_size
+        if size < needed:
+            raise StudyError(
+                f"{path}: {role} is truncated: its header (shape {shape}, {np.dtype(proxy.dtype)}) needs "
+                f"{needed:,} bytes but the file holds {size:,}; copy or export it again"
+            )
 
 
 def map_in_threads(function: Callable[[T], R], items: Sequence[T]) -> list[R]:
@@ -287,8 +322,9 @@ def map_in_threads(function: Callable[[T], R], items: Sequence[T]) -> list[R]:
 def _image_data(image, role: str, path: Path) -> np.ndarray:
     try:
         return np.asanyarray(image.dataobj)
-    except Exception as error:  # truncated gzip, wrong size ...
-        raise StudyError(f"{path}: {role} data cannot be read ({error})") from error
+    except Exception as error:  # truncated gzip (EOFError), corrupt stream (zlib.error), short data (OSError) ...
+        raise StudyError(f"{path}: {role} data cannot be read ({_reason(error)}); the file may be damaged or "
+                         "truncated") from error
 
 
 def _load_files(
@@ -311,8 +347,6 @@ def _load_files(
     images = []
     for role, path in roles:
         image = _read_nifti(path, role)
-        if len(image.shape) < 3:
-            raise StudyError(f"{path}: expected a 3-D volume, got shape {tuple(image.shape)}")
         if reference is None:
             reference = image
         else:
