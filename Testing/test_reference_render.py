@@ -185,5 +185,5 @@ def test_reference_views_are_rendered_once_then_read_from_the_cache(gpu, phantom
 
     bounded = tmp_path / "bounded"
     for index in range(VIEW_CACHE_ENTRIES + 2):  # the oldest entries go, the newest stay
-        render_reference_views(gpu, replace(prepared, key=f"study {index}"), 1, 8, 8, cache_root=bounded)
+        render_reference_views(gpu, replace(prepared, key=f"study {index}"), 1, 16, 16, cache_root=bounded)
     assert len(list(bounded.iterdir())) == VIEW_CACHE_ENTRIES

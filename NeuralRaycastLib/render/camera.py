@@ -12,6 +12,19 @@ from typing import Any
 
 import numpy as np
 
+#: The sides of a view, in pixels, that a run or a render accepts: from one training patch (16 pixels) to
+#: what a GPU renders in a fraction of a second and keeps in memory. A camera itself allows sides below the
+#: minimum (small test pictures), never above the maximum: a larger picture is refused before it is allocated.
+MIN_VIEW_SIZE = 16
+MAX_VIEW_SIZE = 4096
+
+
+def check_view_size(width: int, height: int) -> None:
+    """Refuse a view size outside :data:`MIN_VIEW_SIZE` to :data:`MAX_VIEW_SIZE` pixels a side (ValueError)."""
+    if not (MIN_VIEW_SIZE <= width <= MAX_VIEW_SIZE and MIN_VIEW_SIZE <= height <= MAX_VIEW_SIZE):
+        raise ValueError(f"view size {width} x {height} pixels is outside the supported range: each side from "
+                         f"{MIN_VIEW_SIZE} to {MAX_VIEW_SIZE} pixels")
+
 
 def _unit(vector: np.ndarray) -> np.ndarray:
     norm = float(np.linalg.norm(vector))
@@ -34,6 +47,8 @@ class Camera:
             raise ValueError(f"view angle must lie in (0, 180) degrees, got {self.view_angle}")
         if self.width < 1 or self.height < 1:
             raise ValueError(f"image size must be positive, got {self.width} x {self.height}")
+        if max(self.width, self.height) > MAX_VIEW_SIZE:
+            check_view_size(self.width, self.height)
         forward = np.subtract(self.focal_point, self.position)
         if abs(float(np.dot(_unit(forward), _unit(np.asarray(self.view_up, float))))) > 0.999:
             raise ValueError("degenerate camera: view-up is parallel to the viewing direction")
@@ -83,7 +98,9 @@ class Camera:
     def from_slicer(
         cls, position, focal_point, view_up, view_angle: float, size: tuple[int, int]
     ) -> Camera:
-        """From a Slicer camera node's values and the 3D view's size in pixels (width, height)."""
+        """From a Slicer camera node's values and the 3D view's size in pixels (width, height), which must lie
+        within :func:`check_view_size`'s limits."""
+        check_view_size(int(size[0]), int(size[1]))
         return cls(
             tuple(map(float, position)),
             tuple(map(float, focal_point)),
@@ -111,13 +128,15 @@ def orbit_cameras(
     margin: float = 1.1,
 ) -> list[Camera]:
     """``count`` cameras looking at the centre of ``bounds`` from directions spread evenly (a Fibonacci
-    spiral) over the band of elevations, at a distance that frames the whole box. Deterministic.
+    spiral) over the band of elevations, at a distance that frames the whole box. Deterministic. Every run's
+    views and every render's cameras come from here: the size is checked here (:func:`check_view_size`).
 
     Elevation is measured from the axial plane towards Superior; view-up is Superior except near the
     poles, where it is Anterior.
     """
     if count < 1:
         raise ValueError("need at least one view")
+    check_view_size(width, height)
     low, high = np.asarray(bounds, dtype=np.float64)
     centre = (low + high) / 2
     radius = float((high - low).max() / 2)  # the sphere around an ellipsoid inscribed in the box

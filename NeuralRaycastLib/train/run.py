@@ -14,6 +14,7 @@ from pathlib import Path
 from ..field.field import NeuralField
 from ..gpu.device import GpuContext
 from ..progress import Progress, ShouldStop
+from ..render.camera import check_view_size
 from ..render.reference_views import save_reference_views
 from ..study.study import Study
 from .presets import RunSettings
@@ -48,6 +49,7 @@ def train_study(
     ``config`` replaces the preset's training schedule whole (scripting, tests).
     """
     settings = settings or RunSettings.for_device(gpu)
+    check_view_size(settings.size, settings.size)  # before the study is prepared and the kernels compiled
     source = None if isinstance(study, Study) else str(Path(study).expanduser().resolve())
     prepared = prepare_for_run(study, settings, progress)
     if warm_up:
