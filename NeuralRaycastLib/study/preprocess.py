@@ -98,7 +98,7 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
         scaled = image / scale
         combined = scaled if combined is None else np.maximum(combined, scaled)
     assert combined is not None
-    mask = combined > threshold_otsu(combined)
+    mask = combined > threshold_otsu(combined.ravel())  # a histogram's threshold: the shape does not matter
     mask = ndimage.binary_closing(mask, structure=ndimage.generate_binary_structure(3, 1), iterations=2)
     mask = ndimage.binary_fill_holes(mask)
     components, count = ndimage.label(mask)
@@ -111,8 +111,10 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     return mask
 
 
-def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True) -> np.ndarray:
-    """Signed distance in mm to the boundary of a voxel mask; negative inside.
+def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True,
+                    name: str = "a mask") -> np.ndarray:
+    """Signed distance in mm to the boundary of a voxel mask; negative inside (``name``: what the mask is,
+    for the error a mask without a boundary raises).
 
     A voxel mask only says which voxel centres are inside, so its surface is terraced. The boundary
     taken here is the mask's marching-cubes surface after a windowed-sinc low-pass filter, the kind
@@ -131,7 +133,9 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     spacing = np.asarray(spacing, dtype=np.float64)
     half = 0.5 * float(spacing.min())
     if not inside.any() or inside.all():
-        raise StudyError("cannot compute a signed distance: the mask is empty or fills the whole volume")
+        state = "is empty (no voxel inside)" if not inside.any() else "fills the whole volume (no voxel outside)"
+        raise StudyError(f"cannot compute a signed distance for {name}: the mask {state} on the "
+                         f"{'×'.join(map(str, inside.shape))} grid, so it has no surface")
     outside_distance = ndimage.distance_transform_edt(~inside, sampling=spacing)
     inside_distance = ndimage.distance_transform_edt(inside, sampling=spacing)
     sdf = np.where(inside, -(inside_distance - half), outside_distance - half)
@@ -286,7 +290,8 @@ def prepare(
         boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
         for index, structure in enumerate(structures):
             report(f"signed distance: {structure.name}", (index + 1) / (len(structures) + 1))
-            boundary[index] = signed_distance(structure_mask(structure, study.labels, mask), study.spacing)
+            boundary[index] = signed_distance(structure_mask(structure, study.labels, mask), study.spacing,
+                                              name=_structure_name(study, structure))
         probability = _probability(study, structures, boundary)
         # The cache stores float16; round fresh results the same way so cached and fresh runs agree.
         boundary = boundary.astype(np.float16).astype(np.float32)
@@ -317,6 +322,14 @@ def prepare(
         bounds=bounds,
         key=key,
     )
+
+
+def _structure_name(study: Study, structure: Structure) -> str:
+    """A structure as an error names it: its label values and file, or where its brain mask came from."""
+    if structure.from_mask:
+        where = study.sources.get("brain mask") if study.brain_mask is not None else None
+        return f"structure '{structure.name}' ({where or 'the brain mask found by thresholding the images'})"
+    return f"structure '{structure.name}' (labels {list(structure.labels)} of {study.sources.get('labels', 'labels')})"
 
 
 def _probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:

@@ -500,29 +500,133 @@ def write_study(study: Study, folder: str | Path) -> Path:
     return path
 
 
+def _needed_factors(shape: Sequence[int], max_voxels: int) -> tuple[int, ...]:
+    """The smallest whole factor per axis that leaves it at most ``max_voxels`` long."""
+    return tuple(max(1, math.ceil(int(n) / max_voxels)) for n in shape)
+
+
+def downsample_factors(shape: Sequence[int], spacing: Sequence[float], max_voxels: int) -> tuple[int, ...]:
+    """Whole factors per axis, so that no axis has more than ``max_voxels`` voxels and the new voxels are as
+    close to cubes as that allows: each axis is coarsened towards the largest voxel size the limit forces
+    on any axis, never further, so an axis of thick slices is coarsened only if it alone is too long."""
+    needed = _needed_factors(shape, max_voxels)
+    forced = [f * float(s) for f, s in zip(needed, spacing, strict=True) if f > 1]
+    if not forced:
+        return tuple(needed)
+    target = max(forced)  # mm
+    return tuple(
+        max(f, min(int(np.floor(target / float(s) * (1 + 1e-6))), max(1, int(n) // 2)))
+        for f, s, n in zip(needed, spacing, shape, strict=True)
+    )
+
+
 def downsample_study(study: Study, max_voxels: int) -> Study:
-    """The study on a grid coarser by a whole factor, so no axis has more than ``max_voxels`` voxels:
-    images and P(x) averaged over blocks, labels and the brain mask taken at the block's centre voxel
-    (unchanged if small)."""
-    factor = int(np.ceil(max(study.shape) / max_voxels))
-    if factor <= 1:
+    """The study on a grid coarser by whole factors per axis (:func:`downsample_factors`), so no axis has
+    more than ``max_voxels`` voxels: images and P(x) averaged over blocks, labels and the brain mask taken at
+    the block's centre voxel (unchanged if small). Where the near-cubic grid would lose a structure, the grid
+    the limit needs alone is tried; a structure (or brain mask) lost on both raises :class:`StudyError`
+    naming it and its size."""
+    needed = _needed_factors(study.shape, max_voxels)
+    chosen = downsample_factors(study.shape, study.spacing, max_voxels)
+    if max(chosen) <= 1:
         return study
-    shape = tuple(s // factor for s in study.shape)
+    lost = _lost_structure(study, chosen)
+    if lost is not None and chosen != needed:
+        chosen = needed
+        lost = _lost_structure(study, chosen)
+    if lost is not None:
+        raise StudyError(_lost_message(study, chosen, max_voxels, *lost))
+    return _downsampled(study, chosen)
+
+
+def _downsampled_shape(study: Study, factors: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(n // f for n, f in zip(study.shape, factors, strict=True))
+    if min(shape) < 2:
+        raise StudyError(f"{study.name}: downsampling {study.shape} by {tuple(factors)} leaves {shape}, too thin to "
+                         "hold a surface; use a larger voxel limit")
+    return shape
+
+
+def _centres(array: np.ndarray, factors: Sequence[int], shape: Sequence[int]) -> np.ndarray:
+    """The voxel at each block's centre."""
+    picked = array[tuple(slice(f // 2, f // 2 + n * f, f) for f, n in zip(factors, shape, strict=True))]
+    return np.ascontiguousarray(picked)
+
+
+def _lost_structure(study: Study, factors: Sequence[int]) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """The first structure (or the brain mask) that has no voxel, or no voxel outside it, once the study is
+    downsampled by ``factors``: (its name, its mask at full resolution and downsampled); None where all
+    keep a surface."""
+    shape = _downsampled_shape(study, factors)
+    masks: list[tuple[str, np.ndarray, np.ndarray]] = []
+    if study.brain_mask is not None:
+        masks.append(("brain mask", study.brain_mask, _centres(study.brain_mask, factors, shape)))
+    if study.labels is not None:
+        small = _centres(study.labels, factors, shape)
+        for name, values in study.structures.items():
+            masks.append((f"structure '{name}' (labels {list(values)})", np.isin(study.labels, values),
+                          np.isin(small, values)))
+    for name, full, small in masks:
+        if full.any() and not full.all() and (not small.any() or small.all()):
+            return name, full, small
+    return None
+
+
+def _thickness_mm(mask: np.ndarray, spacing: np.ndarray) -> float:
+    """How thick a structure is at its thickest, in mm: twice the largest distance from inside it to outside,
+    taken on a grid of half voxels, where a slab of whole voxels measures exactly its thickness."""
+    from scipy import ndimage
+
+    spans = [np.flatnonzero(mask.any(axis=tuple(other for other in range(3) if other != axis))) for axis in range(3)]
+    crop = mask[tuple(slice(span[0], span[-1] + 1) for span in spans)]
+    halves = crop.size <= 1 << 21  # a structure small enough to be lost, say; a large one is measured in voxels
+    if halves:
+        crop = crop.repeat(2, axis=0).repeat(2, axis=1).repeat(2, axis=2)
+    step = np.asarray(spacing, np.float64) / (2.0 if halves else 1.0)
+    depth = 2.0 * float(ndimage.distance_transform_edt(np.pad(crop, 1), sampling=step).max())
+    return depth if halves else depth - float(step.min())
+
+
+def _lost_message(study: Study, factors: Sequence[int], max_voxels: int, name: str, full: np.ndarray,
+                  small: np.ndarray) -> str:
+    source = study.sources.get("brain mask" if name == "brain mask" else "labels", study.name)
+    shape = _downsampled_shape(study, factors)
+    voxel = "×".join(f"{float(s) * f:g}" for s, f in zip(study.spacing, factors, strict=True))
+    fault = "no voxel of it would be left" if not small.any() else "it would fill the whole grid, leaving no surface"
+    return (
+        f"{source}: {name} is {int(full.sum()):,} voxels, {_thickness_mm(full, study.spacing):.1f} mm thick at its "
+        f"thickest; on the study downsampled to at most {max_voxels} voxels a side ({_shape_text(study.shape)} to "
+        f"{_shape_text(shape)} voxels of {voxel} mm) {fault}; use a larger voxel limit, or the standard preset "
+        "(full resolution, on a GPU)"
+    )
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "×".join(str(int(n)) for n in shape)
+
+
+def downsampling_note(before: Study, after: Study) -> str:
+    """One line that says a study was downsampled: the grids before and after, their voxel sizes in mm."""
+
+    def grid(study: Study) -> str:
+        return f"{_shape_text(study.shape)} voxels of {'×'.join(f'{s:.3g}' for s in study.spacing)} mm"
+
+    return f"study downsampled from {grid(before)} to {grid(after)}"
+
+
+def _downsampled(study: Study, factors: Sequence[int]) -> Study:
+    shape = _downsampled_shape(study, factors)
+    fi, fj, fk = factors
 
     def blocks(array: np.ndarray) -> np.ndarray:
-        cropped = array[: shape[0] * factor, : shape[1] * factor, : shape[2] * factor].astype(np.float32)
-        return cropped.reshape(shape[0], factor, shape[1], factor, shape[2], factor).mean(axis=(1, 3, 5))
-
-    centre = factor // 2
+        cropped = array[: shape[0] * fi, : shape[1] * fj, : shape[2] * fk].astype(np.float32)
+        return cropped.reshape(shape[0], fi, shape[1], fj, shape[2], fk).mean(axis=(1, 3, 5))
 
     def centres(array: np.ndarray | None) -> np.ndarray | None:
-        if array is None:
-            return None
-        picked = array[centre::factor, centre::factor, centre::factor]
-        return np.ascontiguousarray(picked[: shape[0], : shape[1], : shape[2]])
+        return None if array is None else _centres(array, factors, shape)
 
-    scale = np.diag([factor, factor, factor, 1.0])
-    scale[:3, 3] = (factor - 1) / 2.0  # the new voxel centre is the old block's centre
+    scale = np.diag([float(f) for f in factors] + [1.0])
+    scale[:3, 3] = (np.asarray(factors, np.float64) - 1) / 2.0  # the new voxel centre is the old block's centre
     averaged = map_in_threads(blocks, list(study.channels.values()))
     return Study(
         name=study.name,
@@ -532,6 +636,6 @@ def downsample_study(study: Study, max_voxels: int) -> Study:
         probability=None if study.probability is None else blocks(study.probability),
         brain_mask=centres(study.brain_mask),
         structures=dict(study.structures),
-        sources={**study.sources, "grid": f"downsampled by {factor}"},
+        sources={**study.sources, "grid": f"downsampled by {'×'.join(str(f) for f in factors)}"},
         colors=dict(study.colors),
     )

@@ -25,7 +25,7 @@ from ..render.neural_render import DiffRenderer
 from ..render.reference_views import ReferenceViews, render_reference_views
 from ..study.cache import load_study_cached
 from ..study.preprocess import PreparedStudy, prepare
-from ..study.study import Study, downsample_study
+from ..study.study import Study, downsample_study, downsampling_note
 from .presets import RunSettings, training_schedule
 from .trainer import TrainLog, field_renderer, learned_mesh_shadows
 
@@ -35,11 +35,14 @@ RUN_VERSION = 1
 def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None
                     ) -> PreparedStudy:
     """A study (in memory, e.g. read from a Slicer scene, or its file) downsampled as the settings ask (the
-    quick preset) and prepared: brain mask, boundary maps, tumour probability."""
+    quick preset; ``progress`` is told the grids before and after) and prepared: brain mask, boundary maps,
+    tumour probability."""
     if not isinstance(study, Study):
         study = load_study_cached(study)
     if settings.max_voxels:
-        study = downsample_study(study, settings.max_voxels)
+        full, study = study, downsample_study(study, settings.max_voxels)
+        if study is not full and progress is not None:
+            progress(downsampling_note(full, study), 0.0)
     return prepare(study, progress=progress)
 
 

@@ -237,9 +237,9 @@ def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, sett
     """The study downsampled to :data:`STAND_IN_VOXELS`, written to ``folder`` where it has the study's kernels,
     and the settings the warm-up runs it with (the field sized for the study's voxels); None where it has not
     those kernels, or lost a structure."""
-    stand_in = downsample_study(study, STAND_IN_VOXELS)
     stand_in_settings = replace(settings, field_voxel_mm=float(prepared.spacing.min()))
     try:
+        stand_in = downsample_study(study, STAND_IN_VOXELS)
         stand_in_key = kernels_key(gpu, prepare_for_run(stand_in, stand_in_settings), stand_in_settings)
     except ValueError:  # a structure too small to survive the downsampling (StudyError)
         return None
