@@ -39,6 +39,7 @@ CACHE_FOLDERS = {
     "views": "the reference views runs train on (rendered again: seconds on a GPU, minutes on a CPU)",
     "samples": "the sample cases as written (written again: seconds)",
     "downloads": "the sample's pinned, checksummed source data (fetched again from the package registry)",
+    "logs": "the shader compiler's messages (slangpy.log; only for reading when something goes wrong)",
 }
 
 #: The folders of data derived from studies (the rest: kernels and the sample's sources).

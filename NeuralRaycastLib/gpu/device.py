@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..paths import SHADER_CACHE_BYTES, cache_folder, shader_dir
+from .compiler_log import route_slangpy_messages
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
 BACKENDS = ("cuda", "vulkan")
@@ -442,6 +443,7 @@ def open_device(choice: str | None = None) -> GpuContext:
         raise GpuUnavailableError(
             f"slangpy is not installed ({error}); run `make demo` or `pip install slangpy==0.43.1`"
         ) from error
+    route_slangpy_messages()  # the compiler's warnings into a log file, not the user's terminal
 
     order = BACKENDS if wanted == "auto" else (wanted,)
     tried: dict[str, str] = {}
