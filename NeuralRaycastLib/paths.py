@@ -29,8 +29,8 @@ def cache_dir() -> Path:
 #: slangpy evicts the least recently used entries as the database nears this size.
 SHADER_CACHE_BYTES = 2 << 30
 
-#: The cache's folders and what each keeps (``neuralraycast cache`` lists and clears them); all are
-#: filled again when needed, at the cost given.
+#: The cache's folders and what each keeps (``neuralraycast cache`` lists and clears them); all but
+#: ``recovered`` are filled again when needed, at the cost given.
 CACHE_FOLDERS = {
     "shaders": f"compiled kernels, up to {SHADER_CACHE_BYTES >> 30} GiB per backend (compiled again: minutes)",
     "modules": "Slang's parsed modules, per backend (parsed again: seconds)",
@@ -40,6 +40,7 @@ CACHE_FOLDERS = {
     "samples": "the sample cases as written (written again: seconds)",
     "downloads": "the sample's pinned, checksummed source data (fetched again from the package registry)",
     "logs": "the shader compiler's messages (slangpy.log; only for reading when something goes wrong)",
+    "recovered": "trained runs whose run folder could not be written (not made again: move them out first)",
 }
 
 #: The folders of data derived from studies (the rest: kernels and the sample's sources).

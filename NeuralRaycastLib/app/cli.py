@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .. import __version__
+from ..files import WriteError
 from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device
 from ..paths import CACHE_FOLDERS
 from ..progress import ConsoleProgress
@@ -23,7 +24,7 @@ from ..train.trainer import TrainingError
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
 USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, FileNotFoundError, FileExistsError,
-               ValueError, TrainingError)
+               ValueError, TrainingError, WriteError)
 
 
 def _print_json(data) -> None:
@@ -101,8 +102,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_render_reference(args: argparse.Namespace) -> int:
-    from ..render.reference_views import render_reference_views, save_reference_views
+    from ..render.reference_views import check_views_folder, render_reference_views, save_reference_views
 
+    check_views_folder(args.out)  # before rendering, not after
     gpu = open_device(args.device)
     prepared = _prepare(args.study, use_cache=True)
     views = render_reference_views(
@@ -143,9 +145,10 @@ def cmd_render(args: argparse.Namespace) -> int:
     """Orbit views of a trained field, written like the reference views (RGBA, depth and normal pictures,
     contact sheet, cameras.json, reference.npz with the float G-buffer)."""
     from ..render.camera import orbit_cameras
-    from ..render.reference_views import ReferenceViews, save_reference_views
+    from ..render.reference_views import ReferenceViews, check_views_folder, save_reference_views
     from ..train.run_folder import open_run
 
+    check_views_folder(args.out)  # before rendering, not after
     run = open_run(open_device(args.device), args.run_folder, ConsoleProgress("prepare"))
     progress = ConsoleProgress("render")
     cameras = orbit_cameras(run.prepared.bounds, args.views, args.size[0], args.size[1])

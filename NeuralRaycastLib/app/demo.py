@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..files import write_text
 from ..gpu.device import open_device
-from ..mesh.mesh import write_mesh
+from ..mesh.mesh import write_meshes
 from ..progress import CancelOnInterrupt, ConsoleProgress
 from ..render.camera import orbit_cameras
 from ..render.metrics import depth_picture, normal_picture, psnr, save_png
@@ -89,18 +90,17 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     clock = time.perf_counter()
     meshes = []
     try:
-        for mesh in run.meshes(smoothing_iterations=10):
-            if len(mesh.faces):
-                path = write_mesh(mesh, out / "meshes" / f"{mesh.name}.vtp")
-                meshes.append({"name": mesh.name, "triangles": len(mesh.faces),
-                               "file": str(path.relative_to(out))})
+        learned = [mesh for mesh in run.meshes(smoothing_iterations=10) if len(mesh.faces)]
+        paths = write_meshes(learned, out / "meshes")  # all or none
+        meshes += [{"name": mesh.name, "triangles": len(mesh.faces), "file": str(path.relative_to(out))}
+                   for mesh, path in zip(learned, paths, strict=True)]
     except ImportError as error:  # VTK missing (a bare server install): everything else still gets reported
         meshes.append({"name": "(meshes skipped)", "triangles": 0, "file": f"VTK not available: {error}"})
     timings["meshes of the learned surfaces"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
     metrics = run_metrics(gpu, run.folder, run.prepared, run.field, run.views, settings, renderer, rendered)
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_text(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     timings["evaluation"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
 

@@ -1,6 +1,7 @@
 """The demo's ``report.html``: one self-contained page (pictures next to it in the output folder) with
 reference and neural renders side by side, error maps, a turntable, the G-buffer, loss and PSNR curves
-(inline SVG), the metrics, timings, device and versions."""
+(inline SVG), the metrics, timings, device and versions. Every file is written atomically (files.py): a
+failed write leaves the earlier file, or none, never a half-written one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import atomic_file, write_text
 from ..render.metrics import save_png
 
 NOTE = ("The built-in sample is real anatomy (the ICBM 2009a template) with a synthetic lesion and synthetic "
@@ -29,7 +31,9 @@ def save_gif(frames: list[np.ndarray], path: Path, seconds_per_frame: float = 0.
     from ..render.metrics import to_uint8
 
     images = [Image.fromarray(to_uint8(frame)) for frame in frames]
-    images[0].save(path, save_all=True, append_images=images[1:], duration=int(seconds_per_frame * 1000), loop=0)
+    with atomic_file(path) as handle:
+        images[0].save(handle, format="GIF", save_all=True, append_images=images[1:],
+                       duration=int(seconds_per_frame * 1000), loop=0)
     return path
 
 
@@ -133,10 +137,8 @@ trained with the <b>{html.escape(metrics["preset"])}</b> preset in {metrics["tra
 <code>run/reference/</code>, <code>meshes/</code>, <code>turntable/</code>.</p>
 </body></html>
 """
-    path = folder / "report.html"
-    path.write_text(page)
-    (folder / "report_context.json").write_text(json.dumps(context, indent=1, default=str) + "\n")
-    return path
+    write_text(folder / "report_context.json", json.dumps(context, indent=1, default=str) + "\n")
+    return write_text(folder / "report.html", page)  # last: a report is there only when all it shows is
 
 
 def save_comparison(folder: Path, view: int, reference: np.ndarray, neural: np.ndarray, psnr_db: float) -> dict:

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import write_bytes
 from ..gpu.device import GpuContext
 from .field import FieldConfig, FieldConfigError, FieldLayout, NeuralField
 
@@ -129,11 +130,24 @@ def save_model(
     extra: dict[str, Any] | None = None,
     precision: str = "float32",
 ) -> Path:
-    """Write the model atomically (a crash never leaves a half-written file under ``path``), its
-    parameters stored in ``precision`` (PRECISIONS; loading turns them back into float32)."""
-    from safetensors.numpy import save_file
+    """Write the model atomically (a crash or a full disk never leaves a half-written file under ``path``, and
+    an earlier file there stays until the new one is complete; files.WriteError names ``path`` otherwise),
+    its parameters stored in ``precision`` (PRECISIONS; loading turns them back into float32)."""
+    # Serialised here and written by files.py: safetensors' own writer reports a full disk as an error of its
+    # own type and leaves files readable by their owner only.
+    return write_bytes(path, encode_model(layout, parameters, geometry, extra, precision))
 
-    path = Path(path)
+
+def encode_model(
+    layout: FieldLayout,
+    parameters: np.ndarray,
+    geometry: StudyGeometry,
+    extra: dict[str, Any] | None = None,
+    precision: str = "float32",
+) -> bytes:
+    """A model file's bytes (see :func:`save_model`), for writers that write it with other files."""
+    from safetensors.numpy import save
+
     parameters = np.asarray(parameters, dtype=np.float32).reshape(-1)
     if parameters.shape != (layout.count,):
         raise ValueError(f"expected {layout.count} parameters, got {parameters.shape}")
@@ -157,11 +171,7 @@ def save_model(
         "tensors_sha256": _digest(tensors),
         "extra": extra or {},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".partial")
-    save_file(tensors, str(temporary), metadata={METADATA_KEY: json.dumps(metadata)})
-    temporary.replace(path)
-    return path
+    return save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
 
 
 def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -9,6 +9,7 @@ vertex normals are the normalised SDF gradient, so they point outward.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..files import FileSet, atomic_files
 from ..grid import interpolate_ijk
 
 EXPORT_FORMATS = ("vtp", "stl", "obj", "ply")
@@ -272,15 +274,10 @@ def mesh_prepared(prepared, smoothing_iterations: int = 0, decimation: float = 0
     return mesh_sdf_grid(prepared.boundary, prepared.affine, prepared.structures, smoothing_iterations, decimation)
 
 
-def write_mesh(mesh: Mesh, path: str | Path) -> Path:
-    """Write a mesh as VTP, STL, OBJ or PLY (chosen by the suffix), with normals where the format has them.
-
-    VTP also carries the name and colour (field data ``Name`` and ``Color``); PLY carries the colour per face.
-    """
+def _mesh_writer(mesh: Mesh, kind: str):
+    """The VTK writer of one format, with the mesh as its input."""
     import vtk
 
-    path = Path(path)
-    kind = path.suffix.lower().lstrip(".")
     polydata = mesh.polydata()
     if kind == "vtp":
         name = vtk.vtkStringArray()
@@ -299,30 +296,133 @@ def write_mesh(mesh: Mesh, path: str | Path) -> Path:
         writer.SetFileTypeToBinary()
     elif kind == "obj":
         writer = vtk.vtkOBJWriter()
-    elif kind == "ply":
+    else:  # ply
         writer = vtk.vtkPLYWriter()
         writer.SetFileTypeToBinary()
         writer.SetColorModeToUniformCellColor()
         writer.SetColor(*(int(round(255 * c)) for c in mesh.color))
-    else:
-        raise ValueError(f"{path}: unknown mesh format '{kind}' (use one of {', '.join(EXPORT_FORMATS)})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer.SetFileName(str(path))
     writer.SetInputData(polydata)
-    if not writer.Write():
-        raise OSError(f"{path}: could not write the mesh")
+    return writer
+
+
+def _mesh_kind(path: Path) -> str:
+    kind = path.suffix.lower().lstrip(".")
+    if kind not in EXPORT_FORMATS:
+        raise ValueError(f"{path}: unknown mesh format '{kind}' (use one of {', '.join(EXPORT_FORMATS)})")
+    return kind
+
+
+#: Bytes of each PLY property type.
+_PLY_SIZES = {"char": 1, "uchar": 1, "int8": 1, "uint8": 1, "short": 2, "ushort": 2, "int16": 2, "uint16": 2,
+              "int": 4, "uint": 4, "int32": 4, "uint32": 4, "float": 4, "float32": 4, "double": 8, "float64": 8}
+#: How each VTK writer's file ends: a file cut off at its last bytes still reads back whole.
+_MESH_ENDINGS = {"vtp": b"</VTKFile>\n", "obj": b"\n"}
+
+
+def _incomplete(detail: str) -> OSError:
+    return OSError(errno.EIO, f"written incompletely: {detail}")
+
+
+def _check_binary_ply(path: Path, points: int, triangles: int) -> None:
+    """A binary PLY of triangles by its header: the counts it declares and the bytes they take."""
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    end = head.find(b"end_header\n")
+    if end < 0:
+        raise _incomplete("no complete PLY header")
+    size, counts, element = end + len(b"end_header\n"), {}, ""
+    try:
+        for words in (line.split() for line in head[:end].decode("ascii").splitlines()):
+            if words[:1] == ["element"]:
+                element, counts[words[1]] = words[1], int(words[2])
+            elif words[:2] == ["property", "list"]:  # a face: its vertex count, then three indices
+                size += counts[element] * (_PLY_SIZES[words[2]] + 3 * _PLY_SIZES[words[3]])
+            elif words[:1] == ["property"]:
+                size += counts[element] * _PLY_SIZES[words[1]]
+    except (ValueError, KeyError, IndexError, UnicodeDecodeError) as error:
+        raise _incomplete(f"damaged PLY header ({error})") from error
+    declared = (counts.get("vertex"), counts.get("face"))
+    if declared != (points, triangles) or path.stat().st_size != size:
+        raise _incomplete(f"{path.stat().st_size} of {size} bytes, {declared[0]} of {points} points and "
+                          f"{declared[1]} of {triangles} triangles")
+
+
+def check_mesh_file(path: Path, kind: str, points: int, triangles: int) -> None:
+    """Raise OSError unless the mesh file at ``path`` holds ``points`` and ``triangles``: VTK's writers can
+    report success on a full disk and leave an empty or cut-off file. Binary STL and PLY are checked by their
+    sizes (VTK's PLY reader crashes on a cut-off file), VTP and OBJ read back and by how they end."""
+    import vtk
+
+    if kind == "stl":
+        size, expected = path.stat().st_size, 84 + 50 * triangles
+        if size != expected:
+            raise _incomplete(f"{size} of {expected} bytes")
+        return
+    if kind == "ply":
+        _check_binary_ply(path, points, triangles)
+        return
+    ending = _MESH_ENDINGS[kind]
+    with open(path, "rb") as handle:
+        handle.seek(max(path.stat().st_size - len(ending), 0))
+        if handle.read() != ending:
+            raise _incomplete("the file is cut off")
+    shown = vtk.vtkObject.GetGlobalWarningDisplay()
+    vtk.vtkObject.GlobalWarningDisplayOff()  # a cut-off file is reported here, not by the reader on stderr
+    try:
+        polydata = read_mesh_polydata(path, kind)
+    finally:
+        vtk.vtkObject.SetGlobalWarningDisplay(shown)
+    read = (polydata.GetNumberOfPoints(), polydata.GetNumberOfCells())
+    if read != (points, triangles):
+        raise _incomplete(f"{read[0]} of {points} points and {read[1]} of {triangles} triangles read back")
+
+
+def _write_mesh(files: FileSet, mesh: Mesh, path: Path) -> Path:
+    kind = _mesh_kind(path)
+    writer = _mesh_writer(mesh, kind)
+
+    def check(written: Path) -> None:
+        check_mesh_file(written, kind, len(mesh.vertices), len(mesh.faces))
+
+    with files.path(path, check) as temporary:
+        writer.SetFileName(str(temporary))
+        if not writer.Write() or writer.GetErrorCode():
+            import vtk
+
+            code = vtk.vtkErrorCode.GetStringFromErrorCode(writer.GetErrorCode()) or "unknown error"
+            raise OSError(errno.EIO, f"VTK could not write it ({code})")
+    return path
+
+
+def write_mesh(mesh: Mesh, path: str | Path) -> Path:
+    """Write a mesh as VTP, STL, OBJ or PLY (chosen by the suffix), with normals where the format has them;
+    atomically, and checked (see :func:`check_mesh_file`): files.WriteError names ``path`` otherwise.
+
+    VTP also carries the name and colour (field data ``Name`` and ``Color``); PLY carries the colour per face.
+    """
+    path = Path(path)
+    _mesh_kind(path)
+    with atomic_files() as files:
+        _write_mesh(files, mesh, path)
     return path
 
 
 def write_meshes(meshes: Sequence[Mesh], folder: str | Path, formats: Sequence[str] = ("vtp",)) -> list[Path]:
-    """Write every non-empty mesh as ``<folder>/<name>.<format>`` for each format."""
-    return [
-        write_mesh(mesh, Path(folder) / f"{mesh.name}.{kind}") for mesh in meshes if len(mesh.faces) for kind in formats
-    ]
+    """Write every non-empty mesh as ``<folder>/<name>.<format>`` for each format, all or none: each file is
+    written and checked beside its place, and they are put in place together once all are."""
+    paths = [Path(folder) / f"{mesh.name}.{kind}" for mesh in meshes if len(mesh.faces) for kind in formats]
+    for path in paths:
+        _mesh_kind(path)
+    with atomic_files() as files:
+        for mesh in meshes:
+            for kind in formats if len(mesh.faces) else ():
+                _write_mesh(files, mesh, Path(folder) / f"{mesh.name}.{kind}")
+    return paths
 
 
-def read_mesh_polydata(path: str | Path):
-    """Read a mesh file back with VTK (a vtkPolyData), e.g. to check an export."""
+def read_mesh_polydata(path: str | Path, kind: str | None = None):
+    """Read a mesh file back with VTK (a vtkPolyData), e.g. to check an export; ``kind``: its format when the
+    suffix does not say."""
     import vtk
 
     path = Path(path)
@@ -332,7 +432,7 @@ def read_mesh_polydata(path: str | Path):
         "obj": vtk.vtkOBJReader,
         "ply": vtk.vtkPLYReader,
     }
-    kind = path.suffix.lower().lstrip(".")
+    kind = kind or path.suffix.lower().lstrip(".")
     if kind not in readers:
         raise ValueError(f"{path}: unknown mesh format '{kind}'")
     reader = readers[kind]()

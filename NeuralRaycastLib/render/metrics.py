@@ -67,12 +67,15 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
 
 
 def save_png(image: np.ndarray, path: str | Path) -> Path:
-    """Save a float image in [0, 1] ((H, W), (H, W, 3) or (H, W, 4)) as PNG."""
+    """Save a float image in [0, 1] ((H, W), (H, W, 3) or (H, W, 4)) as PNG, atomically (files.py)."""
     from PIL import Image
 
+    from ..files import atomic_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(to_uint8(image)).save(path)
+    picture = Image.fromarray(to_uint8(image))
+    with atomic_file(path) as handle:
+        picture.save(handle, format="PNG")
     return path
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..array_cache import read_entry, write_entry
+from ..files import atomic_file, atomic_folder, check_replaceable, write_text
 from ..gpu.device import GpuContext
 from ..paths import cache_folder, shader_sources_digest
 from ..progress import Progress
@@ -124,10 +125,32 @@ def _store_views(path: Path, images: list[RenderedImage]) -> None:
                        "normal": np.stack([i.normal for i in images])}, keep=VIEW_CACHE_ENTRIES)
 
 
+#: What to do when a folder to write views into holds something else.
+VIEWS_FOLDER_REFUSAL = "views are written into a new or empty folder, or over views written before"
+
+
+def is_views_folder(folder: Path) -> bool:
+    """A folder :func:`save_reference_views` wrote (one new views may replace whole)."""
+    return (Path(folder) / "cameras.json").is_file()
+
+
+def check_views_folder(folder: str | Path) -> None:
+    """Refuse (FileExistsError) a folder :func:`save_reference_views` would not write: to ask before rendering."""
+    check_replaceable(folder, is_views_folder, VIEWS_FOLDER_REFUSAL)
+
+
 def save_reference_views(views: ReferenceViews, folder: str | Path) -> Path:
     """Write ``views/NNN.png`` (RGBA), ``depth/``, ``normal/``, ``contact_sheet.png``, ``cameras.json``
-    and ``reference.npz`` (float arrays: rgba, depth, normal) into ``folder``."""
+    and ``reference.npz`` (float arrays: rgba, depth, normal) into ``folder``, whole or not at all: views
+    written there before are replaced only once every new file is written (none of theirs kept); a folder
+    holding anything else is refused (FileExistsError)."""
     folder = Path(folder)
+    with atomic_folder(folder, is_views_folder, VIEWS_FOLDER_REFUSAL) as staging:
+        _write_views(views, staging)
+    return folder
+
+
+def _write_views(views: ReferenceViews, folder: Path) -> None:
     for index, image in enumerate(views.images):
         rgba = image.rgba.copy()
         alpha = rgba[..., 3:4]
@@ -138,11 +161,11 @@ def save_reference_views(views: ReferenceViews, folder: str | Path) -> Path:
     save_png(contact_sheet([image.rgb() for image in views.images]), folder / "contact_sheet.png")
     cameras = [{"index": i, "split": "held_out" if i in views.held_out else "training", **c.to_slicer()}
                for i, c in enumerate(views.cameras)]
-    (folder / "cameras.json").write_text(json.dumps({"cameras": cameras}, indent=2) + "\n")
-    np.savez_compressed(
-        folder / "reference.npz",
-        rgba=np.stack([i.rgba for i in views.images]),
-        depth=np.stack([i.depth for i in views.images]),
-        normal=np.stack([i.normal for i in views.images]),
-    )
-    return folder
+    write_text(folder / "cameras.json", json.dumps({"cameras": cameras}, indent=2) + "\n")
+    with atomic_file(folder / "reference.npz") as handle:
+        np.savez_compressed(
+            handle,
+            rgba=np.stack([i.rgba for i in views.images]),
+            depth=np.stack([i.depth for i in views.images]),
+            normal=np.stack([i.normal for i in views.images]),
+        )

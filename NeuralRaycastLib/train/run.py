@@ -4,6 +4,9 @@ module all call.
     study (a file or in memory) -> prepare (downsample, brain mask, boundary maps)
         -> warm-up (compile the kernels once per machine, on a GPU) -> reference views
         -> Trainer (geometry, appearance, joint) -> run folder
+
+The run folder is built beside its place (``files.StagedFolder``) and renamed into it only when complete: a
+failed, cancelled-by-error or interrupted run leaves an earlier run there as it was and nothing half-written.
 """
 
 from __future__ import annotations
@@ -12,13 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..field.field import NeuralField
+from ..files import StagedFolder
 from ..gpu.device import GpuContext
 from ..progress import Progress, ShouldStop
 from ..render.camera import check_view_size
 from ..render.reference_views import save_reference_views
 from ..study.study import Study
 from .presets import RunSettings
-from .run_folder import TrainedRun, prepare_for_run, reference_views_for_run, write_run
+from .run_folder import (
+    RUN_FOLDER_REFUSAL,
+    RunNotSavedError,
+    TrainedRun,
+    is_run_folder,
+    keep_trained_run,
+    prepare_for_run,
+    reference_views_for_run,
+    write_run,
+)
 from .trainer import TrainConfig, Trainer
 from .warmup import ensure_warm
 
@@ -47,23 +60,42 @@ def train_study(
     processes side by side (:func:`~NeuralRaycastLib.train.warmup.ensure_warm`; ``worker_python`` is the
     interpreter they run in, default this one); compiled by the run itself they take far longer.
     ``config`` replaces the preset's training schedule whole (scripting, tests).
+
+    ``out`` must be absent, empty or an earlier run (replaced whole once this one is complete); anything else
+    is refused (FileExistsError) before any work. When the run folder cannot be written after training (a
+    full or read-only disk), the run is kept elsewhere and
+    :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
     """
     settings = settings or RunSettings.for_device(gpu)
     check_view_size(settings.size, settings.size)  # before the study is prepared and the kernels compiled
     source = None if isinstance(study, Study) else str(Path(study).expanduser().resolve())
-    prepared = prepare_for_run(study, settings, progress)
-    if warm_up:
-        ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    views = reference_views_for_run(gpu, prepared, settings, progress)
-    field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
-    # The view pictures are written while training runs: encoding them would otherwise delay its start.
-    with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
-        saved = writer.submit(save_reference_views, views, folder / "reference")
-        trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
-        log = trainer.run(progress, should_stop)
-        trainer.use_picture_settings()
+    # Refused, or found unwritable, before hours of work rather than after.
+    staged = StagedFolder(folder, is_run_folder, RUN_FOLDER_REFUSAL)
+    try:
+        prepared = prepare_for_run(study, settings, progress)
+        if warm_up:
+            ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
+        views = reference_views_for_run(gpu, prepared, settings, progress)
+        field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+        # The view pictures are written while training runs: encoding them would otherwise delay its start.
+        with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+            saved = writer.submit(save_reference_views, views, staged.path / "reference")
+            trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
+            log = trainer.run(progress, should_stop)
+            trainer.use_picture_settings()
+    except BaseException:
+        staged.discard()
+        raise
+    try:
         saved.result()  # a failed write surfaces here, before anything says the run is done
-    write_run(folder, gpu, prepared, field, log, settings, source)
+        write_run(staged.path, gpu, prepared, field, log, settings, source)
+        staged.commit()
+    except OSError as error:
+        staged.discard()
+        kept = keep_trained_run(folder, gpu, prepared, field, log, settings, source)
+        raise RunNotSavedError(folder, staged.error(error), kept) from error
+    except BaseException:
+        staged.discard()
+        raise
     return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log)

@@ -3,21 +3,25 @@
 A run folder holds ``run.json`` (what was trained on and how: the study's file, if any, and the
 :class:`~NeuralRaycastLib.train.presets.RunSettings`), ``model.safetensors``, ``train_log.json`` (every
 logged loss term and held-out score) and ``reference/`` (the reference views used, with their training /
-held-out split). :func:`~NeuralRaycastLib.train.run.train_study` writes one.
+held-out split). :func:`~NeuralRaycastLib.train.run.train_study` writes one, whole or not at all
+(``files.py``); a run whose folder cannot be written is kept in the cache's ``recovered`` folder.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import logging
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from ..field.field import NeuralField
+from ..files import WriteError, atomic_files, atomic_folder, copy_tree, write_text
 from ..gpu.device import GpuContext
 from ..mesh.mesh import Mesh, mesh_sdf_grid
+from ..paths import cache_folder
 from ..progress import Progress
 from ..render.camera import Camera
 from ..render.image import RenderedImage
@@ -30,6 +34,8 @@ from .presets import RunSettings, training_schedule
 from .trainer import TrainLog, field_renderer, learned_mesh_shadows
 
 RUN_VERSION = 1
+#: What to do when a folder to write a run into holds something else.
+RUN_FOLDER_REFUSAL = "a run is written into a new or empty folder, or over an earlier run"
 
 
 def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None
@@ -77,15 +83,21 @@ class TrainedRun:
                              self.prepared.structures, smoothing_iterations, decimation)
 
 
+def is_run_folder(folder: Path) -> bool:
+    """A folder a run was written into (one a new run may replace whole)."""
+    return (Path(folder) / "run.json").is_file()
+
+
 def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
               settings: RunSettings, source: str | None) -> None:
-    """Save a trained field with its training log and ``run.json`` into ``folder`` (``source``: the study's
-    file, so that ``evaluate`` can prepare the study again; None for a study held in memory)."""
-    from ..field.model_io import save_field
+    """Save a trained field with its training log and ``run.json`` into ``folder``, the three files all or
+    none (``source``: the study's file, so that ``evaluate`` can prepare the study again; None for a study
+    held in memory)."""
+    from ..field.model_io import StudyGeometry, encode_model
 
-    save_field(folder / "model.safetensors", field, prepared,
-               {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)})
-    (folder / "train_log.json").write_text(json.dumps({
+    extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
+    model = encode_model(field.layout, field.parameters(), StudyGeometry.from_prepared(prepared), extra)
+    train_log = json.dumps({
         "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
         "rays_per_second": log.rays_per_second(),
         "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
@@ -93,11 +105,56 @@ def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: Neu
         "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
         "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
         "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "rows": log.rows,
-    }, indent=1) + "\n")
-    (folder / "run.json").write_text(json.dumps({
+    }, indent=1) + "\n"
+    run = json.dumps({
         "version": RUN_VERSION, "study": source, "settings": asdict(settings),
         "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }, indent=2) + "\n")
+    }, indent=2) + "\n"
+    with atomic_files() as files:
+        files.write_bytes(folder / "model.safetensors", model)
+        files.write_text(folder / "train_log.json", train_log)
+        files.write_text(folder / "run.json", run)
+
+
+class RunNotSavedError(WriteError):
+    """A trained run whose folder could not be written. The message (one line) names the folder, the cause
+    and where the trained model was kept instead (``kept``; None when nowhere could take it)."""
+
+    def __init__(self, folder: Path, cause: WriteError, kept: Path | None):
+        super().__init__(folder, cause)
+        self.cause_path, self.kept = cause.path, kept
+
+    def __str__(self) -> str:
+        where = (f"the trained model is kept in {self.kept} (a run folder without its reference views; move it "
+                 "where you want it)" if self.kept else "the trained model could not be kept anywhere else either")
+        cause = self.reason if self.cause_path == self.path else f"{self.cause_path}: {self.reason}"
+        return f"{self.path}: the run could not be written ({cause}); {where}; {self.advice}"
+
+
+def recovery_places() -> list[Path]:
+    """Where a run that could not be written is kept instead, in the order tried."""
+    return [cache_folder("recovered"), Path(tempfile.gettempdir()) / "neuralraycast-recovered"]
+
+
+def keep_trained_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
+                     settings: RunSettings, source: str | None) -> Path | None:
+    """Write a trained run (without its reference views, which ``evaluate`` renders again) into the first of
+    :func:`recovery_places` that takes it: a long training is not lost to a full or read-only disk. The
+    folder written, or None."""
+    name = f"{Path(folder).name or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    for place in recovery_places():
+        kept, number = place / name, 1
+        while kept.exists():
+            number += 1
+            kept = place / f"{name}-{number}"
+        try:
+            with atomic_folder(kept) as staging:
+                write_run(staging, gpu, prepared, field, log, settings, source)
+        except Exception as error:  # whatever it is, the error that brought us here is the one to report
+            logging.getLogger(__name__).warning("could not keep the trained run in %s: %s", place, error)
+            continue
+        return kept
+    return None
 
 
 def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> TrainedRun:
@@ -162,7 +219,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     metrics["preset"] = settings.preset
     metrics["image_size"] = settings.size
     metrics["study_shape"] = list(prepared.study.shape)
-    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_text(folder / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
@@ -187,18 +244,11 @@ def export_run(folder: str | Path, out: str | Path, precision: str = "float16") 
     if out.exists() and (out.resolve() == folder.resolve() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
     model = load_model(folder / "model.safetensors")
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(folder, staging, ignore=shutil.ignore_patterns("model.safetensors", "metrics.json"))
-    try:
+    # All or nothing: a failed export (a full disk, say) leaves no half-written run folder and no staging folder.
+    with atomic_folder(out) as staging:
+        copy_tree(folder, staging, skip=("model.safetensors", "metrics.json"))
         save_model(staging / "model.safetensors", model.layout, model.parameters, model.geometry,
                    {**model.extra, "exported_from_precision": model.precision}, precision)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if out.exists():
-        out.rmdir()
-    staging.replace(out)  # all or nothing: a failed export leaves no half-written run folder
     return out
 
 
