@@ -186,9 +186,9 @@ GPU = SimpleNamespace(backend="vulkan", report=SimpleNamespace(
 
 def synthetic_views(prepared, count: int = 3, seed: int = 0) -> ReferenceViews:
     rng = np.random.default_rng(seed)
-    cameras = orbit_cameras(prepared.bounds, count, 8, 6)
-    images = [RenderedImage(rng.random((6, 8, 4), np.float32), rng.random((6, 8), np.float32) * 100,
-                            rng.random((6, 8, 3), np.float32)) for _ in range(count)]
+    cameras = orbit_cameras(prepared.bounds, count, 20, 16)  # the smallest views a user may ask for
+    images = [RenderedImage(rng.random((16, 20, 4), np.float32), rng.random((16, 20), np.float32) * 100,
+                            rng.random((16, 20, 3), np.float32)) for _ in range(count)]
     return ReferenceViews(cameras, images, *split_views(count, 2))
 
 
