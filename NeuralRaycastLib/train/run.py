@@ -13,13 +13,18 @@ from pathlib import Path
 
 from ..field.field import NeuralField
 from ..gpu.device import GpuContext
+from ..outputs import check_output, remove_previous_run
 from ..progress import Progress, ShouldStop
 from ..render.reference_views import save_reference_views
 from ..study.study import Study
 from .presets import RunSettings
 from .run_folder import TrainedRun, prepare_for_run, reference_views_for_run, write_run
 from .trainer import TrainConfig, Trainer
-from .warmup import ensure_warm
+from .warmup import WarmUpCancelled, ensure_warm
+
+
+class CancelledBeforeTraining(WarmUpCancelled):
+    """A run stopped by its caller's ``should_stop`` before its first training step: nothing was written."""
 
 
 def train_study(
@@ -33,6 +38,7 @@ def train_study(
     warm_up: bool = True,
     worker_python: str | None = None,
     config: TrainConfig | None = None,
+    overwrite: bool = False,
 ) -> TrainedRun:
     """Train a neural field on ``study`` and save it as a run folder ``out``; returns the trained run.
 
@@ -46,15 +52,23 @@ def train_study(
     processes side by side (:func:`~NeuralRaycastLib.train.warmup.ensure_warm`; ``worker_python`` is the
     interpreter they run in, default this one); compiled by the run itself they take far longer.
     ``config`` replaces the preset's training schedule whole (scripting, tests).
+
+    The settings and ``out`` are checked before any work (:meth:`RunSettings.check`,
+    :func:`~NeuralRaycastLib.outputs.check_output`): a non-empty ``out`` is refused unless it is a run of the
+    same study file, or ``overwrite``; a run there is replaced, none of its files kept. A cancel before the
+    first training step raises :class:`CancelledBeforeTraining` with nothing written.
     """
-    settings = settings or RunSettings.for_device(gpu)
+    settings = (settings or RunSettings.for_device(gpu)).check()
     source = None if isinstance(study, Study) else str(Path(study).expanduser().resolve())
+    folder = check_output(out, source, overwrite=overwrite, run_of=source)
     prepared = prepare_for_run(study, settings, progress)
     if warm_up:
         ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     views = reference_views_for_run(gpu, prepared, settings, progress)
+    if should_stop is not None and should_stop():
+        raise CancelledBeforeTraining("cancelled before training began; nothing was written")
+    remove_previous_run(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
     # The view pictures are written while training runs: encoding them would otherwise delay its start.
     with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:

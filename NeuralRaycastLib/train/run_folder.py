@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
 from ..field.field import NeuralField
 from ..gpu.device import GpuContext
 from ..mesh.mesh import Mesh, mesh_sdf_grid
@@ -132,8 +133,12 @@ def read_run(folder: str | Path) -> dict[str, Any]:
         if run.get("version") != RUN_VERSION:
             raise ValueError(f"{path}: unsupported run version {run.get('version')!r}")
         run["settings"] = RunSettings(**run["settings"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: damaged run description ({error})") from error
+    try:
+        run["settings"].check(training=False)
+    except ValueError as error:
+        raise ValueError(f"{path}: bad value in the run description ({error})") from error
     return run
 
 
@@ -159,7 +164,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     metrics["preset"] = settings.preset
     metrics["image_size"] = settings.size
     metrics["study_shape"] = list(prepared.study.shape)
-    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    (folder / "metrics.json").write_text(strict_json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
@@ -173,16 +178,22 @@ def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = No
     return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress))
 
 
-def export_run(folder: str | Path, out: str | Path, precision: str = "float16") -> Path:
+def export_run(folder: str | Path, out: str | Path, precision: str = "float16", overwrite: bool = False) -> Path:
     """A copy of a run folder with its model's parameters stored in ``precision`` (float16: half the file,
     for sharing and rendering; they are turned back into float32 when loaded). Every command and the
-    Slicer module read the copy as they read the run; its own scores come from evaluating it."""
+    Slicer module read the copy as they read the run; its own scores come from evaluating it.
+    ``overwrite``: a run folder at ``out`` is replaced once the copy is complete (nothing else is)."""
     from ..field.model_io import load_model, save_model
 
     folder, out = Path(folder), Path(out)
     read_run(folder)  # refuses what is not a run folder
     if out.exists() and (out.resolve() == folder.resolve() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
+        if out.resolve() == folder.resolve() or not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; export into a new folder, or pass --overwrite "
+                                  "to replace a run folder there")
+        if not (out / "run.json").is_file():
+            raise FileExistsError(f"{out} is not empty and not a run folder, so --overwrite does not replace it; "
+                                  "export into a new folder")
     model = load_model(folder / "model.safetensors")
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -193,6 +204,13 @@ def export_run(folder: str | Path, out: str | Path, precision: str = "float16") 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    if out.exists() and overwrite and any(out.iterdir()):
+        replaced = out.with_name(out.name + ".replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        out.replace(replaced)  # the old run stays whole until the new one is in place
+        staging.replace(out)
+        shutil.rmtree(replaced)
+        return out
     if out.exists():
         out.rmdir()
     staging.replace(out)  # all or nothing: a failed export leaves no half-written run folder
