@@ -9,7 +9,7 @@ setup:
 	@tools/setup.sh
 
 demo: setup
-	$(VENV)/bin/neuralraycast demo --out $(OUT)
+	$(VENV)/bin/neuralraycast demo --out $(OUT) --overwrite
 
 test: setup
 	$(VENV)/bin/ruff check NeuralRaycastLib NeuralRaycast Testing

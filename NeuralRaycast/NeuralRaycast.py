@@ -907,8 +907,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             logging.warning("PythonSlicer not found: the kernels compile in Slicer's own process (slower)")
         folder = str(runFolder) if runFolder and str(runFolder) not in ("", ".") else self.defaultRunFolder(study.name)
         startTime = time.time()
+        # Training again into a run folder (the last run's, which the module keeps) replaces that run; any
+        # other non-empty folder is refused before any work.
+        replace = os.path.isfile(os.path.join(folder, "run.json"))
         self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
-                               worker_python=python, config=config)
+                               worker_python=python, config=config, overwrite=replace)
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
                      f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
         return self.run

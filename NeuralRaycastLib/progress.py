@@ -14,6 +14,10 @@ Progress = Callable[[str, float], None]
 ShouldStop = Callable[[], bool]
 
 
+class Cancelled(Exception):
+    """Long work stopped at its caller's request; the message says what was kept, and where."""
+
+
 class ConsoleProgress:
     """A ``progress(message, fraction)`` callback that draws ``label [#####     ] 50% message``."""
 

@@ -114,6 +114,11 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
         assert exported["dice"][name] == pytest.approx(dice, abs=0.01), name
     assert main(["export", str(run), "--out", str(half)]) == 2  # never over an existing folder
     assert "not empty" in capsys.readouterr().err
+    (half / "metrics.json").write_text("{}")  # the old copy's, which the new one does not keep
+    assert main(["export", str(run), "--out", str(half), "--overwrite"]) == 0  # unless told to replace the run
+    assert not (half / "metrics.json").exists() and (half / "model.safetensors").stat().st_size == \
+        exported["model_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("run-half")) == ["run-half"]
 
     # The trained field renders from new cameras and meshes its learned surfaces.
     assert main(["render", str(run), "--views", "2", "--size", "24", "20", "--out", str(tmp_path / "r")]) == 0

@@ -270,6 +270,46 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
     assert logic.run is None and not (tmp_path / "run").exists() and node_ids(scene) == before
 
 
+def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_folder(module, scene, self_test,
+                                                                                      tmp_path, monkeypatch):
+    """The module keeps the last run's folder, so Train again writes there: that run is replaced whole. A
+    folder of other files is refused before any work, its files kept."""
+    from types import SimpleNamespace
+
+    import NeuralRaycastLib.gpu.device as gpu
+    from NeuralRaycastLib.outputs import OutputError
+    from NeuralRaycastLib.train import run
+
+    class Trained(Exception):
+        pass
+
+    def stop_at_the_field(*args, **kwargs):
+        raise Trained
+
+    monkeypatch.setattr(gpu, "open_device", lambda choice=None: SimpleNamespace(
+        backend="vulkan", report=SimpleNamespace(software=True)))
+    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress: "prepared")
+    monkeypatch.setattr(run, "ensure_warm", lambda *args: None)
+    monkeypatch.setattr(run, "reference_views_for_run", lambda *args: "views")
+    monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
+    monkeypatch.setattr(run, "NeuralField", stop_at_the_field)
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
+    logic = module.NeuralRaycastLogic()
+    last = tmp_path / "last-run"
+    (last / "reference").mkdir(parents=True)
+    for name in ("run.json", "model.safetensors", "metrics.json", "reference/old.png"):
+        (last / name).write_text("{}")
+    with pytest.raises(Trained):
+        logic.train(volumes, segmentation, preset="quick", runFolder=str(last))
+    assert sorted(p.name for p in last.iterdir()) == []  # the old run is gone before the new one writes
+    other = tmp_path / "documents"
+    other.mkdir()
+    (other / "notes.txt").write_text("the user's notes")
+    with pytest.raises(OutputError, match=f"{other} is not empty"):
+        logic.train(volumes, segmentation, preset="quick", runFolder=str(other))
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+
+
 def test_worker_processes_run_in_pythonslicer_and_never_start_another_slicer(module, monkeypatch):
     """The warm-up's workers need Slicer's Python without its GUI: PythonSlicer where Slicer has one; in a
     Slicer without it none (its own executable would start another Slicer; the run then compiles itself);

@@ -201,7 +201,7 @@ class _UnusedDevice:
 def test_fit_with_a_view_size_out_of_range_is_one_line_before_any_work(tiny_brats, tmp_path, capsys, monkeypatch,
                                                                         size):
     monkeypatch.setattr(cli, "open_device", lambda device=None: _UnusedDevice())
-    out = tmp_path / "run"
+    out = tmp_path.parent / f"{tmp_path.name}-run"  # the study is tmp_path: output beside it, not inside
     status, err = _cli(capsys, "fit", str(tiny_brats), "--out", str(out), "--preset", "quick", "--size", size)
     line = _one_line(err)
     assert status == 2 and f"view size {size} x {size}" in line and f"{MAX_VIEW_SIZE} pixels" in line, line
@@ -210,7 +210,7 @@ def test_fit_with_a_view_size_out_of_range_is_one_line_before_any_work(tiny_brat
 
 def test_render_reference_with_a_view_size_out_of_range_is_one_line(tiny_brats, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "open_device", lambda device=None: _UnusedDevice())
-    out = tmp_path / "views"
+    out = tmp_path.parent / f"{tmp_path.name}-views"
     status, err = _cli(capsys, "render-reference", str(tiny_brats), "--out", str(out), "--size", "10000", "10000")
     line = _one_line(err)
     assert status == 2 and "view size 10000 x 10000" in line and f"{MAX_VIEW_SIZE} pixels" in line, line

@@ -4,31 +4,81 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import errno
 import logging
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, strict_json
 from ..files import WriteError
 from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device
+from ..outputs import check_output
 from ..paths import CACHE_FOLDERS
-from ..progress import ConsoleProgress
+from ..progress import Cancelled, ConsoleProgress
 from ..study.sample import CASES
 from ..study.sample.icbm import SampleDataError
 from ..study.study import StudyError
-from ..train.presets import AUTO, PRESETS, get_preset, presets_help
+from ..train.presets import AUTO, PRESETS, check_run_values, get_preset, presets_help
 from ..train.trainer import TrainingError
 
-#: Errors that are the user's or the machine's, not a bug: one line, exit status 2.
-USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, FileNotFoundError, FileExistsError,
-               ValueError, TrainingError, WriteError)
+#: Errors that are the user's or the machine's, not a bug: one line, exit status 2. The file system's and the
+#: memory's (a full disk, a read-only folder, too large a study) are among them.
+USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, OSError, MemoryError, ValueError,
+               TrainingError)
+
+#: Exit statuses, as the help's epilog lists them.
+EXIT_DONE, EXIT_ERROR, EXIT_CANCELLED = 0, 2, 130
+EXIT_STATUSES = (f"exit status: {EXIT_DONE} done; {EXIT_ERROR} bad input or environment (one line on standard error "
+                 f"says what is wrong and what to do); {EXIT_CANCELLED} cancelled (Ctrl-C; 'fit' and 'demo' keep the "
+                 "state reached and say where)")
+
+#: What to do about a file system error, by its errno's name (not every platform has every name).
+_OS_ADVICE = {getattr(errno, name): advice for name, advice in (
+    ("ENOSPC", "free some space there or choose another folder"),
+    ("EDQUOT", "free some space there or choose another folder"),
+    ("EACCES", "check its permissions or choose a writable folder"),
+    ("EPERM", "check its permissions or choose a writable folder"),
+    ("EROFS", "choose a writable folder"),
+    ("ENOENT", "check the path"),
+    ("EEXIST", "choose another name or remove it"),
+    ("EISDIR", "a folder is there; give the path of a file"),
+    ("ENOTDIR", "a part of the path is a file, not a folder; check the path"),
+    ("ELOOP", "symbolic links there point at each other; check the path"),
+    ("ENAMETOOLONG", "choose a shorter path"),
+    ("ENOTEMPTY", "choose a new or empty folder"),
+    ("EMFILE", "too many files are open; close some programs or raise the limit (ulimit -n)"),
+    ("ENFILE", "too many files are open; close some programs or raise the limit (ulimit -n)"),
+    ("EIO", "the disk failed to read or write; check it or choose another folder"),
+    ("ENOMEM", "close other programs, or use a smaller study or preset (--preset quick)"),
+) if hasattr(errno, name)}
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: a message built from another library's can span several."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
+def describe_error(error: BaseException) -> str:
+    """The one line a user is shown for ``error``: a file system error names the path, what failed and what
+    to do; a memory error what to do; others are their own message."""
+    if isinstance(error, WriteError):  # its own line names the result's path (not a temporary) and what to do
+        return one_line(str(error))
+    if isinstance(error, MemoryError):
+        detail = f" ({error})" if str(error) else ""
+        return one_line(f"not enough memory{detail}; close other programs, or use a smaller study or preset "
+                        "(--preset quick)")
+    if isinstance(error, OSError) and error.errno is not None and error.strerror:
+        where = "" if error.filename is None else f"{error.filename}: "
+        if error.filename2 is not None:
+            where = f"{error.filename} -> {error.filename2}: "
+        return one_line(f"{where}{error.strerror}; {_OS_ADVICE.get(error.errno, 'check the path and try again')}")
+    return one_line(str(error)) or type(error).__name__
 
 
 def _print_json(data) -> None:
-    print(json.dumps(data, indent=2))
+    print(strict_json.dumps(data, indent=2))
 
 
 def _writes_to_descriptor_1(stream) -> bool:
@@ -71,6 +121,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from ..study.sample import write_sample
 
+    check_run_values(seed=args.seed)
     manifest = write_sample(args.folder, args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
     print(manifest)
     return 0
@@ -102,8 +153,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_render_reference(args: argparse.Namespace) -> int:
+    from ..render.camera import check_view_split
     from ..render.reference_views import check_views_folder, render_reference_views, save_reference_views
 
+    check_view_split(args.views, args.held_out_every)
+    check_output(args.out, args.study, overwrite=args.overwrite)
     check_views_folder(args.out)  # before rendering, not after
     gpu = open_device(args.device)
     prepared = _prepare(args.study, use_cache=True)
@@ -123,7 +177,11 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from ..train.presets import RunSettings
     from ..train.run import train_study
 
-    load_study_cached(args.study)  # a bad study fails at once, before the device opens (then read from the cache)
+    # Bad options, outputs and studies fail at once, before the device opens (the study then read from the cache).
+    check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
+    check_output(args.out, args.study, overwrite=args.overwrite,
+                 run_of=str(Path(args.study).expanduser().resolve()))
+    load_study_cached(args.study)
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                       views=args.views, size=args.size, shadows=args.shadows)
@@ -132,11 +190,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
     with CancelOnInterrupt() as cancel:
         run = train_study(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel,
-                          warm_up=not args.no_warmup)
+                          warm_up=not args.no_warmup, overwrite=args.overwrite)
     log = run.log
-    state = "cancelled; the state so far is saved" if log.cancelled else "done"
+    if log.cancelled:
+        raise Cancelled(f"cancelled after {log.seconds:.1f} s of training; the state reached is saved in {run.folder}")
     psnr = log.last("heldout_psnr")
-    print(f"{state}: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
+    print(f"done: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     return 0
 
@@ -148,6 +207,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     from ..render.reference_views import ReferenceViews, check_views_folder, save_reference_views
     from ..train.run_folder import open_run
 
+    if args.views < 1:
+        raise ValueError(f"views must be at least 1 (got {args.views})")
+    check_output(args.out, args.run_folder, overwrite=args.overwrite)
     check_views_folder(args.out)  # before rendering, not after
     run = open_run(open_device(args.device), args.run_folder, ConsoleProgress("prepare"))
     progress = ConsoleProgress("render")
@@ -166,7 +228,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..train.run_folder import export_run
 
     source = Path(args.run_folder) / "model.safetensors"
-    folder = export_run(args.run_folder, args.out, args.precision)
+    check_output(args.out, args.run_folder, overwrite=args.overwrite)
+    folder = export_run(args.run_folder, args.out, args.precision, overwrite=args.overwrite)
     before, after = source.stat().st_size, (folder / "model.safetensors").stat().st_size
     print(f"{folder}: model {after / 1e6:.1f} MB in {args.precision} (was {before / 1e6:.1f} MB); "
           f"'neuralraycast evaluate {folder}' scores it")
@@ -174,6 +237,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
+    from ..train.evaluate import shown
     from ..train.run_folder import evaluate_run
 
     gpu = open_device(args.device)
@@ -181,11 +245,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(metrics)
         return 0
-    print(f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, SSIM {metrics['heldout_ssim']:.4f}")
+    print(f"held-out PSNR {shown(metrics['heldout_psnr'], '.2f')} dB, SSIM {shown(metrics['heldout_ssim'], '.4f')}")
     print(f"{'structure':18s} {'Dice':>6s} {'mean mm':>8s} {'HD95 mm':>8s}")
     for name, dice in metrics["dice"].items():
         mean, hd95 = metrics["mean_surface_distance_mm"][name], metrics["hd95_mm"][name]
-        print(f"{name:18s} {dice:6.3f} {mean:8.2f} {hd95:8.2f}")
+        print(f"{name:18s} {dice:6.3f} {shown(mean, '8.2f'):>8s} {shown(hd95, '8.2f'):>8s}")
     print(f"written to {Path(args.run_folder) / 'metrics.json'}")
     return 0
 
@@ -193,6 +257,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_mesh(args: argparse.Namespace) -> int:
     from ..mesh.mesh import mesh_prepared, write_meshes
 
+    check_output(args.out, args.study, overwrite=args.overwrite)
     if (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
         from ..train.run_folder import open_run
 
@@ -253,7 +318,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset,
-                      warm_up_first=not args.no_warmup)
+                      warm_up_first=not args.no_warmup, overwrite=args.overwrite)
     print(f"\nreport: {report}")
     return 0
 
@@ -296,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuralraycast",
         description="Neural intrinsic fields for brain MRI, trained through a differentiable Slang raycaster.",
+        epilog=EXIT_STATUSES,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details (and tracebacks) to stderr")
@@ -307,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def preset_option(p: argparse.ArgumentParser, what: str) -> None:
         p.add_argument("--preset", choices=[AUTO, *PRESETS], default=None, help=f"{what}: {presets_help()}")
+
+    def overwrite_option(p: argparse.ArgumentParser, what: str = "writing over files of the same names") -> None:
+        p.add_argument("--overwrite", action="store_true", help=f"accept a non-empty output folder, {what}")
 
     def warmup_option(p: argparse.ArgumentParser) -> None:
         p.add_argument("--no-warmup", action="store_true",
@@ -350,12 +419,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--view-angle", type=float, default=30.0, help="vertical field of view in degrees")
     p.add_argument("--held-out-every", type=int, default=8, help="hold out every N-th view for evaluation")
     p.add_argument("--out", required=True, help="output folder")
+    overwrite_option(p)
     p.set_defaults(run=cmd_render_reference)
 
     p = sub.add_parser("fit", help="train a neural field on a study (geometry, appearance, joint) into a run folder")
     device_option(p)
     p.add_argument("study", help="study folder or manifest.json")
-    p.add_argument("--out", required=True, help="run folder (model.safetensors, train_log.json, reference/)")
+    p.add_argument("--out", required=True, help="run folder (model.safetensors, train_log.json, reference/); "
+                   "a run of the same study there is replaced")
+    overwrite_option(p, "replacing a run there (of any study) and writing beside other files")
     preset_option(p, "training preset")
     p.add_argument("--iterations", type=int, default=None,
                    help="optimisation steps of all stages together (default: the preset's)")
@@ -377,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="copy a run folder with its model stored in float16 (half the size)")
     p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
     p.add_argument("--out", required=True, help="new run folder to write")
+    overwrite_option(p, "replacing a run folder there once the copy is complete")
     p.add_argument("--precision", choices=["float16", "float32"], default="float16",
                    help="how the parameters are stored (default float16)")
     p.set_defaults(run=cmd_export)
@@ -385,6 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     device_option(p)
     p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
     p.add_argument("--out", required=True, help="output folder")
+    overwrite_option(p)
     p.add_argument("--views", type=int, default=8, help="number of orbit views (default 8)")
     p.add_argument("--size", type=int, nargs=2, default=[512, 512], metavar=("W", "H"), help="pixels (512 512)")
     p.set_defaults(run=cmd_render)
@@ -394,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     device_option(p)
     p.add_argument("study", help="run folder written by 'fit' (learned surfaces), or study folder / manifest.json")
     p.add_argument("--out", required=True, help="output folder")
+    overwrite_option(p)
     p.add_argument("--formats", nargs="+", default=["vtp"], choices=["vtp", "stl", "obj", "ply"],
                    help="file formats (default vtp)")
     p.add_argument("--smooth", type=int, default=0, metavar="N", help="windowed-sinc smoothing iterations")
@@ -430,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     device_option(p)
     preset_option(p, "training preset")
     p.add_argument("--out", default="demo-output", help="output folder (default: demo-output)")
+    overwrite_option(p, "writing over an earlier demo's files")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
@@ -446,14 +522,17 @@ def main(argv: list[str] | None = None) -> int:
             return args.run(args)
         with _native_output_to_stderr():
             return args.run(args)
+    except Cancelled as error:
+        print(f"neuralraycast {args.command}: {one_line(str(error))}", file=sys.stderr)
+        return EXIT_CANCELLED
     except USER_ERRORS as error:
         if args.verbose:
             logging.exception("failed")
-        print(f"neuralraycast {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        print(f"neuralraycast {args.command}: error: {describe_error(error)}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"neuralraycast {args.command}: cancelled", file=sys.stderr)
-        return 130
+        return EXIT_CANCELLED
 
 
 if __name__ == "__main__":

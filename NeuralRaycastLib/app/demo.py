@@ -6,22 +6,23 @@ sample study â†’ train (standard preset on a GPU, quick on a software device) â†
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, strict_json
 from ..files import write_text
 from ..gpu.device import open_device
 from ..mesh.mesh import write_meshes
-from ..progress import CancelOnInterrupt, ConsoleProgress
+from ..outputs import check_output
+from ..progress import Cancelled, CancelOnInterrupt, ConsoleProgress
 from ..render.camera import orbit_cameras
 from ..render.metrics import depth_picture, normal_picture, psnr, save_png
 from ..study.sample import write_sample
-from ..train.presets import AUTO, RunSettings, get_preset
+from ..train.evaluate import shown
+from ..train.presets import AUTO, RunSettings, check_run_values, get_preset
 from ..train.run import train_study
 from ..train.run_folder import run_metrics
 from .report import save_comparison, save_gif, write_report
@@ -40,14 +41,18 @@ def turntable_cameras(bounds: np.ndarray, frames: int, size: int) -> list:
 
 
 def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spacing: float | None = None,
-             seed: int = 0, preset_name: str | None = None, warm_up_first: bool = True) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+             seed: int = 0, preset_name: str | None = None, warm_up_first: bool = True,
+             overwrite: bool = False) -> Path:
+    """Run the demo into ``out`` (checked first: a non-empty folder only with ``overwrite``); returns the
+    report's path. A training cancelled (Ctrl-C) keeps its state and raises :class:`Cancelled` saying where."""
+    check_run_values(seed=seed)
+    out = check_output(out, overwrite=overwrite)
     timings: dict[str, float] = {}
     started = time.perf_counter()
     gpu = open_device(device)
     print(gpu.report.as_text(), flush=True)
-    settings = RunSettings.for_device(gpu, preset_name, seed=seed)
+    settings = RunSettings.for_device(gpu, preset_name, seed=seed).check()
+    out.mkdir(parents=True, exist_ok=True)
     note = ""
     if preset_name in (None, AUTO) and gpu.report.software:
         note = (f"No GPU was found: the preset {get_preset(settings.preset).describe()} ran on the CPU; "
@@ -61,7 +66,9 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     clock = time.perf_counter()
     with CancelOnInterrupt() as cancel:
         run = train_study(gpu, manifest, out / "run", settings, ConsoleProgress(f"train ({settings.preset})"), cancel,
-                          warm_up=warm_up_first)
+                          warm_up=warm_up_first, overwrite=overwrite)
+    if run.log.cancelled:
+        raise Cancelled(f"cancelled; the state reached is saved in {run.folder}")
     timings["prepare, reference views and training"] = time.perf_counter() - clock
     renderer = run.renderer
 
@@ -100,7 +107,7 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
 
     clock = time.perf_counter()
     metrics = run_metrics(gpu, run.folder, run.prepared, run.field, run.views, settings, renderer, rendered)
-    write_text(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text(out / "metrics.json", strict_json.dumps(metrics, indent=2) + "\n")
     timings["evaluation"] = time.perf_counter() - clock
     timings["total"] = time.perf_counter() - started
 
@@ -115,7 +122,7 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
         "versions": {"SlicerNeuralRaycast": __version__, "slangpy": slangpy.__version__,
                      "Python": platform.python_version(), "device": gpu.report.adapter, "backend": gpu.backend},
     })
-    print(f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, SSIM {metrics['heldout_ssim']:.4f}; "
+    print(f"held-out PSNR {shown(metrics['heldout_psnr'], '.2f')} dB, SSIM {shown(metrics['heldout_ssim'], '.4f')}; "
           + ", ".join(f"Dice {name} {value:.3f}" for name, value in metrics["dice"].items()))
     print(f"total {timings['total']:.0f} s")
     return report

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..files import atomic_file, write_text
 from ..render.metrics import save_png
+from ..train.evaluate import shown
 
 NOTE = ("The built-in sample is real anatomy (the ICBM 2009a template) with a synthetic lesion and synthetic "
         "contrasts; it shows what the software does, not how it performs on patients.")
@@ -98,8 +99,8 @@ def write_report(folder: Path, context: dict[str, Any]) -> Path:
                            "Held-out PSNR", "dB"),
     }
     structures = list(metrics["dice"])
-    geometry = _table([[s, f"{metrics['dice'][s]:.3f}", f"{metrics['mean_surface_distance_mm'][s]:.2f}",
-                        f"{metrics['hd95_mm'][s]:.2f}"] for s in structures],
+    geometry = _table([[s, f"{metrics['dice'][s]:.3f}", shown(metrics['mean_surface_distance_mm'][s], ".2f"),
+                        shown(metrics['hd95_mm'][s], ".2f")] for s in structures],
                       ["structure", "Dice", "mean surface distance (mm)", "HD95 (mm)"])
     comparisons = "".join(
         f'<figure><img src="{html.escape(p["reference"])}"><img src="{html.escape(p["neural"])}">'
@@ -118,7 +119,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}} .note{{background
 <h1>SlicerNeuralRaycast: {html.escape(context["study"])}</h1>
 <p class="note">{html.escape(NOTE)}</p>
 <h2>Summary</h2>
-<p>Held-out PSNR <b>{metrics["heldout_psnr"]:.2f} dB</b>, SSIM <b>{metrics["heldout_ssim"]:.4f}</b>
+<p>Held-out PSNR <b>{shown(metrics["heldout_psnr"], ".2f")} dB</b>, SSIM <b>{shown(metrics["heldout_ssim"], ".4f")}</b>
 against the reference renderer ({len(context["pictures"]["held_out"])} held-out views of {metrics["image_size"]}²);
 trained with the <b>{html.escape(metrics["preset"])}</b> preset in {metrics["train_seconds"]:.1f} s on
 {html.escape(str(metrics["device"]))} ({html.escape(metrics["backend"])}); model {metrics["model_bytes"] / 1e6:.2f} MB.

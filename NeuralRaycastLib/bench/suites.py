@@ -168,7 +168,7 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     from ..render.camera import orbit_cameras
     from ..render.metrics import psnr
     from ..render.reference_render import ReferenceRenderer
-    from ..train.evaluate import geometry_metrics
+    from ..train.evaluate import geometry_metrics, shown
     from ..train.presets import RunSettings
     from ..train.run_folder import prepare_for_run, reference_views_for_run
     from ..train.trainer import Trainer, learned_mesh_shadows
@@ -227,8 +227,8 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     geometry = geometry_metrics(field, prepared)
     for structure, values in geometry.items():
         rows.append(BenchRow("train", f"{structure}: Dice", values["dice"], "",
-                             f"mean surface distance {values['mean_surface_distance_mm']:.2f} mm, "
-                             f"HD95 {values['hd95_mm']:.2f} mm"))
+                             f"mean surface distance {shown(values['mean_surface_distance_mm'], '.2f')} mm, "
+                             f"HD95 {shown(values['hd95_mm'], '.2f')} mm"))
     renderer = trainer.renderer
     clock = time.perf_counter()
     shadows = learned_mesh_shadows(gpu, prepared, field, trainer.style)

@@ -162,3 +162,14 @@ def split_views(count: int, held_out_every: int = 8) -> tuple[list[int], list[in
     held_out = [i for i in range(count) if i % held_out_every == 3 % held_out_every]
     training = [i for i in range(count) if i not in held_out]
     return training, held_out
+
+
+def check_view_split(count: int | None, held_out_every: int) -> None:
+    """Refuse a number of views and a split that leave no held-out view to score a training by, or no view to
+    train on (ValueError with the limits); a ``count`` of None checks the split alone."""
+    if held_out_every < 2:
+        raise ValueError(f"held-out-every must be at least 2 (got {held_out_every})")
+    least = max(2, 3 % held_out_every + 1)  # the first held-out view is view 3 % held_out_every
+    if count is not None and count < least:
+        raise ValueError(f"views must be at least {least} when one view in {held_out_every} is held out "
+                         f"(got {count}): at least one view is held out for evaluation and one trains")

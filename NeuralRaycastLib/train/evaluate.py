@@ -29,10 +29,17 @@ def dice(a: np.ndarray, b: np.ndarray) -> float:
     return 1.0 if total == 0 else 2.0 * int(np.logical_and(a, b).sum()) / total
 
 
-def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, dict[str, float]]:
-    """Per structure name: ``dice``, ``mean_surface_distance_mm``, ``hd95_mm``."""
+def shown(value: float | None, spec: str) -> str:
+    """A metric for people: formatted by ``spec``, or "–" where it is missing."""
+    return "–" if value is None else format(value, spec)
+
+
+def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, dict[str, float | None]]:
+    """Per structure name: ``dice``, ``mean_surface_distance_mm``, ``hd95_mm``. The distances are None
+    (missing) where the learned surface or the segmentation's has no vertices: there is no distance between
+    a surface and nothing, and a number there would read as a result."""
     learned = learned_distances(field, prepared)
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, float | None]] = {}
     for k, structure in enumerate(prepared.structures):
         if prepared.study.labels is not None or structure.from_mask:
             truth = structure_mask(structure, prepared.study.labels, prepared.mask)
@@ -40,15 +47,14 @@ def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, d
             truth = prepared.boundary[k] < 0
         learned_vertices, _ = extract_surface(learned[k], prepared.affine)
         truth_vertices, _ = extract_surface(prepared.boundary[k], prepared.affine)
-        distances = []
-        if len(learned_vertices):
-            distances.append(np.abs(sample_at(prepared.boundary[k], prepared.affine, learned_vertices)))
-        if len(truth_vertices):
-            distances.append(np.abs(field.distances(truth_vertices)[:, k]))
-        both = np.concatenate(distances) if distances else np.array([np.inf])
+        mean = hd95 = None
+        if len(learned_vertices) and len(truth_vertices):
+            both = np.concatenate([np.abs(sample_at(prepared.boundary[k], prepared.affine, learned_vertices)),
+                                   np.abs(field.distances(truth_vertices)[:, k])])
+            mean, hd95 = float(np.mean(both)), float(np.percentile(both, 95))
         results[structure.name] = {
             "dice": dice(learned[k] < 0, truth),
-            "mean_surface_distance_mm": float(np.mean(both)),
-            "hd95_mm": float(np.percentile(both, 95)),
+            "mean_surface_distance_mm": mean,
+            "hd95_mm": hd95,
         }
     return results

@@ -122,6 +122,27 @@ class RunSettings:
         chosen = {key: value for key, value in overrides.items() if value is not None and value != 0}
         return replace(cls(preset.name, views=preset.views, size=preset.size, max_voxels=preset.max_voxels), **chosen)
 
+    def check(self, training: bool = True) -> RunSettings:
+        """Refuse settings no run can train with (ValueError naming the value and its limits), before any work:
+        they come from a command line, the Slicer module's fields or a run folder's ``run.json``. ``training``:
+        also that the views leave one held out and one to train on (a run trained before that was checked is
+        still read, rendered and meshed; its evaluation says what is missing)."""
+        get_preset(self.preset)
+        check_run_values(seed=self.seed, views=self.views if training else None, held_out_every=self.held_out_every,
+                         iterations=self.iterations)
+        if not (_is_int(self.views) and self.views >= 1):
+            raise ValueError(f"views must be a whole number of at least 1 (got {self.views!r})")
+        for name in ("size", "max_voxels"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value):
+                raise ValueError(f"{name} must be a whole number (got {value!r})")
+        if not isinstance(self.shadows, bool):
+            raise ValueError(f"shadows must be true or false (got {self.shadows!r})")
+        if self.field_voxel_mm is not None and not (isinstance(self.field_voxel_mm, (int, float))
+                                                    and self.field_voxel_mm > 0):
+            raise ValueError(f"field_voxel_mm must be a positive number of millimetres (got {self.field_voxel_mm!r})")
+        return self
+
     def schedule(self, config: TrainConfig | None = None) -> TrainConfig:
         """The stages' schedule: the preset's, scaled to ``iterations`` where given, or ``config`` (which then
         replaces it whole); with this run's shadows either way."""
@@ -138,3 +159,24 @@ class RunSettings:
         from ..field.field import FieldLayout
 
         return FieldLayout.for_study(prepared, small=gpu.report.software, voxel_mm=self.field_voxel_mm)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_run_values(*, seed: Any = 0, views: Any = None, held_out_every: Any = 8, iterations: Any = None) -> None:
+    """Refuse a run's numbers out of their limits (ValueError naming the value and its limits): a seed of at
+    least 0, at least one iteration, and views split so that at least one is held out and one trains.
+    ``None`` is a value not given (the preset's)."""
+    for name, value in (("seed", seed), ("views", views), ("held-out-every", held_out_every),
+                        ("iterations", iterations)):
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name} must be a whole number (got {value!r})")
+    if seed is not None and seed < 0:
+        raise ValueError(f"seed must be at least 0 (got {seed})")
+    if iterations is not None and iterations < 1:
+        raise ValueError(f"iterations must be at least 1 (got {iterations}); leave it out for the preset's")
+    from ..render.camera import check_view_split
+
+    check_view_split(views, 8 if held_out_every is None else held_out_every)

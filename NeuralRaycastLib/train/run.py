@@ -17,6 +17,7 @@ from pathlib import Path
 from ..field.field import NeuralField
 from ..files import StagedFolder
 from ..gpu.device import GpuContext
+from ..outputs import check_output
 from ..progress import Progress, ShouldStop
 from ..render.camera import check_view_size
 from ..render.reference_views import save_reference_views
@@ -33,7 +34,11 @@ from .run_folder import (
     write_run,
 )
 from .trainer import TrainConfig, Trainer
-from .warmup import ensure_warm
+from .warmup import WarmUpCancelled, ensure_warm
+
+
+class CancelledBeforeTraining(WarmUpCancelled):
+    """A run stopped by its caller's ``should_stop`` before its first training step: nothing was written."""
 
 
 def train_study(
@@ -47,6 +52,7 @@ def train_study(
     warm_up: bool = True,
     worker_python: str | None = None,
     config: TrainConfig | None = None,
+    overwrite: bool = False,
 ) -> TrainedRun:
     """Train a neural field on ``study`` and save it as a run folder ``out``; returns the trained run.
 
@@ -61,15 +67,19 @@ def train_study(
     interpreter they run in, default this one); compiled by the run itself they take far longer.
     ``config`` replaces the preset's training schedule whole (scripting, tests).
 
-    ``out`` must be absent, empty or an earlier run (replaced whole once this one is complete); anything else
-    is refused (FileExistsError) before any work. When the run folder cannot be written after training (a
-    full or read-only disk), the run is kept elsewhere and
-    :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
+    The settings and ``out`` are checked before any work (:meth:`RunSettings.check`,
+    :func:`~NeuralRaycastLib.outputs.check_output`): a non-empty ``out`` is refused unless it is a run of the
+    same study file, or ``overwrite`` is given for an earlier run of another; whatever else a folder holds is
+    never replaced. The run folder is built beside its place and renamed into it only when complete, replacing
+    an earlier run whole: a failed or interrupted run leaves that earlier run as it was and nothing
+    half-written. A cancel before the first training step raises :class:`CancelledBeforeTraining` with nothing
+    written. When the run folder cannot be written after training (a full or read-only disk), the run is kept
+    elsewhere and :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
     """
-    settings = settings or RunSettings.for_device(gpu)
+    settings = (settings or RunSettings.for_device(gpu)).check()
     check_view_size(settings.size, settings.size)  # before the study is prepared and the kernels compiled
     source = None if isinstance(study, Study) else str(Path(study).expanduser().resolve())
-    folder = Path(out)
+    folder = check_output(out, source, overwrite=overwrite, run_of=source)
     # Refused, or found unwritable, before hours of work rather than after.
     staged = StagedFolder(folder, is_run_folder, RUN_FOLDER_REFUSAL)
     try:
@@ -77,6 +87,8 @@ def train_study(
         if warm_up:
             ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
         views = reference_views_for_run(gpu, prepared, settings, progress)
+        if should_stop is not None and should_stop():
+            raise CancelledBeforeTraining("cancelled before training began; nothing was written")
         field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
         # The view pictures are written while training runs: encoding them would otherwise delay its start.
         with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import strict_json
 from ..field.field import NeuralField
 from ..files import WriteError, atomic_files, atomic_folder, copy_tree, write_text
 from ..gpu.device import GpuContext
@@ -35,7 +36,8 @@ from .trainer import TrainLog, field_renderer, learned_mesh_shadows
 
 RUN_VERSION = 1
 #: What to do when a folder to write a run into holds something else.
-RUN_FOLDER_REFUSAL = "a run is written into a new or empty folder, or over an earlier run"
+RUN_FOLDER_REFUSAL = ("a run is written into a new or empty folder, or over an earlier run that holds nothing "
+                      "else")
 
 
 def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None
@@ -83,9 +85,15 @@ class TrainedRun:
                              self.prepared.structures, smoothing_iterations, decimation)
 
 
+#: What a run folder holds (train_study and evaluate write them). Only a folder holding nothing else is
+#: replaced whole by a new run: a file of the user's in it is never deleted.
+RUN_ENTRIES = frozenset({"run.json", "model.safetensors", "train_log.json", "metrics.json", "reference"})
+
+
 def is_run_folder(folder: Path) -> bool:
-    """A folder a run was written into (one a new run may replace whole)."""
-    return (Path(folder) / "run.json").is_file()
+    """A folder a run was written into and that holds nothing else (one a new run may replace whole)."""
+    folder = Path(folder)
+    return (folder / "run.json").is_file() and {entry.name for entry in folder.iterdir()} <= RUN_ENTRIES
 
 
 def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
@@ -192,8 +200,12 @@ def read_run(folder: str | Path) -> dict[str, Any]:
         if run.get("version") != RUN_VERSION:
             raise ValueError(f"{path}: unsupported run version {run.get('version')!r}")
         run["settings"] = RunSettings(**run["settings"])
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(f"{path}: damaged run description ({error})") from error
+    try:
+        run["settings"].check(training=False)
+    except ValueError as error:
+        raise ValueError(f"{path}: bad value in the run description ({error})") from error
     return run
 
 
@@ -219,7 +231,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     metrics["preset"] = settings.preset
     metrics["image_size"] = settings.size
     metrics["study_shape"] = list(prepared.study.shape)
-    write_text(folder / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text(folder / "metrics.json", strict_json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
@@ -233,19 +245,25 @@ def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = No
     return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress))
 
 
-def export_run(folder: str | Path, out: str | Path, precision: str = "float16") -> Path:
+def export_run(folder: str | Path, out: str | Path, precision: str = "float16", overwrite: bool = False) -> Path:
     """A copy of a run folder with its model's parameters stored in ``precision`` (float16: half the file,
     for sharing and rendering; they are turned back into float32 when loaded). Every command and the
-    Slicer module read the copy as they read the run; its own scores come from evaluating it."""
+    Slicer module read the copy as they read the run; its own scores come from evaluating it.
+    ``overwrite``: a run folder at ``out`` is replaced once the copy is complete (nothing else is)."""
     from ..field.model_io import load_model, save_model
 
     folder, out = Path(folder), Path(out)
     read_run(folder)  # refuses what is not a run folder
     if out.exists() and (out.resolve() == folder.resolve() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not empty; export into a new folder")
+        if out.resolve() == folder.resolve() or not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; export into a new folder, or pass --overwrite "
+                                  "to replace a run folder there")
+        if not (out / "run.json").is_file():
+            raise FileExistsError(f"{out} is not empty and not a run folder, so --overwrite does not replace it; "
+                                  "export into a new folder")
     model = load_model(folder / "model.safetensors")
     # All or nothing: a failed export (a full disk, say) leaves no half-written run folder and no staging folder.
-    with atomic_folder(out) as staging:
+    with atomic_folder(out, is_run_folder, "export into a new folder") as staging:
         copy_tree(folder, staging, skip=("model.safetensors", "metrics.json"))
         save_model(staging / "model.safetensors", model.layout, model.parameters, model.geometry,
                    {**model.extra, "exported_from_precision": model.precision}, precision)

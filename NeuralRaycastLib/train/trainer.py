@@ -187,6 +187,9 @@ def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int
                 rendered: dict[int, np.ndarray] | None = None) -> dict[str, float]:
     """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``
     (``rendered``: RGB pictures already made, by view index, so they are not rendered twice)."""
+    if not indices:
+        raise ValueError(f"no held-out view to score (of {len(views.images)} views); render more views, or hold "
+                         "out more of them")
     psnrs, ssims = [], []
     for index in indices:
         image = rendered[index] if rendered and index in rendered else renderer.render(views.cameras[index]).rgb()

@@ -38,7 +38,7 @@ from ..field.field import COOPERATIVE_ENV, NeuralField
 from ..field.sdf_fit import SdfFitter
 from ..gpu.device import GpuContext, open_device
 from ..paths import shader_sources_digest
-from ..progress import Progress, ShouldStop
+from ..progress import Cancelled, Progress, ShouldStop
 from ..render.reference_views import ReferenceViews, render_reference_views
 from ..render.sample_buffers import RayBatch
 from ..render.scene import WAVE, WorkLists
@@ -49,7 +49,7 @@ from .run_folder import prepare_for_run
 from .trainer import Trainer
 
 
-class WarmUpCancelled(Exception):
+class WarmUpCancelled(Cancelled):
     """A warm-up stopped by its caller's ``should_stop`` (its worker processes killed); nothing was trained."""
 
 
