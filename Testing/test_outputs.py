@@ -296,6 +296,32 @@ def test_a_cancelled_fit_exits_130_and_says_where_its_state_is(tmp_path, phantom
                                   f"saved in {out}")
 
 
+CTRL_C_WHILE_LOADING = """
+import importlib.abc, importlib.machinery, os, signal, sys, time
+
+class SlowCommandLine(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # loading the command line is where a Ctrl-C lands in its first moment
+    def find_spec(self, name, path, target=None):
+        if name == "NeuralRaycastLib.app.cli":
+            return importlib.machinery.ModuleSpec(name, self)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+
+sys.meta_path.insert(0, SlowCommandLine())
+from NeuralRaycastLib.app.entry import main
+sys.exit(main(["info"]))
+"""
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback():
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_LOADING], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 130 and done.stderr.strip() == "neuralraycast: cancelled", done.stderr
+
+
 def test_a_fit_cancelled_before_training_exits_130_with_nothing_written(tmp_path, phantom_study_dir, monkeypatch,
                                                                          capsys):
     from NeuralRaycastLib.train import run
