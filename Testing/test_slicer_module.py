@@ -272,8 +272,8 @@ def test_a_cancel_while_the_kernels_compile_trains_nothing_and_leaves_the_scene(
 
 def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_folder(module, scene, self_test,
                                                                                       tmp_path, monkeypatch):
-    """The module keeps the last run's folder, so Train again writes there: that run is replaced whole. A
-    folder of other files is refused before any work, its files kept."""
+    """The module keeps the last run's folder, so Train again writes there: that run is accepted, to be replaced
+    whole. A folder of other files is refused before any work, its files kept."""
     from types import SimpleNamespace
 
     import NeuralRaycastLib.gpu.device as gpu
@@ -301,7 +301,11 @@ def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_fo
         (last / name).write_text("{}")
     with pytest.raises(Trained):
         logic.train(volumes, segmentation, preset="quick", runFolder=str(last))
-    assert sorted(p.name for p in last.iterdir()) == []  # the old run is gone before the new one writes
+    # accepted (the work started); a run replaces the last one whole once it is complete, so a training that
+    # fails leaves the last run as it was and nothing half-written beside it
+    assert sorted(str(p.relative_to(last)) for p in last.rglob("*")) == [
+        "metrics.json", "model.safetensors", "reference", "reference/old.png", "run.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("last-run")) == ["last-run"]
     other = tmp_path / "documents"
     other.mkdir()
     (other / "notes.txt").write_text("the user's notes")
