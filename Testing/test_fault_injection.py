@@ -669,3 +669,37 @@ def test_metrics_json_keeps_its_earlier_version_when_a_write_fails(tmp_path, pre
         score()
     assert_one_line_naming(raised.value, folder / "metrics.json", "no space left on device")
     assert snapshot(folder) == before and leftovers(tmp_path) == []
+
+
+# -- sample studies --------------------------------------------------------------------------------------------
+
+def test_a_sample_is_written_whole_replaces_an_earlier_sample_and_never_other_files(tmp_path, monkeypatch):
+    import nibabel
+
+    from NeuralRaycastLib.study.sample import write_sample
+
+    folder = tmp_path / "sample"
+    manifest = write_sample(folder, "phantom", spacing=8.0)
+    first = snapshot(folder)
+    assert manifest == folder / "manifest.json" and len(first) >= 3
+    saved = nibabel.save
+
+    def fills_the_disk(image, path):  # half a file written, then the disk is full
+        saved(image, path)
+        with open(path, "r+b") as written:
+            written.truncate(max(1, Path(path).stat().st_size // 2))
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(nibabel, "save", fills_the_disk)
+    with pytest.raises(WriteError, match="no space left on device"):
+        write_sample(folder, "phantom", spacing=8.0, seed=1)
+    assert snapshot(folder) == first and leftovers(tmp_path) == []  # the earlier sample as it was
+    monkeypatch.setattr(nibabel, "save", saved)
+    write_sample(folder, "phantom", spacing=8.0, seed=1)  # an earlier sample is replaced whole
+    assert snapshot(folder) != first and set(snapshot(folder)) == set(first)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    with pytest.raises(FileExistsError, match="holds other files"):
+        write_sample(mine, "fixture")
+    assert snapshot(mine) == {"notes.txt": b"mine\n"}

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...files import atomic_folder
 from ...progress import Progress
 
 CASES = ("icbm", "phantom", "fixture")
@@ -139,6 +140,21 @@ def write_sample(
     else:
         raise ValueError(f"unknown sample case '{case}'; choose one of {', '.join(CASES)}")
     report("writing NIfTI files", 0.8)
-    path = write_case(Path(folder), name, channels, labels, affine, description, brain_mask)
+    folder = Path(folder)
+    # Whole or not at all; an earlier sample there is replaced, any other folder's files never are.
+    with atomic_folder(folder, is_sample_folder, "write a sample into a new or empty folder") as staging:
+        write_case(staging, name, channels, labels, affine, description, brain_mask)
     report("sample written", 1.0)
-    return path
+    return folder / "manifest.json"
+
+
+#: The names of the sample cases' studies (write_case's ``name``): the files a sample folder holds start so.
+SAMPLE_NAMES = ("icbm152_synthetic_lesion", "phantom", "fixture")
+
+
+def is_sample_folder(folder: Path) -> bool:
+    """A folder that holds a sample written by :func:`write_sample` and nothing else."""
+    entries = [entry.name for entry in Path(folder).iterdir()]
+    return "manifest.json" in entries and all(
+        entry == "manifest.json" or (entry.startswith(SAMPLE_NAMES) and entry.endswith(".nii.gz"))
+        for entry in entries)
