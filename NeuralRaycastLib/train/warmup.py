@@ -36,6 +36,7 @@ from typing import IO
 from .. import __version__
 from ..field.field import COOPERATIVE_ENV, NeuralField
 from ..field.sdf_fit import SdfFitter
+from ..files import write_text
 from ..gpu.device import GpuContext, open_device
 from ..paths import shader_sources_digest
 from ..progress import Cancelled, Progress, ShouldStop
@@ -151,7 +152,7 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
         seconds.update(_parts_in_processes(study_path, settings, gpu.backend, jobs, report, should_stop, python))
     stamp = warm_up_stamp(gpu, prepared, settings)
     stamp.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds}, indent=1))
+    write_text(stamp, json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds}, indent=1))
     report("done", 1.0)
     return seconds
 
