@@ -19,6 +19,7 @@ from ..paths import CACHE_FOLDERS
 from ..progress import Cancelled, ConsoleProgress
 from ..study.sample import CASES
 from ..study.sample.icbm import SampleDataError
+from ..study.sample.label_style import STYLES as LABEL_STYLES
 from ..study.study import StudyError
 from ..train.presets import AUTO, PRESETS, check_run_values, get_preset, presets_help
 from ..train.trainer import TrainingError
@@ -122,7 +123,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..study.sample import write_sample
 
     check_run_values(seed=args.seed)
-    manifest = write_sample(args.folder, args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"))
+    manifest = write_sample(args.folder, args.case, args.spacing, args.seed, ConsoleProgress(f"sample {args.case}"),
+                            labels_drawn=args.labels)
     print(manifest)
     return 0
 
@@ -401,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="icbm: real anatomy + synthetic lesion (default); phantom: analytic; fixture: tiny real T1")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic lesion and noise")
+    p.add_argument("--labels", choices=list(LABEL_STYLES), default="clean",
+                   help="how the labels are drawn: clean (the exact voxelisation), ragged (slice-wise jitter, "
+                        "specks, holes, skipped and doubled slices, partial-volume rims, as people draw them), "
+                        "thick (ragged, drawn on 5 mm slices)")
     p.set_defaults(run=cmd_sample)
 
     p = sub.add_parser("prepare", help="check a study and derive boundary maps, P(x) and occupancy")

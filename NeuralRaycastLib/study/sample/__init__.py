@@ -112,8 +112,13 @@ def write_sample(
     spacing: float | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    labels_drawn: str = "clean",
 ) -> Path:
-    """Create a sample study in ``folder``; returns the path of its ``manifest.json``."""
+    """Create a sample study in ``folder``; returns the path of its ``manifest.json``. ``labels_drawn``: a
+    style of :mod:`.label_style` (``clean``: the exact voxelisation; ``ragged``, ``thick``: as people draw)."""
+    from .label_style import draw_like_people, style_named
+
+    style = style_named(labels_drawn)
     report = progress or (lambda message, fraction: None)
     brain_mask = None
     if case == "icbm":
@@ -139,6 +144,9 @@ def write_sample(
         name, description = "fixture", FIXTURE_DESCRIPTION
     else:
         raise ValueError(f"unknown sample case '{case}'; choose one of {', '.join(CASES)}")
+    if labels is not None and style.name != "clean":
+        labels = draw_like_people(labels, np.linalg.norm(affine[:3, :3], axis=0), style, seed)
+        description += f" Labels drawn {style.name} (as people draw them: label_style.py)."
     report("writing NIfTI files", 0.8)
     folder = Path(folder)
     # Whole or not at all; an earlier sample there is replaced, any other folder's files never are.
