@@ -458,14 +458,24 @@ def test_evaluate_shows_a_missing_distance_as_a_dash_and_null(tmp_path, monkeypa
 
     metrics = {"heldout_psnr": 31.25, "heldout_ssim": 0.9, "dice": {"brain": 0.98, "tumor_core": 0.0},
                "mean_surface_distance_mm": {"brain": 0.25, "tumor_core": None},
-               "hd95_mm": {"brain": 0.5, "tumor_core": None}}
+               "hd95_mm": {"brain": 0.5, "tumor_core": None},
+               "label_volume_ml": {"brain": 1200.0, "tumor_core": 2.0},
+               "learned_volume_ml": {"brain": 1212.0, "tumor_core": 0.0},
+               "volume_difference_percent": {"brain": 1.0, "tumor_core": -100.0},
+               "label_pieces": {"brain": 1, "tumor_core": 2}, "pieces_kept": {"brain": 1, "tumor_core": 0},
+               "pieces_dropped": {"brain": [], "tumor_core": [
+                   {"voxels": 9, "volume_ml": 1.5, "centre_ras": [1.0, 2.0, 3.0]},
+                   {"voxels": 3, "volume_ml": 0.5, "centre_ras": [-4.0, 5.5, 6.0]}]}}
     monkeypatch.setattr(cli, "open_device", lambda device: fake_gpu())
     monkeypatch.setattr(run_folder, "evaluate_run", lambda gpu, folder, progress: metrics)
     assert main(["evaluate", str(tmp_path)]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert rows[0] == "held-out PSNR 31.25 dB, SSIM 0.9000"
-    assert rows[2].split() == ["brain", "0.980", "0.25", "0.50"]
-    assert rows[3].split() == ["tumor_core", "0.000", "–", "–"]
+    assert rows[2].split() == ["brain", "0.980", "0.25", "0.50", "1200.00", "1212.00", "+1.0%", "1", "of", "1"]
+    assert rows[3].split() == ["tumor_core", "0.000", "–", "–", "2.00", "0.00", "-100.0%", "0", "of", "2"]
+    assert rows[4] == ("tumor_core: a piece of 9 voxels (1.500 ml) at RAS [1.0, 2.0, 3.0] mm is not in the "
+                       "learned surface")  # every dropped piece said, largest first
+    assert rows[5].startswith("tumor_core: a piece of 3 voxels")
     assert main(["evaluate", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out, parse_constant=reject_constant)["hd95_mm"]["tumor_core"] is None
 

@@ -248,10 +248,19 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         _print_json(metrics)
         return 0
     print(f"held-out PSNR {shown(metrics['heldout_psnr'], '.2f')} dB, SSIM {shown(metrics['heldout_ssim'], '.4f')}")
-    print(f"{'structure':18s} {'Dice':>6s} {'mean mm':>8s} {'HD95 mm':>8s}")
+    print(f"{'structure':18s} {'Dice':>6s} {'mean mm':>8s} {'HD95 mm':>8s} {'label ml':>9s} {'learned ml':>10s} "
+          f"{'volume':>7s} {'pieces kept':>11s}")
     for name, dice in metrics["dice"].items():
         mean, hd95 = metrics["mean_surface_distance_mm"][name], metrics["hd95_mm"][name]
-        print(f"{name:18s} {dice:6.3f} {shown(mean, '8.2f'):>8s} {shown(hd95, '8.2f'):>8s}")
+        change = metrics["volume_difference_percent"][name]
+        kept = f"{metrics['pieces_kept'][name]} of {metrics['label_pieces'][name]}"
+        print(f"{name:18s} {dice:6.3f} {shown(mean, '8.2f'):>8s} {shown(hd95, '8.2f'):>8s} "
+              f"{metrics['label_volume_ml'][name]:9.2f} {metrics['learned_volume_ml'][name]:10.2f} "
+              f"{shown(change, '+6.1f') + '%' if change is not None else '–':>7s} {kept:>11s}")
+    for name, dropped in metrics["pieces_dropped"].items():
+        for piece in dropped:
+            print(f"{name}: a piece of {piece['voxels']} voxels ({piece['volume_ml']:.3f} ml) at RAS "
+                  f"{piece['centre_ras']} mm is not in the learned surface")
     print(f"written to {Path(args.run_folder) / 'metrics.json'}")
     return 0
 
