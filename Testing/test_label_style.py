@@ -116,3 +116,25 @@ def test_the_sample_command_writes_ragged_labels(tmp_path):
     clean, ragged = load_study(tmp_path / "clean"), load_study(tmp_path / "ragged")
     assert pieces(ragged.labels > 0) > pieces(clean.labels > 0)
     np.testing.assert_array_equal(ragged.channels["t1"], clean.channels["t1"])  # only the labels differ
+
+
+def test_prepare_says_how_many_pieces_each_structure_has_and_where_the_specks_are(tmp_path, capsys):
+    import json
+
+    from NeuralRaycastLib.app.cli import main
+    from NeuralRaycastLib.study.pieces import label_pieces
+    from NeuralRaycastLib.study.study import load_study
+
+    study = tmp_path / "ragged"
+    assert main(["sample", str(study), "--case", "phantom", "--spacing", "4", "--labels", "ragged"]) == 0
+    capsys.readouterr()
+    assert main(["prepare", str(study), "--json"]) == 0
+    summary = {s["name"]: s for s in json.loads(capsys.readouterr().out)["structures"]}
+    labels = load_study(study)
+    _, expected = label_pieces(np.isin(labels.labels, labels.structures["whole_tumor"]), labels.affine)
+    tumour = summary["whole_tumor"]
+    assert tumour["pieces"] == len(expected) > 1
+    assert tumour["smaller_pieces"] == [piece.as_dict() for piece in expected[1:21]]  # largest first
+    assert main(["prepare", str(study)]) == 0
+    text = capsys.readouterr().out
+    assert f"{len(expected)} pieces" in text and f"{len(expected) - 1} beside the largest" in text

@@ -7,7 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from .preprocess import PreparedStudy
+from .pieces import label_pieces
+from .preprocess import PreparedStudy, structure_mask
+
+#: Pieces beside each structure's largest listed in a summary (the count says how many there are in all).
+LISTED_PIECES = 20
 
 
 def study_summary(prepared: PreparedStudy) -> dict[str, Any]:
@@ -16,11 +20,17 @@ def study_summary(prepared: PreparedStudy) -> dict[str, Any]:
     structures = []
     for structure, boundary in zip(prepared.structures, prepared.boundary, strict=True):
         inside = boundary < 0
+        drawn = (structure_mask(structure, study.labels, prepared.mask)
+                 if study.labels is not None or structure.from_mask else inside)
+        _, pieces = label_pieces(drawn, study.affine)
         structures.append({
             "name": structure.name,
             "labels": list(structure.labels) or "mask",
             "volume_ml": round(float(inside.sum()) * voxel_ml, 2),
             "color": list(structure.color),
+            # specks and fragments as drawn, said here since a smooth learned surface may leave them out
+            "pieces": len(pieces),
+            "smaller_pieces": [piece.as_dict() for piece in pieces[1:1 + LISTED_PIECES]],
         })
     return {
         "name": study.name,
@@ -47,7 +57,16 @@ def summary_text(summary: dict[str, Any]) -> str:
     ]
     for s in summary["structures"]:
         labels = s["labels"] if isinstance(s["labels"], str) else ",".join(map(str, s["labels"]))
-        lines.append(f"  {s['name']:16s} labels {labels:10s} {s['volume_ml']:9.2f} ml")
+        lines.append(f"  {s['name']:16s} labels {labels:10s} {s['volume_ml']:9.2f} ml  {s['pieces']} piece"
+                     + ("s" if s["pieces"] != 1 else ""))
+        if s["smaller_pieces"]:
+            sizes = [piece["volume_ml"] for piece in s["smaller_pieces"]]
+            largest = s["smaller_pieces"][0]
+            span = f"{max(sizes):.3f} ml" if len(sizes) == 1 else f"{min(sizes):.3f} to {max(sizes):.3f} ml"
+            listed = " (of those listed)" if s["pieces"] - 1 > len(sizes) else ""
+            voxels = f"{largest['voxels']} voxel{'s' if largest['voxels'] != 1 else ''}"
+            lines.append(f"    {s['pieces'] - 1} beside the largest, {span}{listed}; the largest of them {voxels} "
+                         f"at RAS {largest['centre_ras']} mm")
     return "\n".join(lines)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..field.field import NeuralField
 from ..grid import sample_at
 from ..mesh.mesh import extract_surface, resample_sdf
+from ..study.pieces import label_pieces
 from ..study.preprocess import PreparedStudy, structure_mask
 
 
@@ -85,20 +86,10 @@ def pieces(truth: np.ndarray, learned_inside: np.ndarray, affine: np.ndarray) ->
     """The label's connected pieces (26-connected): ``label_pieces`` in all, ``pieces_kept`` (the learned
     surface holds a voxel of them) and ``pieces_dropped``: one entry per dropped piece with its ``voxels``,
     ``volume_ml`` and ``centre_ras`` (mm), largest first."""
-    from scipy import ndimage
-
-    found, count = ndimage.label(truth, structure=np.ones((3, 3, 3), bool))
-    if count == 0:
+    found, listed = label_pieces(truth, affine)
+    if not listed:
         return {"label_pieces": 0, "pieces_kept": 0, "pieces_dropped": []}
-    indices = np.arange(1, count + 1)
-    sizes = ndimage.sum_labels(np.ones_like(found), found, indices).astype(int)
-    kept = ndimage.maximum(learned_inside, found, indices).astype(bool)
-    voxel_ml = abs(float(np.linalg.det(np.asarray(affine, np.float64)[:3, :3]))) / 1000.0
-    dropped = []
-    for piece in np.flatnonzero(~kept):
-        centre = np.asarray(ndimage.center_of_mass(truth, found, int(indices[piece])), np.float64)
-        ras = np.asarray(affine, np.float64) @ np.append(centre, 1.0)
-        dropped.append({"voxels": int(sizes[piece]), "volume_ml": float(sizes[piece] * voxel_ml),
-                        "centre_ras": [round(float(v), 2) for v in ras[:3]]})
-    dropped.sort(key=lambda entry: -entry["voxels"])
-    return {"label_pieces": int(count), "pieces_kept": int(kept.sum()), "pieces_dropped": dropped}
+    kept = np.zeros(len(listed) + 1, bool)
+    kept[np.unique(found[learned_inside & (found > 0)])] = True
+    dropped = [piece.as_dict() for index, piece in enumerate(listed, start=1) if not kept[index]]
+    return {"label_pieces": len(listed), "pieces_kept": int(kept.sum()), "pieces_dropped": dropped}
