@@ -99,9 +99,18 @@ def write_report(folder: Path, context: dict[str, Any]) -> Path:
                            "Held-out PSNR", "dB"),
     }
     structures = list(metrics["dice"])
+    def volumes(name: str) -> list[str]:  # metrics of runs evaluated before volumes were reported lack them
+        if "label_volume_ml" not in metrics:
+            return ["–", "–", "–", "–"]
+        change = metrics["volume_difference_percent"][name]
+        return [f"{metrics['label_volume_ml'][name]:.2f}", f"{metrics['learned_volume_ml'][name]:.2f}",
+                "–" if change is None else f"{change:+.1f} %",
+                f"{metrics['pieces_kept'][name]} of {metrics['label_pieces'][name]}"]
+
     geometry = _table([[s, f"{metrics['dice'][s]:.3f}", shown(metrics['mean_surface_distance_mm'][s], ".2f"),
-                        shown(metrics['hd95_mm'][s], ".2f")] for s in structures],
-                      ["structure", "Dice", "mean surface distance (mm)", "HD95 (mm)"])
+                        shown(metrics['hd95_mm'][s], ".2f"), *volumes(s)] for s in structures],
+                      ["structure", "Dice", "mean surface distance (mm)", "HD95 (mm)", "label volume (ml)",
+                       "learned volume (ml)", "volume difference", "pieces kept"])
     comparisons = "".join(
         f'<figure><img src="{html.escape(p["reference"])}"><img src="{html.escape(p["neural"])}">'
         f'<img src="{html.escape(p["error"])}"><figcaption>view {p["view"]}: reference · neural · |error| '
