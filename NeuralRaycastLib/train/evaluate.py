@@ -25,6 +25,7 @@ def learned_distances(field: NeuralField, prepared: PreparedStudy) -> np.ndarray
 
 
 def dice(a: np.ndarray, b: np.ndarray) -> float:
+    """2|A ∩ B| / (|A| + |B|) of two masks; 1 where both are empty (they agree: nothing on either side)."""
     total = int(a.sum()) + int(b.sum())
     return 1.0 if total == 0 else 2.0 * int(np.logical_and(a, b).sum()) / total
 
@@ -49,6 +50,6 @@ def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, d
         results[structure.name] = {
             "dice": dice(learned[k] < 0, truth),
             "mean_surface_distance_mm": float(np.mean(both)),
-            "hd95_mm": float(np.percentile(both, 95)),
+            "hd95_mm": float(np.percentile(both, 95)) if distances else float("inf"),  # not inf - inf
         }
     return results
