@@ -16,9 +16,20 @@ from scipy.spatial.distance import dice as scipy_dice_dissimilarity
 from skimage.measure import marching_cubes
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
-from NeuralRaycastLib.grid import GRID_TOLERANCE_VOXELS, off_grid_mm
+from NeuralRaycastLib.grid import GRID_TOLERANCE_VOXELS, grid_corners, grid_corners_bounds, off_grid_mm
 from NeuralRaycastLib.render import metrics
-from NeuralRaycastLib.render.metrics import dssim, l1, psnr, ssim, ssim_map
+from NeuralRaycastLib.render.metrics import (
+    contact_sheet,
+    depth_picture,
+    dssim,
+    l1,
+    normal_picture,
+    psnr,
+    save_png,
+    ssim,
+    ssim_map,
+    to_uint8,
+)
 from NeuralRaycastLib.train.evaluate import dice, geometry_metrics
 
 # ---------------------------------------------------------------------------------------------------------
@@ -81,8 +92,8 @@ def sphere_study(radius: float, spacing: float = 1.0, margin: float = 6.0):
 @pytest.mark.parametrize(("radius", "gap"), [(8.0, 0.5), (8.0, 1.5), (12.0, 0.7)])
 def test_concentric_spheres_are_their_gap_apart(radius, gap):
     """Every point of either surface is ``gap`` from the other: mean and HD95 are the gap (within the
-    discretisation of 1 mm voxels). Dice is 2|inner| / (|inner| + |outer|)
-    counted in voxels, close to the volumes' 2R³ / (R³ + (R + g)³)."""
+    discretisation of 1 mm voxels). Dice is 2|inner| / (|inner| + |outer|) counted in voxels, close to the
+    volumes' 2R³ / (R³ + (R + g)³)."""
     prepared = sphere_study(radius)
     outer = sphere(CENTRE, radius + gap)
     result = geometry_metrics(AnalyticField(outer), prepared)["s"]
@@ -203,6 +214,21 @@ def test_dice_is_against_the_labels_where_there_are_labels():
     assert expected < 0.5  # far from the 1.0 the boundary map would give
 
 
+def test_dice_of_the_brain_is_against_the_brain_mask():
+    """The brain (a structure from the mask, not from labels) is compared with the prepared mask."""
+    from NeuralRaycastLib.study.structures import BRAIN, Structure
+
+    prepared = sphere_study(8.0)
+    prepared.structures = [Structure(BRAIN, (), (1.0, 1.0, 1.0))]
+    points = _grid_points(prepared.affine, prepared.mask.shape)
+    prepared.mask = (sphere(CENTRE, 5.0)(points) < 0).reshape(prepared.mask.shape)
+    learned_inside = prepared.boundary[0] < 0
+    expected = 2 * prepared.mask.sum() / (prepared.mask.sum() + learned_inside.sum())
+    assert geometry_metrics(AnalyticField(sphere(CENTRE, 8.0)), prepared)[BRAIN]["dice"] == pytest.approx(expected,
+                                                                                                          abs=1e-12)
+    assert expected < 0.5
+
+
 def test_surface_distance_without_a_learned_surface_uses_the_other_way_only():
     """A field positive everywhere has no surface: the distances are the field's at the segmentation's
     surface (here |x − c| + 1 on a sphere of radius 6: 7 mm), Dice 0. Neither surface: infinite distances."""
@@ -243,9 +269,10 @@ def test_psnr_agrees_with_scikit_image(shape, data_range):
 
 
 def test_psnr_of_8_bit_images_does_not_wrap_around():
+    """20 levels apart: in 8-bit arithmetic the squared error would wrap around (400 mod 256)."""
     a = np.full((8, 8), 10, np.uint8)
-    b = np.full((8, 8), 20, np.uint8)
-    assert psnr(a, b, 255.0) == pytest.approx(20 * np.log10(255.0 / 10.0), rel=1e-12)
+    b = np.full((8, 8), 30, np.uint8)
+    assert psnr(a, b, 255.0) == pytest.approx(20 * np.log10(255.0 / 20.0), rel=1e-12)
     assert psnr(b, a, 255.0) == psnr(a, b, 255.0)
     assert psnr(a, b, 255.0) == pytest.approx(peak_signal_noise_ratio(a, b, data_range=255), rel=1e-10)
 
@@ -281,6 +308,9 @@ def test_ssim_and_its_map_are_scikit_images(shape, data_range, seed):
                                atol=SSIM_TOLERANCE)
     assert ssim(a, a, data_range) == pytest.approx(1.0, abs=1e-12) and dssim(a, a, data_range) == pytest.approx(
         0.0, abs=1e-12)
+    if data_range == 1.0:  # the default range
+        assert ssim(a, b) == ssim(a, b, 1.0) and dssim(a, b) == dssim(a, b, 1.0)
+        np.testing.assert_array_equal(ssim_map(a, b), ssim_map(a, b, 1.0))
 
 
 @pytest.mark.parametrize("change", [("SSIM_SIGMA", 1.4), ("SSIM_TRUNCATE", 4.0), ("SSIM_K1", 0.011),
@@ -343,12 +373,16 @@ def test_a_shift_is_refused_just_beyond_the_tolerance_and_kept_just_within(spaci
 def test_the_tolerance_is_a_tenth_of_a_voxel():
     """By hand, so that a tolerance 30× looser or tighter cannot pass by moving both sides of a test: a tenth
     of the smallest side, 0.8 mm."""
-    reference = _reference((0.8, 1.0, 2.5))
+    reference = np.diag([0.8, 1.0, 2.5, 1.0])  # its corner at the origin: only the voxel sides count
     moved = reference.copy()
     moved[0, 3] += 0.079
     assert off_grid_mm(moved, reference, SHAPE) is None
     moved[0, 3] += 0.002
     assert off_grid_mm(moved, reference, SHAPE) == pytest.approx(0.081)
+    exact = np.diag([1.25, 1.25, 2.5, 1.0])  # a tenth of 1.25 mm is 0.125, exact in binary, as are the corners
+    moved = exact.copy()
+    moved[2, 3] = 0.125
+    assert off_grid_mm(moved, exact, SHAPE) is None  # at the tolerance: the same grid ("more than" it is not)
 
 
 def _rotated_about_centre(affine: np.ndarray, shape, angle_deg: float) -> np.ndarray:
@@ -381,3 +415,54 @@ def test_a_rotation_is_measured_at_the_corners(spacing):
     assert off_grid_mm(_rotated_about_centre(reference, SHAPE, 0.98 * limit), reference, SHAPE) is None
     offset = off_grid_mm(_rotated_about_centre(reference, SHAPE, 1.02 * limit), reference, SHAPE)
     assert offset == pytest.approx(largest_move(np.radians(1.02 * limit)), rel=1e-9)
+
+
+def test_grid_corners_are_the_outermost_voxel_centres():
+    affine = np.diag([2.0, 3.0, 4.0, 1.0])
+    affine[:3, 3] = (1.0, 2.0, 3.0)
+    corners = grid_corners(affine, (5, 6, 7))
+    expected = [[x, y, z] for x in (1.0, 9.0) for y in (2.0, 17.0) for z in (3.0, 27.0)]
+    np.testing.assert_array_equal(corners, expected)
+    np.testing.assert_array_equal(grid_corners_bounds(affine, (5, 6, 7)), [[1.0, 2.0, 3.0], [9.0, 17.0, 27.0]])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pictures written beside the metrics
+
+
+def test_to_uint8_clips_and_rounds_to_the_nearest_level(tmp_path):
+    image = np.array([[-0.1, 0.0, 0.2, 0.5, 1.0, 1.2]])
+    np.testing.assert_array_equal(to_uint8(image), [[0, 0, 51, 128, 255, 255]])
+    from PIL import Image
+
+    path = save_png(np.tile(image[..., None], (2, 1, 3)), tmp_path / "new" / "folder" / "picture.png")
+    np.testing.assert_array_equal(np.asarray(Image.open(path))[1, :, 2], [0, 0, 51, 128, 255, 255])
+    beside = save_png(np.zeros((2, 3)), path.parent / "beside.png")  # a second picture in the same folder
+    np.testing.assert_array_equal(np.asarray(Image.open(beside)), np.zeros((2, 3)))
+
+
+def test_contact_sheet_defaults_to_a_square_of_columns_two_pixels_apart():
+    images = [np.full((4, 5, 3), i / 10) for i in range(5)]
+    sheet = contact_sheet(images)
+    assert sheet.shape == (2 * 4 + 2, 3 * 5 + 2 * 2, 3)  # ceil(sqrt(5)) = 3 columns, 2 rows
+    assert sheet[6, 7, 0] == pytest.approx(0.4) and sheet[4, 0, 0] == 0.0 and sheet[0, 5, 0] == 0.0
+    np.testing.assert_array_equal(contact_sheet(images[:1]), images[0])
+    with pytest.raises(ValueError, match="^no images for a contact sheet$"):
+        contact_sheet([])
+
+
+def test_depth_and_normal_pictures():
+    """Depth: the 1st percentile of the hits is bright (1.0), the 99th dim (0.2), linear between and clipped
+    beyond; a spread below 1e-6 mm is not divided by; empty pixels (depth 0) are black, hits under 1 mm
+    included. Normals map (-1, 1) onto (0, 1), empty pixels black."""
+    depth = np.arange(1.0, 102.0)[None]  # hits 1..101 mm: 1st percentile 2, 99th 100
+    np.testing.assert_allclose(depth_picture(depth)[0, [0, 1, 50, 99, 100]], [1.0, 1.0, 1.0 - 0.8 * 49 / 98, 0.2, 0.2])
+    np.testing.assert_allclose(depth_picture(np.array([[0.0, 0.5, 0.7]])), [[0.0, 1.0, 0.2]])
+    narrow = 10.0 + 0.005 * np.arange(101.0)  # 0.5 mm of depths: 1st % 10.005, 99th % 10.495
+    np.testing.assert_allclose(depth_picture(narrow[None])[0, 50], 1.0 - 0.8 * 0.245 / 0.49)
+    np.testing.assert_array_equal(depth_picture(np.full((2, 2), 7.0)), np.ones((2, 2)))
+    assert np.all(depth_picture(np.zeros((3, 3))) == 0.0)
+    normals = np.zeros((1, 3, 3))
+    normals[0, 0] = (1.0, 0.0, 0.0)
+    normals[0, 1] = (0.0, -0.6, 0.8)
+    np.testing.assert_allclose(normal_picture(normals), [[[1.0, 0.5, 0.5], [0.5, 0.2, 0.9], [0.0, 0.0, 0.0]]])
