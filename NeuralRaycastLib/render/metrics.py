@@ -53,7 +53,7 @@ def ssim(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> float:
     pad = int(SSIM_TRUNCATE * SSIM_SIGMA + 0.5)
     values = ssim_map(a, b, data_range)
     if min(values.shape[:2]) <= 2 * pad:
-        raise ValueError(f"images must be larger than {2 * pad + 1} pixels on each side for SSIM")
+        raise ValueError(f"images must be at least {2 * pad + 1} pixels on each side for SSIM")
     return float(values[pad:-pad, pad:-pad].mean())
 
 

@@ -30,6 +30,7 @@ def learned_distances(field: NeuralField, prepared: PreparedStudy) -> np.ndarray
 
 
 def dice(a: np.ndarray, b: np.ndarray) -> float:
+    """2|A ∩ B| / (|A| + |B|) of two masks; 1 where both are empty (they agree: nothing on either side)."""
     total = int(a.sum()) + int(b.sum())
     return 1.0 if total == 0 else 2.0 * int(np.logical_and(a, b).sum()) / total
 
