@@ -450,7 +450,9 @@ def test_an_empty_learned_surface_has_no_surface_distance():
     count = len(prepared.structures)
     nowhere = SimpleNamespace(distances=lambda points: np.full((len(points), count), 5.0, np.float32))
     for name, values in geometry_metrics(nowhere, prepared).items():
-        assert values == {"dice": 0.0, "mean_surface_distance_mm": None, "hd95_mm": None}, name
+        shown = {key: values[key] for key in ("dice", "mean_surface_distance_mm", "hd95_mm")}
+        assert shown == {"dice": 0.0, "mean_surface_distance_mm": None, "hd95_mm": None}, name
+        assert values["learned_volume_ml"] == 0.0 and values["pieces_kept"] == 0, name  # nothing learned
 
 
 def test_evaluate_shows_a_missing_distance_as_a_dash_and_null(tmp_path, monkeypatch, capsys):

@@ -218,8 +218,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     renderer = renderer or run_renderer(gpu, prepared, field, settings)
     metrics: dict[str, Any] = score_views(renderer, views, views.held_out, rendered)
     geometry = geometry_metrics(field, prepared)
-    for key in ("dice", "mean_surface_distance_mm", "hd95_mm", "label_volume_ml", "learned_volume_ml",
-                "volume_difference_percent", "label_pieces", "pieces_kept", "pieces_dropped"):
+    for key in next(iter(geometry.values()), {}):  # each figure by structure: dice, distances, volumes, pieces
         metrics[key] = {name: g[key] for name, g in geometry.items()}
     log_path = folder / "train_log.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else {}
