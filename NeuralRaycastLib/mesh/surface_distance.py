@@ -108,15 +108,23 @@ def balanced_level(distances: np.ndarray, inside: np.ndarray, voxel: float, roun
     return level
 
 
+def mesh_pieces(vertex_count: int, faces: np.ndarray) -> np.ndarray:
+    """The closed piece (connected component) each vertex belongs to, numbered from 0."""
+    return csgraph.connected_components(_neighbour_average(vertex_count, faces), directed=False)[1]
+
+
 def agree_with_labels(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, inside: np.ndarray,
-                      distances: np.ndarray, voxel: float, nearest_vertices: np.ndarray | None = None) -> np.ndarray:
+                      distances: np.ndarray, voxel: float, nearest_vertices: np.ndarray | None = None,
+                      pieces: np.ndarray | None = None) -> np.ndarray:
     """Vertices of a smoothed mesh, each closed piece moved along its normals to its ``balanced_level``
     among the labelled points nearest it (``inside``, with signed ``distances`` to the mesh; the piece of each
-    point is that of ``nearest_vertices``, a vertex of its nearest triangle, or else of its nearest vertex).
+    point is that of ``nearest_vertices``, a vertex of its nearest triangle, or else of its nearest vertex;
+    ``pieces``: :func:`mesh_pieces`, if known).
 
     A low-pass filter shrinks what is small against its pass band (a cavity 3.5 voxels in radius closes by
     about half a millimetre at 2 mm voxels), which the labels the mesh came from rule out."""
-    pieces = csgraph.connected_components(_neighbour_average(len(vertices), faces), directed=False)[1]
+    if pieces is None:
+        pieces = mesh_pieces(len(vertices), faces)
     if nearest_vertices is None:
         nearest_vertices = cKDTree(vertices).query(points, workers=-1)[1]
     owner = pieces[nearest_vertices]
