@@ -14,6 +14,7 @@ from NeuralRaycastLib.study.preprocess import (
     SURFACE_SMOOTHING_ITERATIONS,
     SURFACE_SMOOTHING_PASSBAND,
     derived_probability,
+    fill_holes,
     head_mask,
     normalise_channel,
     occupancy_grid,
@@ -204,6 +205,23 @@ def test_head_mask_finds_the_phantom_brain(phantom_prepared):
     mask = head_mask(phantom_prepared.study.channels)
     dice = 2 * (mask & exact).sum() / (mask.sum() + exact.sum())
     assert dice > 0.97
+
+
+def test_fill_holes_is_scipys_on_masks_with_holes_tunnels_and_faces():
+    """Cavities are filled, also one that meets a tunnel to the grid's faces only at a corner (face
+    connectivity keeps them apart); tunnels and what touches a face stay open; a full and an empty mask stay
+    as they are."""
+    rng = np.random.default_rng(4)
+    noisy = ndimage.binary_opening(rng.random((30, 26, 22)) < 0.55)
+    shell = np.zeros((16, 16, 16), bool)
+    shell[2:14, 2:14, 2:14] = True
+    shell[4:7, 4:7, 4:7] = False  # a cavity
+    shell[7:10, 7:10, 7:10] = False  # another, meeting the tunnel below only at a corner
+    shell[5, 10:, 5] = False  # tunnels to a face
+    shell[10, 10, 10:] = False
+    for mask in (noisy, shell, np.ones((5, 6, 7), bool), np.zeros((5, 6, 7), bool)):
+        np.testing.assert_array_equal(fill_holes(mask), ndimage.binary_fill_holes(mask))
+    assert fill_holes(shell)[5, 5, 5] and fill_holes(shell)[8, 8, 8] and not fill_holes(shell)[5, 12, 5]
 
 
 def test_derived_probability_is_a_smooth_step_across_the_whole_tumour(phantom_prepared):

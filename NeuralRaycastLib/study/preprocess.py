@@ -98,15 +98,16 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     from scipy import ndimage
     from skimage.filters import threshold_otsu
 
+    images = list(channels.values())
+    scales = map_in_threads(lambda image: float(np.percentile(image, 99.0)) or float(image.max()) or 1.0, images)
     combined = None
-    for image in channels.values():
-        scale = float(np.percentile(image, 99.0)) or float(image.max()) or 1.0
+    for image, scale in zip(images, scales, strict=True):
         scaled = image / scale
         combined = scaled if combined is None else np.maximum(combined, scaled)
     assert combined is not None
     mask = combined > threshold_otsu(combined.ravel())  # a histogram's threshold: the shape does not matter
     mask = ndimage.binary_closing(mask, structure=ndimage.generate_binary_structure(3, 1), iterations=2)
-    mask = ndimage.binary_fill_holes(mask)
+    mask = fill_holes(mask)
     components, count = ndimage.label(mask)
     if count > 1:
         sizes = np.bincount(components.ravel())
@@ -115,6 +116,21 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     if labels is not None:
         mask |= labels > 0
     return mask
+
+
+def fill_holes(mask: np.ndarray) -> np.ndarray:
+    """``scipy.ndimage.binary_fill_holes`` with its default (face) connectivity, by one labelling of what is
+    outside the mask instead of dilating from the border until nothing changes: what outside is not
+    connected to the grid's faces is a hole."""
+    from scipy import ndimage
+
+    background, _ = ndimage.label(~mask)
+    faces = [background[[0, -1]], background[:, [0, -1]], background[:, :, [0, -1]]]
+    reaches_a_face = np.zeros(int(background.max()) + 1, bool)
+    for face in faces:
+        reaches_a_face[face.ravel()] = True
+    reaches_a_face[0] = False  # the mask itself
+    return ~reaches_a_face[background]
 
 
 def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True,
@@ -149,9 +165,11 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
                  for lo, hi, m, n in zip(low, high, margin, inside.shape, strict=True))
     box = inside[crop]
     origin = np.array([c.start for c in crop])
-    sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
-    if smooth_surface:
-        _smooth_near_surface(sdf, box, spacing, origin)
+    with ThreadPoolExecutor(1) as pool:  # the surface is smoothed while the transforms run
+        surface = pool.submit(_smoothed_surface, box, spacing, origin) if smooth_surface else None
+        sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
+        if surface is not None:
+            _smooth_near_surface(sdf, box, spacing, origin, *surface.result())
     out = np.empty(inside.shape, np.float32)
     out[crop] = sdf
     _far_field(out, crop, low, high, spacing)
@@ -198,23 +216,25 @@ def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray
     return sdf
 
 
-def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarray, origin: np.ndarray) -> None:
-    """Within ``EXACT_BAND_VOXELS`` of the surface, replace ``sdf`` (of the mask ``inside``, whose first voxel
-    is ``origin`` of the grid) by the exact distance to the mask's smoothed surface (see
-    :func:`signed_distance`)."""
+def _smoothed_surface(inside: np.ndarray, spacing: np.ndarray, origin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The mask's marching-cubes surface after the windowed-sinc filter, in mm from the grid's first voxel
+    (``inside``'s first voxel is ``origin`` of the grid): (vertices, faces)."""
     from ..mesh.mesh import extract_surface
-    from ..mesh.surface_distance import (
-        agree_with_labels,
-        candidate_triangles,
-        mesh_distances,
-        mesh_pieces,
-        smooth_surface,
-    )
+    from ..mesh.surface_distance import smooth_surface
 
     scaled = np.diag([*spacing, 1.0])  # distances do not depend on the grid's orientation or origin
     scaled[:3, 3] = origin * spacing
     vertices, faces = extract_surface(0.5 - inside.astype(np.float32), scaled)
-    vertices = smooth_surface(vertices, faces, SURFACE_SMOOTHING_ITERATIONS, SURFACE_SMOOTHING_PASSBAND)
+    return smooth_surface(vertices, faces, SURFACE_SMOOTHING_ITERATIONS, SURFACE_SMOOTHING_PASSBAND), faces
+
+
+def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarray, origin: np.ndarray,
+                         vertices: np.ndarray, faces: np.ndarray) -> None:
+    """Within ``EXACT_BAND_VOXELS`` of the surface, replace ``sdf`` (of the mask ``inside``, whose first voxel
+    is ``origin`` of the grid) by the exact distance to the mask's smoothed surface (``vertices``, ``faces``;
+    see :func:`signed_distance`)."""
+    from ..mesh.surface_distance import agree_with_labels, candidate_triangles, mesh_distances, mesh_pieces
+
     band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
     points = (np.argwhere(band) + origin) * spacing
     nearest = candidate_triangles(vertices, faces, points)
