@@ -414,7 +414,7 @@ def prepare(
         probability = cached["probability"].astype(np.float32)
         occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
     else:
-        mask, boundary = _mask_and_boundary_maps(study, structures, report)
+        mask, boundary = mask_and_boundary_maps(study, structures, report)
         probability = _probability(study, structures, boundary)
         # The cache stores float16; round fresh results the same way so cached and fresh runs agree.
         probability = probability.astype(np.float16).astype(np.float32)
@@ -454,7 +454,7 @@ def _brain_mask(study: Study) -> np.ndarray:
     return study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
 
 
-def _mask_and_boundary_maps(study: Study, structures: list[Structure],
+def mask_and_boundary_maps(study: Study, structures: list[Structure],
                             report: Progress) -> tuple[np.ndarray, np.ndarray]:
     """The brain mask and every structure's signed distance (S, I, J, K), rounded to float16 as the cache
     keeps them (cached and fresh runs agree). The structures run in threads (their transforms and searches
