@@ -35,9 +35,9 @@ SURFACE_SMOOTHING_ITERATIONS = 20
 SURFACE_SMOOTHING_PASSBAND = 0.01
 #: Boundary-map values within this many voxels of the surface are exact distances to the smoothed mesh.
 EXACT_BAND_VOXELS = 3.0
-#: Within this distance of a structure (at least the band and two voxels) its boundary map is exact; beyond,
-#: where the fit, truncated at a few millimetres, only asks which side, it is a lower bound (the renderer
-#: steps by it).
+#: Within this distance of a structure's voxels (and at least two voxels beyond the band) its boundary map is
+#: exact; further out, where the geometry fit (truncated at 10 mm) only asks which side, it is a lower bound
+#: of the distance, which the renderer may step by.
 EXACT_REACH_MM = 20.0
 NORMALISE_PERCENTILES = (0.5, 99.5)
 OCCUPANCY_BLOCK = 8
@@ -197,9 +197,10 @@ def _feature_distance(features: np.ndarray, spacing: np.ndarray) -> np.ndarray:
 
 
 def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """The mask's Euclidean distance transform both ways, shortened by half a voxel, negative inside: exact
-    wherever the box holds every inside voxel (``low``..``high``) and one voxel beyond, since the nearest
-    voxel of the other side of an inside voxel is then in the box too. The two transforms run in threads."""
+    """The mask's Euclidean distance transform both ways, shortened by half a voxel, negative inside, exact
+    over the box: it holds every inside voxel (``low``..``high``), the nearest one of each outside voxel, and
+    the inside transform is taken over those and one voxel beyond, where the nearest outside voxel of each
+    inside one lies. The two transforms run in threads (they release the interpreter)."""
     from scipy import ndimage
 
     half = np.float32(0.5 * float(spacing.min()))
