@@ -125,3 +125,22 @@ def test_frame_rows_say_how_single_slow_frames_pull_the_mean():
     calls = []
     each = timed_each(lambda: calls.append(1), min_seconds=10.0, max_repeats=3)
     assert len(each) == len(calls) == 3 and all(s >= 0.0 for s in each)
+
+
+def test_the_prepare_suite_times_preparing_afresh_and_leaves_no_cache_entry(tiny_brats):
+    """Both rows (the whole of preparing, and the mask and boundary maps alone) come from fresh work: the
+    prepared-study cache gains no entry."""
+    from NeuralRaycastLib.bench.suites import SUITES
+    from NeuralRaycastLib.paths import cache_folder
+    from NeuralRaycastLib.study.preprocess import prepare
+    from NeuralRaycastLib.study.study import load_study
+
+    prepared = prepare(load_study(tiny_brats), use_cache=False)
+    folder = cache_folder("prepared")
+    before = sorted(folder.iterdir()) if folder.is_dir() else []
+    rows = SUITES["prepare"](None, prepared, True, lambda message, fraction: None)
+    assert [row.metric for row in rows] == ["prepare without cache", "brain mask and boundary maps"]
+    for row in rows:
+        assert row.suite == "prepare" and row.unit == "s" and 0 < row.value < math.inf
+        assert "fastest of 1" in row.notes and "20 × 22 × 18 voxels, 4 structures" in row.notes
+    assert (sorted(folder.iterdir()) if folder.is_dir() else []) == before

@@ -9,12 +9,18 @@ import pytest
 from scipy import ndimage
 
 from NeuralRaycastLib.study.preprocess import (
+    EXACT_BAND_VOXELS,
+    EXACT_REACH_MM,
+    SURFACE_SMOOTHING_ITERATIONS,
+    SURFACE_SMOOTHING_PASSBAND,
     derived_probability,
+    fill_holes,
     head_mask,
     normalise_channel,
     occupancy_grid,
     prepare,
     signed_distance,
+    structure_mask,
 )
 from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
 from NeuralRaycastLib.study.study import Study, load_study
@@ -92,6 +98,72 @@ def test_signed_distance_keeps_a_voxelised_sphere_where_it_was():
     assert abs(boundary.mean()) < 0.05  # voxels
 
 
+def whole_grid_signed_distance(inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """The boundary map as :func:`signed_distance` defines it, taken the plain way: both transforms over the
+    whole grid, a nearest-centroid search for every point, each piece's point the nearest vertex's, and a
+    second search after the pieces move."""
+    from NeuralRaycastLib.mesh.mesh import extract_surface
+    from NeuralRaycastLib.mesh.surface_distance import agree_with_labels, signed_distance_to_mesh, smooth_surface
+
+    half = 0.5 * spacing.min()
+    sdf = np.where(inside, -(ndimage.distance_transform_edt(inside, sampling=spacing) - half),
+                   ndimage.distance_transform_edt(~inside, sampling=spacing) - half)
+    vertices, faces = extract_surface(0.5 - inside.astype(np.float32), np.diag([*spacing, 1.0]))
+    vertices = smooth_surface(vertices, faces, SURFACE_SMOOTHING_ITERATIONS, SURFACE_SMOOTHING_PASSBAND)
+    band = np.abs(sdf) <= EXACT_BAND_VOXELS * spacing.max()
+    points = np.argwhere(band) * spacing
+    exact = signed_distance_to_mesh(vertices, faces, points)
+    moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()))
+    exact = signed_distance_to_mesh(moved, faces, points)
+    trusted = (np.sign(exact) == np.sign(sdf[band])) | (np.abs(sdf[band]) < spacing.max())
+    sdf[band] = np.where(trusted, exact, sdf[band])
+    return sdf
+
+
+@pytest.mark.parametrize("shape_name", ["shell", "shell against the grid's edge", "slit ring"])
+def test_cropped_boundary_map_matches_the_whole_grid_one(shape_name):
+    """The map taken over the structure's box alone, with one search for nearest triangles where the
+    smoothed surface is one piece (what makes it fast), equals the whole-grid one near the surface and within
+    EXACT_REACH_MM of the structure, to a micrometre; further out it is a lower bound of it, never below that
+    reach, and the sign is the same everywhere. A shell is two pieces (one a small cavity); a ring with a
+    narrow slit is one piece whose two faces of the slit are equally near the points in it."""
+    spacing = np.array([1.5, 2.0, 2.5])
+    shape = (72, 50, 44)
+    centre = np.array([30.3, 4.0 if "edge" in shape_name else 40.2, 50.1])
+    points = (np.indices(shape).reshape(3, -1).T * spacing).reshape(*shape, 3)
+    radius = np.linalg.norm(points - centre, axis=-1)
+    if shape_name == "slit ring":
+        across = np.linalg.norm((points - centre)[..., :2], axis=-1)
+        slit = (np.abs(points[..., 1] - centre[1]) < 1.7) & (points[..., 0] > centre[0])
+        inside = (across < 14.0) & (across >= 5.0) & (np.abs(points[..., 2] - centre[2]) < 6.0) & ~slit
+    else:
+        inside = (radius < 13.0) & (radius >= 6.5)
+    reference = whole_grid_signed_distance(inside, spacing)
+    fast = signed_distance(inside, spacing)
+    assert fast.dtype == np.float32
+    near = np.abs(reference) <= EXACT_REACH_MM
+    far = ~near
+    assert far.sum() > 0.5 * far.size  # the crop leaves most of the grid to the far field
+    band = np.abs(reference) <= EXACT_BAND_VOXELS * spacing.max()
+    np.testing.assert_allclose(fast[band], reference[band], atol=1e-4)
+    np.testing.assert_allclose(fast[near], reference[near], atol=1e-4)
+    np.testing.assert_array_equal(np.sign(fast), np.sign(reference))
+    assert np.all(fast[far] <= reference[far] + 1e-4)  # never further than it is: safe to step by
+    assert np.all(fast[far] >= EXACT_REACH_MM - 0.5 * spacing.min() - 1e-4)
+
+
+def test_prepared_maps_are_each_structures_own_in_structure_order(tiny_brats):
+    """The structures are computed in threads at once: each map is its own structure's, as computed alone
+    and rounded as the cache keeps it."""
+    study = load_study(tiny_brats)
+    prepared = prepare(study, use_cache=False)
+    assert [s.name for s in prepared.structures] == ["brain", "whole_tumor", "tumor_core", "enhancing_tumor"]
+    for index, structure in enumerate(prepared.structures):
+        alone = signed_distance(structure_mask(structure, study.labels, prepared.mask), study.spacing)
+        np.testing.assert_array_equal(prepared.boundary[index], alone.astype(np.float16).astype(np.float32),
+                                      err_msg=structure.name)
+
+
 def test_signed_distance_refuses_empty_mask():
     with pytest.raises(ValueError, match="mask is empty"):
         signed_distance(np.zeros((4, 4, 4), bool), np.ones(3))
@@ -133,6 +205,23 @@ def test_head_mask_finds_the_phantom_brain(phantom_prepared):
     mask = head_mask(phantom_prepared.study.channels)
     dice = 2 * (mask & exact).sum() / (mask.sum() + exact.sum())
     assert dice > 0.97
+
+
+def test_fill_holes_is_scipys_on_masks_with_holes_tunnels_and_faces():
+    """Cavities are filled, also one that meets a tunnel to the grid's faces only at a corner (face
+    connectivity keeps them apart); tunnels and what touches a face stay open; a full and an empty mask stay
+    as they are."""
+    rng = np.random.default_rng(4)
+    noisy = ndimage.binary_opening(rng.random((30, 26, 22)) < 0.55)
+    shell = np.zeros((16, 16, 16), bool)
+    shell[2:14, 2:14, 2:14] = True
+    shell[4:7, 4:7, 4:7] = False  # a cavity
+    shell[7:10, 7:10, 7:10] = False  # another, meeting the tunnel below only at a corner
+    shell[5, 10:, 5] = False  # tunnels to a face
+    shell[10, 10, 10:] = False
+    for mask in (noisy, shell, np.ones((5, 6, 7), bool), np.zeros((5, 6, 7), bool)):
+        np.testing.assert_array_equal(fill_holes(mask), ndimage.binary_fill_holes(mask))
+    assert fill_holes(shell)[5, 5, 5] and fill_holes(shell)[8, 8, 8] and not fill_holes(shell)[5, 12, 5]
 
 
 def test_derived_probability_is_a_smooth_step_across_the_whole_tumour(phantom_prepared):

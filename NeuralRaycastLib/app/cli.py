@@ -495,8 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", nargs="+", default=["reference"],
                    help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
                         "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
-                        "it trains), kernels (registers, spills and shared memory of the CUDA kernels compiled "
-                        "so far, by ptxas: list it last) (default: reference)")
+                        "it trains), prepare (the study prepared afresh on the CPU), kernels (registers, spills "
+                        "and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) (default: "
+                        "reference)")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--quick", action="store_true",

@@ -8,6 +8,8 @@ free of VTK so studies can be prepared wherever numpy runs.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -106,15 +108,26 @@ def balanced_level(distances: np.ndarray, inside: np.ndarray, voxel: float, roun
     return level
 
 
+def mesh_pieces(vertex_count: int, faces: np.ndarray) -> np.ndarray:
+    """The closed piece (connected component) each vertex belongs to, numbered from 0."""
+    return csgraph.connected_components(_neighbour_average(vertex_count, faces), directed=False)[1]
+
+
 def agree_with_labels(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, inside: np.ndarray,
-                      distances: np.ndarray, voxel: float) -> np.ndarray:
+                      distances: np.ndarray, voxel: float, nearest_vertices: np.ndarray | None = None,
+                      pieces: np.ndarray | None = None) -> np.ndarray:
     """Vertices of a smoothed mesh, each closed piece moved along its normals to its ``balanced_level``
-    among the labelled points nearest it (``inside``, with signed ``distances`` to the mesh).
+    among the labelled points nearest it (``inside``, with signed ``distances`` to the mesh; the piece of each
+    point is that of ``nearest_vertices``, a vertex of its nearest triangle, or else of its nearest vertex;
+    ``pieces``: :func:`mesh_pieces`, if known).
 
     A low-pass filter shrinks what is small against its pass band (a cavity 3.5 voxels in radius closes by
     about half a millimetre at 2 mm voxels), which the labels the mesh came from rule out."""
-    pieces = csgraph.connected_components(_neighbour_average(len(vertices), faces), directed=False)[1]
-    owner = pieces[cKDTree(vertices).query(points, workers=-1)[1]]
+    if pieces is None:
+        pieces = mesh_pieces(len(vertices), faces)
+    if nearest_vertices is None:
+        nearest_vertices = cKDTree(vertices).query(points, workers=-1)[1]
+    owner = pieces[nearest_vertices]
     normals = vertex_normals(vertices, faces)
     moved = vertices.astype(np.float64)
     for piece in np.unique(owner):
@@ -151,25 +164,85 @@ def closest_on_triangles(p: np.ndarray, a: np.ndarray, b: np.ndarray, c: np.ndar
     return closest, distance2, normal
 
 
+def candidate_triangles(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                        candidates: int = 12) -> np.ndarray:
+    """For each of ``points`` (N, 3), the ``candidates`` triangles whose centroids are nearest (N, k): enough
+    to hold the nearest triangle for the near-uniform triangles of marching cubes, before or after the mesh is
+    moved by less than a triangle's size (so one search serves both)."""
+    k = min(candidates, len(faces))
+    _, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
+    return np.asarray(nearest, np.int64).reshape(len(points), k)
+
+
+def _triangle_table(vertices: np.ndarray, faces: np.ndarray, origin: np.ndarray) -> np.ndarray:
+    """Per triangle (16, F): corner a (less ``origin``), edges e0 = b − a and e1 = c − a, the normal n = e0 × e1,
+    and the dot products e0·e0, e0·e1, e1·e1, |c − b|², the Gram determinant and n·n: what the squared
+    distance of a point needs."""
+    a, b, c = (vertices[faces[:, corner]].astype(np.float64) for corner in range(3))
+    e0, e1 = b - a, c - a
+    normal = np.cross(e0, e1)
+    a00, a01, a11 = (e0 * e0).sum(1), (e0 * e1).sum(1), (e1 * e1).sum(1)
+    a22 = ((c - b) ** 2).sum(1)
+    det = np.maximum(a00 * a11 - a01 * a01, 1e-300)
+    nn = np.maximum((normal * normal).sum(1), 1e-300)
+    return np.ascontiguousarray(np.vstack([(a - origin).T, e0.T, e1.T, normal.T, a00, a01, a11, a22, det, nn]))
+
+
+def _squared_distances(table: np.ndarray, p: np.ndarray, nearest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Squared distances (n, k) from points p (n, 3; less the table's origin) to the triangles ``nearest``
+    (n, k), and the points' heights above the triangles' planes along n (whose sign is the side): the
+    plane's distance where the projection falls inside the triangle, else the nearest edge's, all from
+    scalars (no 3-vectors per pair), in the table's precision."""
+    ax, ay, az, e0x, e0y, e0z, e1x, e1y, e1z, nx, ny, nz, a00, a01, a11, a22, det, nn = (row[nearest] for row in table)
+    px, py, pz = (p[:, axis : axis + 1] - corner for axis, corner in enumerate((ax, ay, az)))
+    d0 = e0x * px + e0y * py + e0z * pz  # e0·(p − a)
+    d1 = e1x * px + e1y * py + e1z * pz  # e1·(p − a)
+    height = nx * px + ny * py + nz * pz  # n·(p − a)
+    pp = px * px + py * py + pz * pz
+    s = a11 * d0 - a01 * d1  # barycentric coordinates of the projection, times det
+    t = a00 * d1 - a01 * d0
+    inside = (s >= 0.0) & (t >= 0.0) & (s + t <= det)
+    best = np.where(inside, height * height / nn, np.inf)
+    for dot, length2 in ((d0, a00), (d1, a11)):  # the edges from a: to b, to c
+        u = np.clip(dot / length2, 0.0, 1.0)
+        np.minimum(best, pp - u * (2.0 * dot - u * length2), out=best)
+    dot = d1 - d0 - a01 + a00  # the edge from b to c: (c − b)·(p − b)
+    u = np.clip(dot / a22, 0.0, 1.0)
+    np.minimum(best, pp - 2.0 * d0 + a00 - u * (2.0 * dot - u * a22), out=best)
+    return np.maximum(best, 0.0, out=best), height
+
+
+def mesh_distances(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, nearest: np.ndarray,
+                   chunk: int = 1 << 13) -> tuple[np.ndarray, np.ndarray]:
+    """Signed distances (negative inside) from ``points`` (N, 3) to a closed, outward-wound mesh, the nearest
+    triangle sought among ``nearest`` (N, k; :func:`candidate_triangles`): (distances, nearest triangles).
+
+    The sign is the side of the nearest triangle's plane the point is on, which is right for a smooth mesh
+    even where the closest point lies on an edge. The nearest triangle is chosen in single precision (near
+    the mesh's centre, so only triangles within micrometres of each other's distance may be confused), in
+    chunks, in threads; the distance to it is then taken in double precision."""
+    origin = vertices.mean(axis=0) if len(vertices) else np.zeros(3)
+    table = _triangle_table(vertices, faces, origin)
+    single = table.astype(np.float32)
+    best = np.empty(len(points), np.int64)
+
+    def choose(start: int) -> None:
+        rows = slice(start, start + chunk)
+        p, candidates = (points[rows] - origin).astype(np.float32), nearest[rows]
+        distance2 = _squared_distances(single, p, candidates)[0]
+        best[rows] = candidates[np.arange(len(p)), np.argmin(distance2, axis=1)]
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(choose, range(0, len(points), chunk)))
+    distance2, height = _squared_distances(table, np.asarray(points, np.float64) - origin, best[:, None])
+    return np.sqrt(distance2[:, 0]) * np.where(height[:, 0] < 0.0, -1.0, 1.0), best
+
+
 def signed_distance_to_mesh(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, candidates: int = 12,
-                            chunk: int = 1 << 15) -> np.ndarray:
+                            chunk: int = 1 << 13) -> np.ndarray:
     """Signed distance (negative inside) from ``points`` (N, 3) to a closed, outward-wound mesh.
 
     The nearest triangle is sought among the ``candidates`` whose centroids are nearest (enough for the
-    near-uniform triangles of marching cubes); the sign is the side of that triangle's plane the point
-    is on, which is right for a smooth mesh even where the closest point lies on an edge."""
-    tree = cKDTree(vertices[faces].mean(axis=1))
-    result = np.empty(len(points))
-    k = min(candidates, len(faces))
-    for start in range(0, len(points), chunk):
-        p = np.asarray(points[start : start + chunk], np.float64)
-        _, nearest = tree.query(p, k=k, workers=-1)
-        nearest = nearest.reshape(len(p), k)
-        corners = vertices[faces[nearest]]  # (n, k, 3 corners, 3)
-        closest, distance2, normal = closest_on_triangles(p[:, None, :], corners[:, :, 0], corners[:, :, 1],
-                                                          corners[:, :, 2])
-        best = np.argmin(distance2, axis=1)
-        rows = np.arange(len(p))
-        side = ((p - closest[rows, best]) * normal[rows, best]).sum(-1)
-        result[start : start + chunk] = np.sqrt(distance2[rows, best]) * np.where(side < 0.0, -1.0, 1.0)
-    return result
+    near-uniform triangles of marching cubes); see :func:`mesh_distances`."""
+    nearest = candidate_triangles(vertices, faces, points, candidates)
+    return mesh_distances(vertices, faces, points, nearest, chunk)[0]
