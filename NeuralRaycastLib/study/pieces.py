@@ -20,23 +20,27 @@ class Piece:
 
 def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list[Piece]]:
     """The 26-connected pieces of ``mask``, largest first, and the map of them (0 outside, i + 1 inside the
-    i-th piece of the list)."""
+    i-th piece of the list). The work is done on the mask's bounding box: a tumour is small beside the grid."""
     from scipy import ndimage
 
-    found, count = ndimage.label(mask, structure=np.ones((3, 3, 3), bool))
-    if count == 0:
-        return found, []
+    pieces_map = np.zeros(mask.shape, np.int32)
+    if not mask.any():
+        return pieces_map, []
+    spans = [np.flatnonzero(mask.any(axis=tuple(other for other in range(3) if other != axis))) for axis in range(3)]
+    box = tuple(slice(int(span[0]), int(span[-1]) + 1) for span in spans)
+    found, count = ndimage.label(mask[box], structure=np.ones((3, 3, 3), bool))
     indices = np.arange(1, count + 1)
     sizes = np.bincount(found.ravel(), minlength=count + 1)[1:]
-    centres = ndimage.center_of_mass(mask, found, indices)
+    centres = np.asarray(ndimage.center_of_mass(mask[box], found, indices), np.float64).reshape(count, 3)
+    centres += [s.start for s in box]
     affine = np.asarray(affine, np.float64)
     voxel_ml = abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
     order = np.argsort(-sizes, kind="stable")
-    renumber = np.zeros(count + 1, found.dtype)
+    renumber = np.zeros(count + 1, np.int32)
     renumber[order + 1] = np.arange(1, count + 1)
-    pieces = []
-    for piece in order:
-        ras = affine @ np.append(np.asarray(centres[piece], np.float64), 1.0)
-        pieces.append(Piece(int(sizes[piece]), float(sizes[piece] * voxel_ml),
-                            tuple(round(float(v), 2) for v in ras[:3])))  # type: ignore[arg-type]
-    return renumber[found], pieces
+    pieces_map[box] = renumber[found]
+    ras = np.c_[centres, np.ones(count)] @ affine.T
+    pieces = [Piece(int(sizes[piece]), float(sizes[piece] * voxel_ml),
+                    tuple(round(float(v), 2) for v in ras[piece, :3]))  # type: ignore[arg-type]
+              for piece in order]
+    return pieces_map, pieces
