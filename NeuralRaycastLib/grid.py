@@ -52,6 +52,11 @@ def sample_at(volume: np.ndarray, affine: np.ndarray, points: np.ndarray) -> np.
     return interpolate_ijk(volume, np.asarray(points) @ ras_to_ijk[:3, :3].T + ras_to_ijk[:3, 3])
 
 
+def voxel_ml(affine: np.ndarray) -> float:
+    """One voxel's volume in millilitres (|det| of the affine's linear part, so sheared grids count right)."""
+    return abs(float(np.linalg.det(np.asarray(affine, np.float64)[:3, :3]))) / 1000.0
+
+
 def off_grid_mm(affine: np.ndarray, reference_affine: np.ndarray, shape: tuple[int, ...]) -> float | None:
     """How far (mm, the largest corner displacement) a grid of ``shape`` (IJK) lies off the reference grid of
     the same shape, where that is more than :data:`GRID_TOLERANCE_VOXELS`; None where both are one grid.

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..grid import voxel_ml
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -34,13 +36,13 @@ def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list
     centres = np.asarray(ndimage.center_of_mass(mask[box], found, indices), np.float64).reshape(count, 3)
     centres += [s.start for s in box]
     affine = np.asarray(affine, np.float64)
-    voxel_ml = abs(float(np.linalg.det(affine[:3, :3]))) / 1000.0
+    voxel = voxel_ml(affine)
     order = np.argsort(-sizes, kind="stable")
     renumber = np.zeros(count + 1, np.int32)
     renumber[order + 1] = np.arange(1, count + 1)
     pieces_map[box] = renumber[found]
     ras = np.c_[centres, np.ones(count)] @ affine.T
-    pieces = [Piece(int(sizes[piece]), float(sizes[piece] * voxel_ml),
+    pieces = [Piece(int(sizes[piece]), float(sizes[piece] * voxel),
                     tuple(round(float(v), 2) for v in ras[piece, :3]))  # type: ignore[arg-type]
               for piece in order]
     return pieces_map, pieces

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..field.field import NeuralField
-from ..grid import sample_at
+from ..grid import sample_at, voxel_ml
 from ..mesh.mesh import extract_surface, resample_sdf
 from ..study.pieces import label_pieces
 from ..study.preprocess import PreparedStudy, structure_mask
@@ -72,8 +72,7 @@ def volumes(truth: np.ndarray, learned: np.ndarray, affine: np.ndarray) -> dict[
     """``label_volume_ml`` (the label's voxels), ``learned_volume_ml`` (what the learned surface, the zero level
     of ``learned`` on the grid, encloses) and ``volume_difference_percent`` (learned against label; None where
     the label is empty)."""
-    voxel_ml = abs(float(np.linalg.det(np.asarray(affine, np.float64)[:3, :3]))) / 1000.0
-    label = float(truth.sum()) * voxel_ml
+    label = float(truth.sum()) * voxel_ml(affine)
     vertices, faces = extract_surface(learned, affine)
     enclosed = 0.0
     if len(faces):
