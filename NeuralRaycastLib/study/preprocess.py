@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +24,12 @@ import numpy as np
 from ..array_cache import read_entry, write_entry
 from ..paths import cache_folder
 from ..progress import Progress
+from .drawn_labels import MIN_PIECE_ML, LabelNote, disagreement, is_drawn, smoothed_label, smoothing_mm, tidy_label
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
 #: Bump when anything below changes what is cached.
-PREPROCESS_VERSION = 7
+PREPROCESS_VERSION = 8
 #: Windowed-sinc smoothing of a mask's surface before distances are taken, with the iterations and pass
 #: band of Slicer's closed-surface default (smoothing factor 0.5: 20 iterations, pass band 10⁻²).
 SURFACE_SMOOTHING_ITERATIONS = 20
@@ -59,6 +60,9 @@ class PreparedStudy:
     occupancy_block: int
     bounds: np.ndarray  # (2, 3) RAS mm box around the mask
     key: str = ""  # digest of the inputs it was prepared from ("" if unknown): names derived caches
+    # per structure: small pieces left out or kept apart, holes filled, taken as drawn (drawn_labels.py)
+    label_notes: dict[str, LabelNote] = field(default_factory=dict)
+    min_piece_ml: float = MIN_PIECE_ML
 
     @property
     def affine(self) -> np.ndarray:
@@ -134,7 +138,7 @@ def fill_holes(mask: np.ndarray) -> np.ndarray:
 
 
 def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True,
-                    name: str = "a mask") -> np.ndarray:
+                    name: str = "a mask", note: LabelNote | None = None, detect_drawn: bool = True) -> np.ndarray:
     """Signed distance in mm to the boundary of a voxel mask; negative inside (``name``: what the mask is,
     for the error a mask without a boundary raises).
 
@@ -152,6 +156,10 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     A Gaussian on the distance map, the obvious alternative, also removes the terraces but moves every
     curved surface inwards by about σ²/R (on the phantom at 2 mm: 0.2 mm for the whole tumour, 0.25 mm
     for the core). ``smooth_surface=False`` gives the unsmoothed transform.
+
+    A drawn label (ragged, stair-stepped; see :mod:`.drawn_labels`) is not followed voxel by voxel: its
+    surface is the zero level of its smoothed, volume-kept distance, and the mask its voxels below it. ``note``
+    is told whether the label was taken as drawn; ``detect_drawn=False`` follows every label as it is.
     """
     spacing = np.asarray(spacing, dtype=np.float64)
     if not inside.any() or inside.all():
@@ -168,6 +176,18 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     with ThreadPoolExecutor(1) as pool:  # the surface is smoothed while the transforms run
         surface = pool.submit(_smoothed_surface, box, spacing, origin) if smooth_surface else None
         sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
+        if surface is not None and detect_drawn:
+            share = disagreement(sdf, box)
+            drawn = is_drawn(share, spacing)
+            if note is not None:
+                note.disagreement, note.drawn = share, drawn
+            if drawn:  # its smoothed surface, and the voxels inside that
+                surface.cancel()
+                smoothed = smoothed_label(sdf, box, smoothing_mm(spacing) / spacing)
+                box = smoothed < 0
+                low, high = (corner + origin for corner in _voxel_box(box))
+                sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
+                surface = pool.submit(_contour_surface, smoothed, spacing, origin)
         if surface is not None:
             _smooth_near_surface(sdf, box, spacing, origin, *surface.result())
     out = np.empty(inside.shape, np.float32)
@@ -220,12 +240,18 @@ def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray
 def _smoothed_surface(inside: np.ndarray, spacing: np.ndarray, origin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The mask's marching-cubes surface after the windowed-sinc filter, in mm from the grid's first voxel
     (``inside``'s first voxel is ``origin`` of the grid): (vertices, faces)."""
+    return _contour_surface(0.5 - inside.astype(np.float32), spacing, origin)
+
+
+def _contour_surface(volume: np.ndarray, spacing: np.ndarray, origin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The zero level of ``volume`` (marching cubes) after the windowed-sinc filter, in mm from the grid's
+    first voxel (``volume``'s first voxel is ``origin`` of the grid): (vertices, faces)."""
     from ..mesh.mesh import extract_surface
     from ..mesh.surface_distance import smooth_surface
 
     scaled = np.diag([*spacing, 1.0])  # distances do not depend on the grid's orientation or origin
     scaled[:3, 3] = origin * spacing
-    vertices, faces = extract_surface(0.5 - inside.astype(np.float32), scaled)
+    vertices, faces = extract_surface(volume, scaled)
     return smooth_surface(vertices, faces, SURFACE_SMOOTHING_ITERATIONS, SURFACE_SMOOTHING_PASSBAND), faces
 
 
@@ -339,8 +365,9 @@ def _array_digest(array: np.ndarray | None) -> bytes:
     return digest.digest()
 
 
-def _cache_key(study: Study, structures: list[Structure]) -> str:
-    """A digest of everything preparing reads; the arrays are hashed in threads, one each."""
+def _cache_key(study: Study, structures: list[Structure], pieces: tuple[float, bool]) -> str:
+    """A digest of everything preparing reads (``pieces``: its minimum piece size and whether small pieces are
+    kept apart); the arrays are hashed in threads, one each."""
     arrays = [np.asarray(study.affine, np.float64), *study.channels.values()]
     arrays += [study.labels, study.probability, study.brain_mask]
     digest = hashlib.sha256(f"v{PREPROCESS_VERSION}".encode())
@@ -348,6 +375,7 @@ def _cache_key(study: Study, structures: list[Structure]) -> str:
     for part in map_in_threads(_array_digest, arrays):
         digest.update(part)
     digest.update(repr([(s.name, s.labels) for s in structures]).encode())
+    digest.update(repr(pieces).encode())
     return digest.hexdigest()[:32]
 
 
@@ -397,11 +425,17 @@ def prepare(
     use_cache: bool = True,
     cache_root: Path | None = None,
     progress: Progress | None = None,
+    min_piece_ml: float = MIN_PIECE_ML,
+    keep_small_pieces: bool = False,
 ) -> PreparedStudy:
-    """Derive everything the field needs from a study (see the module docstring)."""
+    """Derive everything the field needs from a study (see the module docstring). Pieces of a label smaller
+    than ``min_piece_ml`` are left out of its surface (``keep_small_pieces``: kept as surfaces of their own);
+    either way they are listed in ``label_notes``."""
+    if not (isinstance(min_piece_ml, (int, float)) and np.isfinite(min_piece_ml) and min_piece_ml >= 0):
+        raise ValueError(f"the minimum piece size must be a number of millilitres of at least 0 (got {min_piece_ml!r})")
     report = progress or (lambda message, fraction: None)
     structures = make_structures(study.structures, include_brain=True, colors=study.colors)
-    key = _cache_key(study, structures)
+    key = _cache_key(study, structures, (float(min_piece_ml), bool(keep_small_pieces)))
     path = (cache_root or cache_folder("prepared")) / key
     entry = _load_cached(path, study.shape, len(structures)) if use_cache else None
 
@@ -410,12 +444,13 @@ def prepare(
         cached, meta = entry
         report("boundary maps loaded from cache", 1.0)
         ranges = _cached_ranges(meta, len(study.channels))
+        notes = {name: LabelNote.from_dict(note) for name, note in meta.get("label_notes", {}).items()}
         boundary = _float32_in_threads(cached["boundary"])
         mask = cached["mask"].astype(bool)
         probability = cached["probability"].astype(np.float32)
         occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
     else:
-        mask, boundary = mask_and_boundary_maps(study, structures, report)
+        mask, boundary, notes = mask_and_boundary_maps(study, structures, report, min_piece_ml, keep_small_pieces)
         probability = _probability(study, structures, boundary)
         # The cache stores float16; round fresh results the same way so cached and fresh runs agree.
         probability = probability.astype(np.float16).astype(np.float32)
@@ -424,7 +459,10 @@ def prepare(
         if use_cache:
             write_entry(path, {"boundary": boundary.astype(np.float16), "mask": mask,
                                "probability": probability.astype(np.float16), "occupancy": occupancy,
-                               "bounds": bounds}, {"channel_ranges": ranges}, keep=CACHE_ENTRIES)
+                               "bounds": bounds},
+                        {"channel_ranges": ranges,
+                         "label_notes": {name: note.as_dict() for name, note in notes.items()}},
+                        keep=CACHE_ENTRIES)
         report("boundary maps ready", 1.0)
 
     channels = np.empty((len(study.channels), *study.shape), np.float32)
@@ -444,6 +482,8 @@ def prepare(
         occupancy_block=OCCUPANCY_BLOCK,
         bounds=bounds,
         key=key,
+        label_notes=notes,
+        min_piece_ml=float(min_piece_ml),
     )
 
 
@@ -455,19 +495,27 @@ def _brain_mask(study: Study) -> np.ndarray:
     return study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
 
 
-def mask_and_boundary_maps(study: Study, structures: list[Structure],
-                            report: Progress) -> tuple[np.ndarray, np.ndarray]:
-    """The brain mask and every structure's signed distance (S, I, J, K), rounded to float16 as the cache
-    keeps them (cached and fresh runs agree). The structures run in threads (their transforms and searches
-    release the interpreter), those from labels while the mask is found; progress is reported from this
-    thread, and the first error in structure order is raised."""
+def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Progress,
+                            min_piece_ml: float = MIN_PIECE_ML, keep_small_pieces: bool = False
+                            ) -> tuple[np.ndarray, np.ndarray, dict[str, LabelNote]]:
+    """The brain mask, every structure's signed distance (S, I, J, K), rounded to float16 as the cache keeps
+    them (cached and fresh runs agree), and each structure's :class:`LabelNote` (see :func:`prepare` for the
+    pieces). The structures run in threads (their transforms and searches release the interpreter), those
+    from labels while the mask is found; progress is reported from this thread, and the first error in
+    structure order is raised."""
     boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
+    notes: dict[str, LabelNote] = {}
 
     def compute(index: int, brain: np.ndarray | None) -> None:
         structure = structures[index]
-        distance = signed_distance(structure_mask(structure, study.labels, brain), study.spacing,
-                                   name=_structure_name(study, structure))
+        name = _structure_name(study, structure)
+        mask, apart, note = tidy_label(structure_mask(structure, study.labels, brain), study.affine,
+                                       min_piece_ml, keep_small_pieces)
+        distance = signed_distance(mask, study.spacing, name=name, note=note)
+        if apart is not None:  # small pieces as drawn, each a surface of its own
+            np.minimum(distance, signed_distance(apart, study.spacing, name=name, detect_drawn=False), out=distance)
         boundary[index] = distance.astype(np.float16)
+        notes[structure.name] = note
 
     report("brain mask", 0.0)
     futures: dict[int, Future] = {}
@@ -490,7 +538,7 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure],
             raise
     for index in sorted(futures):
         futures[index].result()
-    return mask, boundary
+    return mask, boundary, {s.name: notes[s.name] for s in structures}
 
 
 def _structure_name(study: Study, structure: Structure) -> str:

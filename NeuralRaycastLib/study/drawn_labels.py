@@ -1,0 +1,158 @@
+"""Labels as drawn: a noisy observation of a smooth surface.
+
+A label map drawn by a person or a network is ragged: slice outlines shifted against each other, specks and
+small holes, skipped or doubled slices, stair steps from thick slices. The surface through every voxel of such a
+label (marching cubes, even after Slicer's smoothing) follows all of it. Here:
+
+- pieces smaller than a size the user sets are left out of the surface, or kept apart as separate small
+  surfaces, and holes that small are filled; each is listed (:class:`LabelNote`), never dropped unsaid;
+- a label whose voxels disagree with its own lightly smoothed surface more often than an exact voxelisation
+  of a smooth shape does, or any label on thick slices, is taken as drawn: its surface is the zero level of
+  its signed distance smoothed over about a voxel in-plane and half a slice across thick slices
+  (:func:`smoothing_mm`), levelled so that it holds as many voxels as the label (the volume clinicians
+  measure is kept).
+
+A label that is the exact voxelisation of a smooth shape passes unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .pieces import Piece, label_pieces
+
+#: Pieces (and holes) of a label smaller than this many millilitres are left out of its surface by default:
+#: specks of a few voxels, which no smooth surface at the study's resolution holds.
+MIN_PIECE_ML = 0.1
+#: Above this many voxels on the other side of its surface smoothed over :data:`PROBE_VOXELS`, as a fraction of
+#: its boundary voxels, a label is taken as drawn (see :func:`disagreement`): exact voxelisations of smooth
+#: shapes, small cavities among them, stay at 0.02 or below; drawn labels reach 0.1 and more.
+DRAWN_DISAGREEMENT = 0.05
+#: The smoothing (Gaussian σ, voxels) that probes a label's raggedness: too light to move a smooth surface
+#: across a voxel centre, enough to move a ragged one.
+PROBE_VOXELS = 0.8
+#: Slices this many times thicker than the finest spacing or more: a label on them is always taken as drawn. Its
+#: stair steps are the slicing's, not the structure's, and on slices that thick a ragged outline cannot be told
+#: from the slope between slices.
+THICK_SLICES = 2.0
+
+
+@dataclass
+class LabelNote:
+    """What was done to one structure's label before its surface was taken."""
+
+    left_out: list[Piece] = field(default_factory=list)  # small pieces not in the surface
+    kept_apart: list[Piece] = field(default_factory=list)  # small pieces kept as surfaces of their own
+    holes_filled: list[Piece] = field(default_factory=list)
+    drawn: bool = False  # smoothed as a drawn label
+    disagreement: float = 0.0  # the fraction that decided it
+
+    def as_dict(self) -> dict:
+        return {"left_out": [p.as_dict() for p in self.left_out],
+                "kept_apart": [p.as_dict() for p in self.kept_apart],
+                "holes_filled": [p.as_dict() for p in self.holes_filled],
+                "drawn": self.drawn, "disagreement": round(self.disagreement, 4)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LabelNote:
+        def pieces(key: str) -> list[Piece]:
+            return [Piece(int(p["voxels"]), float(p["volume_ml"]), tuple(p["centre_ras"]))  # type: ignore[arg-type]
+                    for p in data.get(key, [])]
+
+        return cls(pieces("left_out"), pieces("kept_apart"), pieces("holes_filled"), bool(data.get("drawn", False)),
+                   float(data.get("disagreement", 0.0)))
+
+
+def split_small_pieces(mask: np.ndarray, affine: np.ndarray, min_piece_ml: float
+                       ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
+    """``mask`` as (its pieces of at least ``min_piece_ml``, the smaller ones, the list of the smaller ones).
+    The largest piece always stays, whatever its size: a structure is never emptied."""
+    found, pieces = label_pieces(mask, affine)
+    small = [index for index, piece in enumerate(pieces) if index > 0 and piece.volume_ml < min_piece_ml]
+    if not small:
+        return mask, np.zeros_like(mask), []
+    is_small = np.zeros(len(pieces) + 1, bool)
+    is_small[np.asarray(small) + 1] = True
+    small_mask = is_small[found]
+    return mask & ~small_mask, small_mask, [pieces[index] for index in small]
+
+
+def fill_small_holes(mask: np.ndarray, affine: np.ndarray, min_piece_ml: float) -> tuple[np.ndarray, list[Piece]]:
+    """``mask`` with its holes (what is outside it but enclosed, face-connected) smaller than
+    ``min_piece_ml`` filled, and the list of them. Only the mask's bounding box is searched."""
+    from scipy import ndimage
+
+    if not mask.any() or min_piece_ml <= 0:
+        return mask, []
+    spans = [np.flatnonzero(mask.any(axis=tuple(o for o in range(3) if o != axis))) for axis in range(3)]
+    box = tuple(slice(int(span[0]), int(span[-1]) + 1) for span in spans)
+    background, count = ndimage.label(~mask[box])
+    if count == 0:
+        return mask, []
+    faces = [background[[0, -1]], background[:, [0, -1]], background[:, :, [0, -1]]]
+    enclosed = np.ones(count + 1, bool)
+    enclosed[0] = False
+    for face in faces:
+        enclosed[face.ravel()] = False
+    holes = np.zeros(mask.shape, bool)
+    holes[box] = enclosed[background]
+    found, pieces = label_pieces(holes, affine)
+    fill = [index for index, piece in enumerate(pieces) if piece.volume_ml < min_piece_ml]
+    if not fill:
+        return mask, []
+    chosen = np.zeros(len(pieces) + 1, bool)
+    chosen[np.asarray(fill) + 1] = True
+    return mask | chosen[found], [pieces[index] for index in fill]
+
+
+def smoothing_mm(spacing: np.ndarray) -> np.ndarray:
+    """The smoothing (Gaussian σ, mm, per axis) of a drawn label: a voxel of the finest axis, and half a slice
+    along thicker ones, where the outlines of neighbouring slices were drawn apart."""
+    spacing = np.asarray(spacing, np.float64)
+    return np.maximum(spacing.min(), 0.5 * spacing)
+
+
+def smoothed_label(sdf: np.ndarray, inside: np.ndarray, sigma_voxels: np.ndarray) -> np.ndarray:
+    """The voxel signed distance ``sdf`` of the mask ``inside`` smoothed by a Gaussian of ``sigma_voxels``,
+    shifted so that exactly as many voxels are below zero as ``inside`` holds (the label's volume is kept)."""
+    from scipy import ndimage
+
+    smooth = ndimage.gaussian_filter(sdf.astype(np.float32), sigma_voxels, mode="nearest")
+    count = int(inside.sum())
+    flat = smooth.ravel()
+    if count <= 0 or count >= flat.size:
+        return smooth
+    below, above = np.partition(flat, (count - 1, count))[[count - 1, count]]
+    smooth -= np.float32(0.5 * (float(below) + float(above)))
+    return smooth
+
+
+def disagreement(sdf: np.ndarray, inside: np.ndarray) -> float:
+    """The voxels of the mask ``inside`` (``sdf``: its voxel signed distance) that its surface smoothed over
+    :data:`PROBE_VOXELS` puts on the other side, as a fraction of its boundary voxels (those with a face
+    neighbour on the other side): its raggedness, whatever the spacing."""
+    from scipy import ndimage
+
+    smooth = smoothed_label(sdf, inside, np.full(3, PROBE_VOXELS))
+    boundary = int((ndimage.binary_dilation(inside) & ~ndimage.binary_erosion(inside)).sum())
+    return float(((smooth < 0) != inside).sum()) / boundary if boundary else 0.0
+
+
+def is_drawn(share: float, spacing: np.ndarray) -> bool:
+    """Whether a label whose :func:`disagreement` is ``share`` on a grid of ``spacing`` is taken as drawn."""
+    spacing = np.asarray(spacing, np.float64)
+    return share > DRAWN_DISAGREEMENT or float(spacing.max()) >= THICK_SLICES * float(spacing.min())
+
+
+def tidy_label(mask: np.ndarray, affine: np.ndarray, min_piece_ml: float = MIN_PIECE_ML,
+               keep_small_pieces: bool = False) -> tuple[np.ndarray, np.ndarray | None, LabelNote]:
+    """(the label whose surface is taken, its small pieces kept apart or None, the note listing what was
+    done): pieces and holes below ``min_piece_ml`` are left out and filled; ``keep_small_pieces`` keeps the
+    small pieces as surfaces of their own instead."""
+    large, small, pieces = split_small_pieces(mask, affine, min_piece_ml)
+    large, holes = fill_small_holes(large, affine, min_piece_ml)
+    if keep_small_pieces:
+        return large, small if pieces else None, LabelNote(kept_apart=pieces, holes_filled=holes)
+    return large, None, LabelNote(left_out=pieces, holes_filled=holes)
