@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from .. import __version__, strict_json
@@ -17,6 +18,7 @@ from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableErro
 from ..outputs import check_output
 from ..paths import CACHE_FOLDERS
 from ..progress import Cancelled, ConsoleProgress
+from ..study.drawn_labels import MIN_PIECE_ML, check_min_piece_ml
 from ..study.sample import CASES
 from ..study.sample.icbm import SampleDataError
 from ..study.sample.label_style import STYLES as LABEL_STYLES
@@ -129,19 +131,32 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare(study_path: str, use_cache: bool):
+def _millilitres(text: str) -> float:
+    """A minimum piece size from the command line (argparse turns the ValueError into a usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of millilitres: {text!r}") from None
+    try:
+        return check_min_piece_ml(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _prepare(study_path: str, use_cache: bool, args: argparse.Namespace | None = None):
     from ..study.cache import load_study_cached
     from ..study.preprocess import prepare
     from ..study.study import load_study
 
     study = load_study_cached(study_path) if use_cache else load_study(study_path)
-    return prepare(study, use_cache=use_cache, progress=ConsoleProgress("prepare"))
+    pieces = {} if args is None else {"min_piece_ml": args.min_piece_ml, "keep_small_pieces": args.keep_small_pieces}
+    return prepare(study, use_cache=use_cache, progress=ConsoleProgress("prepare"), **pieces)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from ..study.summary import save_preview, study_summary, summary_text
 
-    prepared = _prepare(args.study, not args.no_cache)
+    prepared = _prepare(args.study, not args.no_cache, args)
     summary = study_summary(prepared)
     if args.preview:
         summary["preview"] = str(save_preview(prepared, args.preview))
@@ -185,8 +200,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
                  run_of=str(Path(args.study).expanduser().resolve()))
     load_study_cached(args.study)
     gpu = open_device(args.device)
-    settings = RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
-                                      views=args.views, size=args.size, shadows=args.shadows)
+    settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
+                                              views=args.views, size=args.size, shadows=args.shadows),
+                       min_piece_ml=args.min_piece_ml, keep_small_pieces=args.keep_small_pieces)
     if args.preset in (None, AUTO):
         where = "software device" if gpu.report.software else "GPU"
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
@@ -257,6 +273,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         print(f"{name:18s} {dice:6.3f} {shown(mean, '8.2f'):>8s} {shown(hd95, '8.2f'):>8s} "
               f"{metrics['label_volume_ml'][name]:9.2f} {metrics['learned_volume_ml'][name]:10.2f} "
               f"{shown(change, '+6.1f') + '%' if change is not None else '–':>7s} {kept:>11s}")
+    exact = {name: (mean, metrics["exact_hd95_mm"][name])
+             for name, mean in metrics.get("exact_mean_distance_mm", {}).items() if mean is not None}
+    if exact:
+        print("to the exact surfaces the labels were drawn from: " + ", ".join(
+            f"{name} {mean:.2f} mm (HD95 {hd95:.2f})" for name, (mean, hd95) in exact.items()))
     for name, dropped in metrics["pieces_dropped"].items():
         for piece in dropped:
             print(f"{name}: a piece of {piece['voxels']} voxels ({piece['volume_ml']:.3f} ml) at RAS "
@@ -393,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on a GPU whose kernels this machine has not compiled yet, compile them in the run "
                             "itself (much slower) instead of running 'neuralraycast warmup' first")
 
+    def pieces_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--min-piece-ml", type=_millilitres, default=MIN_PIECE_ML, metavar="ML",
+                       help="pieces and holes of a label smaller than this are left out of its surface and listed "
+                            f"(default {MIN_PIECE_ML:g}; 0 keeps every piece)")
+        p.add_argument("--keep-small-pieces", action="store_true",
+                       help="keep those pieces as small surfaces of their own instead of leaving them out")
+
     p = sub.add_parser("info", help="show the GPU device, its features, versions, the shader cache and whether the "
                        "networks run on tensor cores there")
     device_option(p)
@@ -423,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute even if cached")
     p.add_argument("--preview", metavar="PNG", help="also save a slice preview with structure contours")
     p.add_argument("--json", action="store_true", help="print JSON")
+    pieces_options(p)
     p.set_defaults(run=cmd_prepare)
 
     p = sub.add_parser("render-reference", help="render reference views of a study (PNG, depth, normals, cameras)")
@@ -452,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
+    pieces_options(p)
     warmup_option(p)
     p.set_defaults(run=cmd_fit)
 

@@ -77,6 +77,7 @@ def _meta(study: Study, path: Path, read_from: list[Path]) -> dict[str, Any]:
         "structures": {name: list(labels) for name, labels in study.structures.items()},
         "sources": study.sources,
         "colors": {name: list(rgb) for name, rgb in study.colors.items()},
+        "exact_surfaces": study.exact_surfaces,
         "files": _stamps(read_from),
     }
 
@@ -95,6 +96,7 @@ def _from_entry(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> Study | 
             structures={name: tuple(labels) for name, labels in meta["structures"].items()},
             sources=dict(meta["sources"]),
             colors={name: tuple(rgb) for name, rgb in meta["colors"].items()},
+            exact_surfaces=meta.get("exact_surfaces"),
             **{name: arrays.get(name) for name in OPTIONAL},
         )
     except (KeyError, TypeError, ValueError, AttributeError):

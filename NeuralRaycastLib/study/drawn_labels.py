@@ -65,6 +65,13 @@ class LabelNote:
                    float(data.get("disagreement", 0.0)))
 
 
+def check_min_piece_ml(value: object) -> float:
+    """``value`` as a minimum piece size, or ValueError saying what it must be."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+        raise ValueError(f"the minimum piece size must be a number of millilitres of at least 0 (got {value!r})")
+    return float(value)
+
+
 def split_small_pieces(mask: np.ndarray, affine: np.ndarray, min_piece_ml: float
                        ) -> tuple[np.ndarray, np.ndarray, list[Piece]]:
     """``mask`` as (its pieces of at least ``min_piece_ml``, the smaller ones, the list of the smaller ones).

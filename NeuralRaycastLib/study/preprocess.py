@@ -24,7 +24,16 @@ import numpy as np
 from ..array_cache import read_entry, write_entry
 from ..paths import cache_folder
 from ..progress import Progress
-from .drawn_labels import MIN_PIECE_ML, LabelNote, disagreement, is_drawn, smoothed_label, smoothing_mm, tidy_label
+from .drawn_labels import (
+    MIN_PIECE_ML,
+    LabelNote,
+    check_min_piece_ml,
+    disagreement,
+    is_drawn,
+    smoothed_label,
+    smoothing_mm,
+    tidy_label,
+)
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -431,8 +440,7 @@ def prepare(
     """Derive everything the field needs from a study (see the module docstring). Pieces of a label smaller
     than ``min_piece_ml`` are left out of its surface (``keep_small_pieces``: kept as surfaces of their own);
     either way they are listed in ``label_notes``."""
-    if not (isinstance(min_piece_ml, (int, float)) and np.isfinite(min_piece_ml) and min_piece_ml >= 0):
-        raise ValueError(f"the minimum piece size must be a number of millilitres of at least 0 (got {min_piece_ml!r})")
+    check_min_piece_ml(min_piece_ml)
     report = progress or (lambda message, fraction: None)
     structures = make_structures(study.structures, include_brain=True, colors=study.colors)
     key = _cache_key(study, structures, (float(min_piece_ml), bool(keep_small_pieces)))

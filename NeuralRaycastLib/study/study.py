@@ -41,7 +41,10 @@ BRATS_LABELS = ("seg",)
 BRATS_BRAIN_MASK = ("brainmask",)
 NIFTI_SUFFIXES = (".nii.gz", ".nii")
 MANIFEST = "manifest.json"
-MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "brain_mask", "structures"}
+MANIFEST_KEYS = {"name", "description", "channels", "labels", "probability", "brain_mask", "structures",
+                 "exact_surfaces"}
+#: Studies whose structures' exact surfaces are known (manifest key ``exact_surfaces``): the analytic phantom.
+EXACT_SURFACES = ("phantom",)
 #: The most voxels one volume may hold (512³, a 0.5 mm grid over a whole head): a header claiming more is
 #: refused before any voxel is read, since reading allocates what the header claims.
 MAX_VOLUME_VOXELS = 512**3
@@ -71,6 +74,7 @@ class Study:
     structures: dict[str, tuple[int, ...]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     colors: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # RGB in [0, 1]; else defaults
+    exact_surfaces: str | None = None  # one of EXACT_SURFACES: the surfaces the labels were drawn from are known
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -444,8 +448,11 @@ def load_manifest(path: Path) -> Study:
     for key in ("labels", "probability", "brain_mask", "name", "description"):
         if key in manifest and not isinstance(manifest[key], str):
             raise StudyError(f"{path}: '{key}' must be a string")
+    exact = manifest.get("exact_surfaces")
+    if exact is not None and exact not in EXACT_SURFACES:
+        raise StudyError(f"{path}: 'exact_surfaces' must be one of {list(EXACT_SURFACES)} (got {exact!r})")
     base = path.parent
-    return _load_files(
+    study = _load_files(
         manifest.get("name", base.name),
         {str(n): base / f for n, f in channels.items()},
         base / manifest["labels"] if "labels" in manifest else None,
@@ -453,6 +460,8 @@ def load_manifest(path: Path) -> Study:
         _parse_structures(manifest.get("structures"), str(path)),
         base / manifest["brain_mask"] if "brain_mask" in manifest else None,
     )
+    study.exact_surfaces = exact
+    return study
 
 
 def load_study(path: str | Path) -> Study:
@@ -495,6 +504,8 @@ def write_study(study: Study, folder: str | Path) -> Path:
         manifest["brain_mask"] = save(study.brain_mask, "brain_mask.nii", np.uint8)
     if study.structures:
         manifest["structures"] = {name: list(values) for name, values in study.structures.items()}
+    if study.exact_surfaces:
+        manifest["exact_surfaces"] = study.exact_surfaces
     path = folder / MANIFEST
     path.write_text(json.dumps(manifest, indent=1))
     return path

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .drawn_labels import LabelNote
 from .pieces import label_pieces
 from .preprocess import PreparedStudy, structure_mask
 
@@ -23,6 +24,7 @@ def study_summary(prepared: PreparedStudy) -> dict[str, Any]:
         drawn = (structure_mask(structure, study.labels, prepared.mask)
                  if study.labels is not None or structure.from_mask else inside)
         _, pieces = label_pieces(drawn, study.affine)
+        note = prepared.label_notes.get(structure.name, LabelNote())
         structures.append({
             "name": structure.name,
             "labels": list(structure.labels) or "mask",
@@ -31,6 +33,8 @@ def study_summary(prepared: PreparedStudy) -> dict[str, Any]:
             # specks and fragments as drawn, said here since a smooth learned surface may leave them out
             "pieces": len(pieces),
             "smaller_pieces": [piece.as_dict() for piece in pieces[1:1 + LISTED_PIECES]],
+            # what the surface leaves out or keeps apart (below min_piece_ml), and whether it was smoothed as drawn
+            **note.as_dict(),
         })
     return {
         "name": study.name,
@@ -42,6 +46,7 @@ def study_summary(prepared: PreparedStudy) -> dict[str, Any]:
         "structures": structures,
         "bounds_ras_mm": prepared.bounds.round(2).tolist(),
         "occupied_blocks": f"{int(prepared.occupancy.sum())}/{prepared.occupancy.size}",
+        "min_piece_ml": prepared.min_piece_ml,
     }
 
 
@@ -67,7 +72,27 @@ def summary_text(summary: dict[str, Any]) -> str:
             voxels = f"{largest['voxels']} voxel{'s' if largest['voxels'] != 1 else ''}"
             lines.append(f"    {s['pieces'] - 1} beside the largest, {span}{listed}; the largest of them {voxels} "
                          f"at RAS {largest['centre_ras']} mm")
+        lines += _tidied_lines(s, summary.get("min_piece_ml", 0.0))
     return "\n".join(lines)
+
+
+def _tidied_lines(structure: dict[str, Any], min_piece_ml: float) -> list[str]:
+    """What the structure's surface leaves out, keeps apart or fills, and whether it was smoothed as drawn."""
+    lines = []
+    for key, what in (("left_out", "left out of the surface"), ("kept_apart", "kept as surfaces of their own"),
+                      ("holes_filled", "holes filled")):
+        pieces = structure.get(key, [])
+        if pieces:
+            total = sum(piece["volume_ml"] for piece in pieces)
+            where = "; ".join(f"{p['voxels']} at RAS {p['centre_ras']}" for p in pieces[:3])
+            more = f"; {len(pieces) - 3} more" if len(pieces) > 3 else ""
+            noun = "hole" if key == "holes_filled" else "piece"
+            lines.append(f"    {what}: {len(pieces)} {noun}{'s' if len(pieces) != 1 else ''} under "
+                         f"{min_piece_ml:g} ml ({total:.3f} ml in all; voxels and centre: {where}{more})")
+    if structure.get("drawn"):
+        lines.append(f"    drawn label (ragged or thick-sliced: {structure['disagreement']:.0%} of its boundary "
+                     "voxels off its smoothed surface): surface smoothed, volume kept")
+    return lines
 
 
 def save_preview(prepared: PreparedStudy, path: str | Path) -> Path:

@@ -10,7 +10,9 @@ Geometry, per structure k:
 - volume: the label's (its voxels, what a clinician measures from the label map) and the learned surface's
   (the volume its mesh encloses), and their difference in %;
 - pieces: the label's connected pieces, and those the learned surface keeps (holds a voxel of) or drops,
-  each dropped one with its size and where it is, so that nothing is smoothed away unsaid.
+  each dropped one with its size and where it is, so that nothing is smoothed away unsaid;
+- where the surfaces the labels were drawn from are known (the phantom), the learned surface's distance to
+  them: what no label-based figure can tell, since the labels themselves are off by up to a voxel or more.
 """
 
 from __future__ import annotations
@@ -64,8 +66,24 @@ def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, d
             "hd95_mm": hd95,
             **volumes(truth, learned[k], prepared.affine),
             **pieces(truth, learned[k] < 0, prepared.affine),
+            **exact_surface_distances(prepared.study.exact_surfaces, structure.name, learned_vertices),
         }
     return results
+
+
+def exact_surface_distances(exact_surfaces: str | None, name: str, vertices: np.ndarray) -> dict[str, float]:
+    """``exact_mean_distance_mm`` and ``exact_hd95_mm``: how far the vertices of a learned surface lie from the
+    exact surface of structure ``name`` (the phantom's signed distances are exact, so ``|sdf|`` at a vertex is
+    its distance); nothing where the exact surfaces are not known or the surface is empty."""
+    if exact_surfaces != "phantom" or not len(vertices):
+        return {}
+    from ..study.sample.phantom import Phantom
+
+    phantom = Phantom()
+    if name not in phantom.structure_names:
+        return {}
+    distance = np.abs(phantom.sdf(name, vertices))
+    return {"exact_mean_distance_mm": float(distance.mean()), "exact_hd95_mm": float(np.percentile(distance, 95))}
 
 
 def volumes(truth: np.ndarray, learned: np.ndarray, affine: np.ndarray) -> dict[str, float | None]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..study.drawn_labels import MIN_PIECE_ML, check_min_piece_ml
+
 if TYPE_CHECKING:
     from ..field.field import FieldLayout
     from ..gpu.device import GpuContext
@@ -111,6 +113,8 @@ class RunSettings:
     # The voxel size (mm) the field's finest cells follow instead of the study's: a warm-up's downsampled
     # stand-in is given its study's, so that it compiles the study's kernels (warmup.py).
     field_voxel_mm: float | None = None
+    min_piece_ml: float = MIN_PIECE_ML  # label pieces (and holes) smaller than this are left out (listed)
+    keep_small_pieces: bool = False  # keep them as surfaces of their own instead
 
     @classmethod
     def for_device(cls, gpu: GpuContext, name: str | None = None, **overrides: Any) -> RunSettings:
@@ -136,8 +140,10 @@ class RunSettings:
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be a whole number (got {value!r})")
-        if not isinstance(self.shadows, bool):
-            raise ValueError(f"shadows must be true or false (got {self.shadows!r})")
+        for name in ("shadows", "keep_small_pieces"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false (got {getattr(self, name)!r})")
+        check_min_piece_ml(self.min_piece_ml)
         if self.field_voxel_mm is not None and not (isinstance(self.field_voxel_mm, (int, float))
                                                     and self.field_voxel_mm > 0):
             raise ValueError(f"field_voxel_mm must be a positive number of millimetres (got {self.field_voxel_mm!r})")

@@ -51,7 +51,8 @@ def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: 
         full, study = study, downsample_study(study, settings.max_voxels)
         if study is not full and progress is not None:
             progress(downsampling_note(full, study), 0.0)
-    return prepare(study, progress=progress)
+    return prepare(study, progress=progress, min_piece_ml=settings.min_piece_ml,
+                   keep_small_pieces=settings.keep_small_pieces)
 
 
 def reference_views_for_run(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
@@ -218,8 +219,9 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     renderer = renderer or run_renderer(gpu, prepared, field, settings)
     metrics: dict[str, Any] = score_views(renderer, views, views.held_out, rendered)
     geometry = geometry_metrics(field, prepared)
-    for key in next(iter(geometry.values()), {}):  # each figure by structure: dice, distances, volumes, pieces
-        metrics[key] = {name: g[key] for name, g in geometry.items()}
+    keys = dict.fromkeys(key for g in geometry.values() for key in g)  # dice, distances, volumes, pieces, ...
+    for key in keys:  # each figure by structure (None where a structure has none: no exact surface)
+        metrics[key] = {name: g.get(key) for name, g in geometry.items()}
     log_path = folder / "train_log.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else {}
     metrics["train_seconds"] = log.get("seconds")

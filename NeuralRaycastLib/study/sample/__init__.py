@@ -39,6 +39,7 @@ def write_case(
     affine: np.ndarray,
     description: str,
     brain_mask: np.ndarray | None = None,
+    exact_surfaces: str | None = None,
 ) -> Path:
     """Write ``<name>_<channel>.nii.gz``, ``<name>_seg.nii.gz``, ``<name>_brainmask.nii.gz`` (if given) and
     ``manifest.json``; return the manifest."""
@@ -47,6 +48,8 @@ def write_case(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     manifest: dict = {"name": name, "description": description, "channels": {}}
+    if exact_surfaces:
+        manifest["exact_surfaces"] = exact_surfaces
     for channel, image in channels.items():
         file = f"{name}_{channel}.nii.gz"
         data = np.clip(np.round(image), -32768, 32767).astype(np.int16)  # scanner-like integers
@@ -151,7 +154,8 @@ def write_sample(
     folder = Path(folder)
     # Whole or not at all; an earlier sample there is replaced, any other folder's files never are.
     with atomic_folder(folder, is_sample_folder, "write a sample into a new or empty folder") as staging:
-        write_case(staging, name, channels, labels, affine, description, brain_mask)
+        write_case(staging, name, channels, labels, affine, description, brain_mask,
+                   "phantom" if case == "phantom" else None)
     report("sample written", 1.0)
     return folder / "manifest.json"
 
