@@ -131,6 +131,18 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _spacing(text: str) -> float | tuple[float, float, float]:
+    """A sample's voxel size: one number of mm, or three separated by commas."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a voxel size in mm: {text!r}") from None
+    if len(values) not in (1, 3) or not all(0.0 < value < 100.0 for value in values):
+        raise argparse.ArgumentTypeError(f"give one voxel size or three (i, j, k), each above 0 and below 100 mm "
+                                         f"(got {text!r})")
+    return values[0] if len(values) == 1 else (values[0], values[1], values[2])
+
+
 def _millilitres(text: str) -> float:
     """A minimum piece size from the command line (argparse turns the ValueError into a usage error)."""
     try:
@@ -438,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", help="output folder")
     p.add_argument("--case", choices=CASES, default="icbm",
                    help="icbm: real anatomy + synthetic lesion (default); phantom: analytic; fixture: tiny real T1")
-    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+    p.add_argument("--spacing", type=_spacing, default=None,
+                   help="voxel size in mm, or three for i, j, k (the phantom: thick slices such as 1,1,5) "
+                        "(default: the case's own)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic lesion and noise")
     p.add_argument("--labels", choices=list(LABEL_STYLES), default="clean",
                    help="how the labels are drawn: clean (the exact voxelisation), ragged (slice-wise jitter, "

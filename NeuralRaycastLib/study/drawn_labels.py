@@ -28,7 +28,7 @@ from .pieces import Piece, label_pieces
 MIN_PIECE_ML = 0.1
 #: Above this many voxels on the other side of its surface smoothed over :data:`PROBE_VOXELS`, as a fraction of
 #: its boundary voxels, a label is taken as drawn (see :func:`disagreement`): exact voxelisations of smooth
-#: shapes, small cavities among them, stay at 0.02 or below; drawn labels reach 0.1 and more.
+#: shapes, small cavities and thin shells among them, stay below 0.04; drawn labels reach 0.07 and more.
 DRAWN_DISAGREEMENT = 0.05
 #: The smoothing (Gaussian σ, voxels) that probes a label's raggedness: too light to move a smooth surface
 #: across a voxel centre, enough to move a ragged one.

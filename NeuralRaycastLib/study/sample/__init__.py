@@ -112,7 +112,7 @@ def cached_sample(case: str = "icbm", spacing: float | None = None, seed: int = 
 def write_sample(
     folder: str | Path,
     case: str = "icbm",
-    spacing: float | None = None,
+    spacing: float | tuple[float, float, float] | None = None,
     seed: int = 0,
     progress: Progress | None = None,
     labels_drawn: str = "clean",
@@ -124,6 +124,8 @@ def write_sample(
     style = style_named(labels_drawn)
     report = progress or (lambda message, fraction: None)
     brain_mask = None
+    if isinstance(spacing, (tuple, list)) and case != "phantom":
+        raise ValueError(f"a voxel size per axis is for the phantom only; give the {case} case one number")
     if case == "icbm":
         from .icbm import DESCRIPTION, synthesise_case
 

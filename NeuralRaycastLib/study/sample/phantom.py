@@ -103,11 +103,13 @@ class Phantom:
         half = np.abs(self.brain_axes()) @ inner + self.brain_rounding + margin
         return np.asarray(self.brain_centre) - half, np.asarray(self.brain_centre) + half
 
-    def grid(self, spacing: float) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """An axis-aligned RAS grid that holds the brain with a 6 mm margin: (affine, shape)."""
+    def grid(self, spacing) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """An axis-aligned RAS grid of ``spacing`` mm (one number, or one per axis: thick slices) that holds the
+        brain with a 6 mm margin: (affine, shape)."""
         low, high = self.bounds(6.0)
-        shape = tuple(int(np.ceil((h - lo) / spacing)) + 1 for lo, h in zip(low, high, strict=True))
-        affine = np.diag([spacing, spacing, spacing, 1.0])
+        spacing = np.broadcast_to(np.asarray(spacing, np.float64), (3,))
+        shape = tuple(int(np.ceil((h - lo) / s)) + 1 for lo, h, s in zip(low, high, spacing, strict=True))
+        affine = np.diag([*spacing, 1.0])
         affine[:3, 3] = low
         return affine, shape  # type: ignore[return-value]
 
@@ -119,13 +121,15 @@ def voxel_centres(affine: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray
 
 
 def _inside_fraction(sdf: np.ndarray, spacing: float) -> np.ndarray:
-    """Partial volume: the fraction of a voxel inside a surface, a linear ramp one voxel wide."""
+    """Partial volume: the fraction of a voxel inside a surface, a linear ramp one voxel (``spacing``) wide."""
     return np.clip(0.5 - sdf / spacing, 0.0, 1.0)
 
 
-def render_phantom(phantom: Phantom, spacing: float = 2.0, seed: int = 0):
-    """Sample the phantom: (channels {name: float32 array}, labels int16 array, affine)."""
+def render_phantom(phantom: Phantom, spacing=2.0, seed: int = 0):
+    """Sample the phantom on a grid of ``spacing`` mm (one number, or one per axis): (channels {name: float32
+    array}, labels int16 array, affine). On thick slices the partial-volume ramp is a voxel's mean side wide."""
     affine, shape = phantom.grid(spacing)
+    spacing = float(np.cbrt(np.prod(np.broadcast_to(np.asarray(spacing, np.float64), (3,)))))
     points = voxel_centres(affine, shape)
     rng = np.random.default_rng(seed)
 

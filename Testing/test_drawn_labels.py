@@ -1,0 +1,104 @@
+"""Labels as drawn: small pieces left out and listed (or kept apart), small holes filled, ragged and
+thick-sliced labels given a smooth surface that keeps their volume, exact voxelisations left as they are."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from NeuralRaycastLib.mesh.mesh import extract_surface
+from NeuralRaycastLib.mesh.surface_distance import smooth_surface
+from NeuralRaycastLib.study.drawn_labels import LabelNote, tidy_label
+from NeuralRaycastLib.study.preprocess import signed_distance
+from NeuralRaycastLib.study.sample.label_style import draw_like_people, style_named
+from NeuralRaycastLib.study.sample.phantom import Phantom, render_phantom
+
+THICK = (1.5, 1.5, 5.0)  # mm: labels drawn on 5 mm slices
+CORE = (1, 3)  # BraTS labels of the tumour core
+
+
+@pytest.fixture(scope="module")
+def thick_phantom():
+    """The phantom's tumour core on 1.5 × 1.5 × 5 mm slices, exact and as drawn (ragged), on its box."""
+    _, labels, affine = render_phantom(Phantom(), spacing=THICK, seed=0)
+    drawn = draw_like_people(labels, THICK, style_named("ragged"), seed=0)
+    inside = np.isin(labels, CORE)
+    where = np.argwhere(inside | np.isin(drawn, CORE))
+    low, high = np.maximum(where.min(axis=0) - 8, 0), where.max(axis=0) + 9
+    box = tuple(slice(int(lo), int(hi)) for lo, hi in zip(low, high, strict=True))
+    moved = affine.copy()
+    moved[:3, 3] += affine[:3, :3] @ low
+    return inside[box], np.isin(drawn, CORE)[box], moved
+
+
+def exact_distances(vertices: np.ndarray) -> np.ndarray:
+    return np.abs(Phantom().sdf("tumor_core", vertices))
+
+
+def test_an_exact_voxelisation_is_followed_as_it_is():
+    """The phantom's clean labels: nothing left out or filled, not taken as drawn, and the boundary map the same
+    as with the drawn-label treatment switched off."""
+    _, labels, affine = render_phantom(Phantom(), spacing=2.0, seed=0)
+    for values in ((1, 2, 3), CORE, (3,)):
+        mask = np.isin(labels, values)
+        kept, apart, note = tidy_label(mask, affine)
+        assert apart is None and not note.left_out and not note.holes_filled
+        np.testing.assert_array_equal(kept, mask)
+        boundary = signed_distance(kept, np.full(3, 2.0), note=note)
+        assert not note.drawn and note.disagreement < 0.04, (values, note.disagreement)
+        np.testing.assert_array_equal(boundary, signed_distance(kept, np.full(3, 2.0), detect_drawn=False))
+
+
+def test_small_pieces_are_left_out_and_listed_or_kept_as_surfaces_of_their_own():
+    spacing = np.ones(3)
+    affine = np.eye(4)
+    grid = np.indices((40, 40, 40)).transpose(1, 2, 3, 0).astype(float)
+    mask = np.linalg.norm(grid - 20.0, axis=-1) < 10.0  # 4.2 ml
+    mask[19:21, 19:21, 19:21] = False  # a hole of 8 voxels
+    mask[2:4, 2:4, 2:4] = True  # a speck of 8 voxels at (2.5, 2.5, 2.5)
+    mask[35, 5, 30] = True  # a speck of one voxel
+    kept, apart, note = tidy_label(mask, affine, min_piece_ml=0.05)
+    assert apart is None
+    assert [(p.voxels, p.centre_ras) for p in note.left_out] == [(8, (2.5, 2.5, 2.5)), (1, (35.0, 5.0, 30.0))]
+    assert [p.voxels for p in note.holes_filled] == [8] and kept[19:21, 19:21, 19:21].all()
+    assert not kept[2:4, 2:4, 2:4].any() and not kept[35, 5, 30]
+    assert LabelNote.from_dict(note.as_dict()) == note  # as the cache keeps it
+    left_out = signed_distance(kept, spacing, note=note)
+    assert (left_out[2:4, 2:4, 2:4] > 0).all()
+
+    kept, apart, note = tidy_label(mask, affine, min_piece_ml=0.05, keep_small_pieces=True)
+    assert not note.left_out and [p.voxels for p in note.kept_apart] == [8, 1]
+    assert apart is not None and apart[2:4, 2:4, 2:4].all() and apart[35, 5, 30]
+    # 0 keeps every piece in the one surface; the largest piece is never left out, however small
+    assert tidy_label(mask, affine, min_piece_ml=0.0)[2].left_out == []
+    assert tidy_label(mask, affine, min_piece_ml=100.0)[0].sum() > 4000
+
+
+def test_a_ragged_thick_sliced_label_gets_a_smooth_surface_near_the_exact_one_with_its_volume(thick_phantom):
+    """Against the exact surface of the phantom's tumour core: the surface of the boundary map of its ragged
+    labels on 5 mm slices is at least twice as close as the label map's marching cubes with Slicer's smoothing,
+    without terraces (its normals follow the exact ones), and holds the label's volume within 1 %."""
+    _, drawn, affine = thick_phantom
+    spacing = np.asarray(THICK)
+    vertices, faces = extract_surface(0.5 - drawn.astype(np.float32), affine)
+    slicer_style = smooth_surface(vertices, faces, 20, 0.01)
+    kept, _, note = tidy_label(drawn, affine)
+    boundary = signed_distance(kept, spacing, note=note)
+    assert note.drawn and note.left_out
+    learned_vertices, learned_faces = extract_surface(boundary, affine)
+    ours, theirs = exact_distances(learned_vertices).mean(), exact_distances(slicer_style).mean()
+    assert ours * 2.0 <= theirs, (ours, theirs)
+    assert abs((boundary < 0).sum() / kept.sum() - 1.0) <= 0.01
+
+    def normal_error(vertices: np.ndarray, faces: np.ndarray) -> float:
+        """Mean angle (degrees) between a mesh's face normals and the exact surface's at the faces."""
+        a, b, c = (vertices[faces[:, i]] for i in range(3))
+        normals = np.cross(b - a, c - a)
+        normals /= np.linalg.norm(normals, axis=1, keepdims=True)
+        centres = (a + b + c) / 3.0
+        exact = centres - np.asarray(Phantom().tumour_centre)
+        exact /= np.linalg.norm(exact, axis=1, keepdims=True)
+        return float(np.degrees(np.arccos(np.clip(np.sum(normals * exact, axis=1), -1.0, 1.0))).mean())
+
+    ours_angle = normal_error(learned_vertices, learned_faces)
+    assert ours_angle < 0.5 * normal_error(slicer_style, faces) and ours_angle < 12.0, ours_angle
