@@ -87,18 +87,21 @@ def fixture_case():
     return {"t1": t1}, labels, affine
 
 
-def cached_sample(case: str = "icbm", spacing: float | None = None, seed: int = 0, progress=None) -> Path:
+def cached_sample(case: str = "icbm", spacing: float | tuple[float, float, float] | None = None, seed: int = 0,
+                  progress=None, labels_drawn: str = "clean") -> Path:
     """A sample study kept in the cache folder (written on first use): the path of its manifest."""
     from ...paths import cache_folder
 
-    folder = cache_folder("samples") / f"{case}-{spacing or 'native'}-seed{seed}-v{SAMPLE_VERSION}"
+    grid = "x".join(f"{s:g}" for s in spacing) if isinstance(spacing, (tuple, list)) else (spacing or "native")
+    drawn = "" if labels_drawn == "clean" else f"-{labels_drawn}"
+    folder = cache_folder("samples") / f"{case}-{grid}-seed{seed}{drawn}-v{SAMPLE_VERSION}"
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         # Complete folders only: each process writes its own copy and moves it in whole, so neither an
         # interrupted run nor two runs starting together leave a half-written sample behind.
         partial = folder.with_name(f"{folder.name}.partial-{uuid.uuid4().hex}")
         try:
-            write_sample(partial, case, spacing, seed, progress)
+            write_sample(partial, case, spacing, seed, progress, labels_drawn=labels_drawn)
             try:
                 partial.replace(folder)
             except OSError:
