@@ -86,6 +86,7 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     parameters.iterations = 123
     parameters.shadows = True
     parameters.meshSmoothing = 3
+    parameters.gpuMemory = "6G"
     parameters.runFolder = tmp_path / "run"
     with pytest.raises(ValueError):
         parameters.preset = "fastest"  # not a choice
@@ -103,7 +104,7 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     assert reloaded.inputVolume.GetName() == "T1 scan"
     assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
     assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
-    assert reloaded.shadows is True
+    assert reloaded.shadows is True and reloaded.gpuMemory == "6G"
     assert reloaded.runFolder == tmp_path / "run"
     assert reloaded.volumeNodes() == [reloaded.inputVolume]
 
@@ -218,6 +219,33 @@ def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
     with pytest.raises(gpu.GpuUnavailableError, match="mesa-vulkan-drivers"):
         logic.train([volume], None)
     assert node_ids(scene) == before and logic.run is None
+
+
+@pytest.mark.gpu
+def test_the_gpu_memory_setting_is_the_budget_a_training_runs_under(module, scene, self_test, monkeypatch):
+    """The module's GPU memory setting reaches train_study as the device's budget; empty is the device's own;
+    an amount it cannot read is refused naming the setting, before any work."""
+    import NeuralRaycastLib.train.run as run
+    from NeuralRaycastLib.gpu.memory_budget import MIB, MemoryBudget
+
+    seen = []
+
+    def recording_train_study(gpu, study, folder, settings, *args, **kwargs):
+        seen.append(gpu.memory)
+        raise RuntimeError("stopped before training")
+
+    monkeypatch.setattr(run, "train_study", recording_train_study)
+    volume, _array, _affine = self_test._syntheticVolume("t1")
+    logic = module.NeuralRaycastLogic()
+    for setting in ("64M", ""):
+        with pytest.raises(RuntimeError, match="stopped before training"):
+            logic.train([volume], None, preset="quick", gpuMemory=setting)
+    default = logic.gpuContext("auto").memory
+    assert seen == [MemoryBudget(64 * MIB, "the GPU memory setting"), default]
+    assert default.source != "the GPU memory setting"
+    with pytest.raises(ValueError, match="^the GPU memory setting: 'lots' is not an amount of memory"):
+        logic.train([volume], None, gpuMemory="lots")
+    assert len(seen) == 2
 
 
 @pytest.mark.gpu
