@@ -453,13 +453,13 @@ def import_slangpy():
 
 
 def open_device(choice: str | None = None, gpu_memory: str | int | None = None) -> GpuContext:
-    """Open (once per process and backend) the best working device, or raise GpuUnavailableError; its memory
-    budget is ``gpu_memory`` where given (``--gpu-memory``), else as :func:`use_memory_budget` finds it."""
+    """Open (once per process and backend) the best working device, or raise GpuUnavailableError. Every call
+    sets its memory budget: ``gpu_memory`` where given (``--gpu-memory``), else as :func:`use_memory_budget`
+    finds it, so one caller's budget never outlives its call's work for the next."""
     wanted = requested_backend(choice)
     if wanted in _CONTEXTS:
         context = _CONTEXTS[wanted]
-        if gpu_memory is not None or context.memory is None:
-            use_memory_budget(context, gpu_memory)
+        use_memory_budget(context, gpu_memory)
         return context
     try:
         import_slangpy()

@@ -286,7 +286,8 @@ class Trainer:
         GpuMemoryError naming what to lower where already at one patch or after MEMORY_RETRIES halvings."""
         patches = self.config.patches
         if patches <= 1 or self._memory_retries >= MEMORY_RETRIES:
-            raise GpuMemoryError(f"{error}, even with {patches} patches a step; {LOWER}") from error
+            raise GpuMemoryError(f"{error}, even with {patches} patch{'es' if patches > 1 else ''} a step; "
+                                 f"{LOWER}") from error
         self._memory_retries += 1
         self.field.zero_gradients()
         self.renderer.release_batch()
