@@ -320,6 +320,7 @@ def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_fo
     monkeypatch.setattr(run, "ensure_warm", lambda *args: None)
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: "views")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
+    monkeypatch.setattr(run, "check_run_fits", lambda budget, layout, prepared, config: None)
     monkeypatch.setattr(run, "NeuralField", stop_at_the_field)
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()
