@@ -112,8 +112,10 @@ def _native_output_to_stderr() -> Iterator[None]:
 
 
 def _device(args: argparse.Namespace):
-    """The device the command asked for, with its GPU memory budget (``--gpu-memory``)."""
-    return open_device(args.device, getattr(args, "gpu_memory", None))
+    """The device the command asked for, with its GPU memory budget: ``--gpu-memory`` where given, else the one
+    open_device finds ($NEURALRAYCAST_GPU_MEMORY, the device's)."""
+    memory = getattr(args, "gpu_memory", None)
+    return open_device(args.device) if memory is None else open_device(args.device, memory)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

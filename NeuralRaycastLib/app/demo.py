@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import __version__, strict_json
 from ..files import write_text
-from ..gpu.device import open_device
+from ..gpu.device import memory_budget, open_device
 from ..mesh.mesh import write_meshes
 from ..outputs import check_output
 from ..progress import Cancelled, CancelOnInterrupt, ConsoleProgress
@@ -50,9 +50,9 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     out = check_output(out, overwrite=overwrite)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    gpu = open_device(device, gpu_memory)
+    gpu = open_device(device) if gpu_memory is None else open_device(device, gpu_memory)
     print(gpu.report.as_text(), flush=True)
-    print(f"memory budget      {gpu.memory.describe()}", flush=True)
+    print(f"memory budget      {memory_budget(gpu).describe()}", flush=True)
     settings = RunSettings.for_device(gpu, preset_name, seed=seed).check()
     out.mkdir(parents=True, exist_ok=True)
     note = ""
