@@ -44,6 +44,9 @@ MODULE_NAME = "NeuralRaycast"
 README_URL = "https://github.com/SlicerNeuralRaycast/SlicerNeuralRaycast#readme"
 PRESETS = (_presets.AUTO, *_presets.PRESETS)
 DEVICES = ("auto", "cuda", "vulkan")
+#: What to lower when a run does not fit the GPU's memory, in the module's words.
+MEMORY_ADVICE = ("raise the GPU memory setting if the GPU has more free, or choose the quick preset or a coarser "
+                 "study")
 #: Extra channels beside the reference volume (the parameter node wrapper has no GUI for node lists).
 ADDITIONAL_VOLUME_PARAMETERS = ("inputVolume2", "inputVolume3", "inputVolume4")
 
@@ -905,6 +908,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         side by side (``NeuralRaycastLib.train.warmup``, once per machine), which keeps Slicer responsive while
         they compile.
         """
+        from NeuralRaycastLib.gpu.device import GpuMemoryError
+        from NeuralRaycastLib.gpu.memory_budget import LOWER
         from NeuralRaycastLib.train.run import train_study
 
         gpu = self.gpuContext(device, gpuMemory)
@@ -919,8 +924,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         # Training again into a run folder (the last run's, which the module keeps) replaces that run; any
         # other non-empty folder is refused before any work.
         replace = os.path.isfile(os.path.join(folder, "run.json"))
-        self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
-                               worker_python=python, config=config, overwrite=replace)
+        try:
+            self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
+                                   worker_python=python, config=config, overwrite=replace)
+        except GpuMemoryError as error:  # the advice in the module's words, not the command line's
+            raise GpuMemoryError(str(error).replace(LOWER, MEMORY_ADVICE)) from error
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
                      f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
         return self.run

@@ -226,7 +226,8 @@ def test_the_gpu_memory_setting_is_the_budget_a_training_runs_under(module, scen
     """The module's GPU memory setting reaches train_study as the device's budget; empty is the device's own;
     an amount it cannot read is refused naming the setting, before any work."""
     import NeuralRaycastLib.train.run as run
-    from NeuralRaycastLib.gpu.memory_budget import MIB, MemoryBudget
+    from NeuralRaycastLib.gpu.device import GpuMemoryError
+    from NeuralRaycastLib.gpu.memory_budget import LOWER, MIB, MemoryBudget
 
     seen = []
 
@@ -246,6 +247,17 @@ def test_the_gpu_memory_setting_is_the_budget_a_training_runs_under(module, scen
     with pytest.raises(ValueError, match="^the GPU memory setting: 'lots' is not an amount of memory"):
         logic.train([volume], None, gpuMemory="lots")
     assert len(seen) == 2
+
+    def too_small(gpu, *args, **kwargs):
+        raise GpuMemoryError(f"{gpu.memory.describe()} cannot hold this run; {LOWER}")
+
+    monkeypatch.setattr(run, "train_study", too_small)
+    with pytest.raises(GpuMemoryError) as raised:
+        logic.train([volume], None, gpuMemory="2M")
+    assert str(raised.value) == ("a GPU memory budget of 2 MiB (the GPU memory setting) cannot hold this run; raise "
+                                 "the GPU memory setting if the GPU has more free, or choose the quick preset or a "
+                                 "coarser study")
+    assert "--" not in str(raised.value)  # no command-line options in the module's message
 
 
 @pytest.mark.gpu
