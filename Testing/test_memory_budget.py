@@ -155,3 +155,27 @@ def test_a_run_that_not_even_one_patch_fits_is_refused_naming_what_to_lower():
                               "study's volumes take ")
     for what in ("--gpu-memory", "--preset quick", "--size", "--max-voxels"):
         assert what in message
+
+
+def test_a_cut_said_on_a_terminal_stays_on_a_line_of_its_own():
+    """On a terminal the progress bar redraws one line: a Note (work cut to fit the budget) is written on a line
+    of its own, whole, so the next message does not overwrite it."""
+    import io
+
+    from NeuralRaycastLib.progress import ConsoleProgress, Note
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = ConsoleProgress("fit", stream)
+    note = "a GPU memory budget of 512 MiB (--gpu-memory) holds 28 of the preset's 128 patches a step (7,168 rays)"
+    progress(Note(note), 0.0)
+    progress("stage 2: loss 0.1", 0.5)
+    lines = stream.getvalue().split("\n")
+    assert lines[0].strip("\r").rstrip() == f"fit: {note}"
+    assert "stage 2" in lines[-1] and note not in lines[-1]
+    stream = Terminal()
+    ConsoleProgress("fit", stream)("stage 2: loss 0.1", 0.5)
+    assert "\n" not in stream.getvalue()  # an ordinary message stays in the bar
