@@ -44,6 +44,9 @@ MODULE_NAME = "NeuralRaycast"
 README_URL = "https://github.com/SlicerNeuralRaycast/SlicerNeuralRaycast#readme"
 PRESETS = (_presets.AUTO, *_presets.PRESETS)
 DEVICES = ("auto", "cuda", "vulkan")
+#: What to lower when a run does not fit the GPU's memory, in the module's words.
+MEMORY_ADVICE = ("raise the GPU memory setting if the GPU has more free, or choose the quick preset or a coarser "
+                 "study")
 #: Extra channels beside the reference volume (the parameter node wrapper has no GUI for node lists).
 ADDITIONAL_VOLUME_PARAMETERS = ("inputVolume2", "inputVolume3", "inputVolume4")
 
@@ -145,6 +148,7 @@ class NeuralRaycastParameterNode:
         absent the brain is found by thresholding the reference channel.
     preset - training quality preset; auto is quick on a software device and standard on a GPU.
     device - slangpy device: auto, cuda or vulkan.
+    gpuMemory - GPU memory the work may take (e.g. 6G); empty: the GPU's free memory less a margin.
     seed - random seed for reproducible training.
     iterations - training iterations; 0 uses the preset's number.
     shadows - train on views lit with key-light shadows (the field is shaded through its own meshes).
@@ -163,6 +167,7 @@ class NeuralRaycastParameterNode:
     brainMaskVolume: vtkMRMLScalarVolumeNode
     preset: Annotated[str, Choice(list(PRESETS))] = "auto"
     device: Annotated[str, Choice(list(DEVICES))] = "auto"
+    gpuMemory: str = ""
     seed: Annotated[int, WithinRange(0, 2**31 - 1)] = 0
     iterations: Annotated[int, WithinRange(0, 1_000_000)] = 0
     shadows: bool = False
@@ -356,6 +361,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             brainMaskNode=parameters.brainMaskVolume,
             preset=parameters.preset,
             device=parameters.device,
+            gpuMemory=parameters.gpuMemory,
             seed=parameters.seed,
             iterations=parameters.iterations,
             shadows=parameters.shadows,
@@ -387,7 +393,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                 return
             run = self.logic.loadRun(parameters.runFolder, parameters.volumeNodes(), parameters.inputSegmentation,
                                      parameters.probabilityVolume, parameters.device, resample,
-                                     brainMaskNode=parameters.brainMaskVolume)
+                                     brainMaskNode=parameters.brainMaskVolume, gpuMemory=parameters.gpuMemory)
             self.ui.resultsText.setPlainText(self.logic.trainingSummary(run))
         self._checkCanApply()
 
@@ -854,11 +860,15 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         return sys.executable
 
     @staticmethod
-    def gpuContext(device: str = "auto"):
-        """The slangpy device (opened once per process); raises GpuUnavailableError naming what to install."""
-        from NeuralRaycastLib.gpu.device import open_device
+    def gpuContext(device: str = "auto", gpuMemory: str = ""):
+        """The slangpy device (opened once per process) with its GPU memory budget (``gpuMemory``, e.g. 6G;
+        empty: NEURALRAYCAST_GPU_MEMORY, else the GPU's free memory less a margin); raises GpuUnavailableError
+        naming what to install, ValueError for an amount it cannot read."""
+        from NeuralRaycastLib.gpu.device import open_device, use_memory_budget
 
-        return open_device(device)
+        gpu = open_device(device)
+        use_memory_budget(gpu, gpuMemory or None, "the GPU memory setting")
+        return gpu
 
     @staticmethod
     def runSettings(gpu, preset: str = "auto", seed: int = 0, iterations: int = 0, views: int = 0, size: int = 0,
@@ -878,7 +888,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def train(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto", device: str = "auto",
               seed: int = 0, iterations: int = 0, runFolder: str | None = None, progress=None, shouldStop=None,
               views: int = 0, size: int = 0, config=None, resampleToReference: bool = False, shadows: bool = False,
-              brainMaskNode=None):
+              brainMaskNode=None, gpuMemory: str = ""):
         """Read the study from the scene, train a field (blocking) and save it in ``runFolder``.
 
         :param progress: optional ``callback(message, fraction)``; the widget uses it to keep Slicer responsive.
@@ -889,6 +899,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param resampleToReference: resample volumes on other grids onto the reference (else an error).
         :param shadows: train on views lit with key-light shadows, shading the field through its own meshes.
         :param brainMaskNode: optional brain mask volume (see ``studyFromNodes``).
+        :param gpuMemory: the GPU memory the run may take (e.g. 6G; empty: the GPU's free memory less a margin):
+            steps and the study's grid are sized to it, and a run that cannot fit raises GpuMemoryError.
         :return: ``NeuralRaycastLib.train.run_folder.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite, WarmUpCancelled if cancelled while the kernels compile (nothing trained then).
@@ -896,9 +908,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         side by side (``NeuralRaycastLib.train.warmup``, once per machine), which keeps Slicer responsive while
         they compile.
         """
+        from NeuralRaycastLib.gpu.device import GpuMemoryError
+        from NeuralRaycastLib.gpu.memory_budget import LOWER
         from NeuralRaycastLib.train.run import train_study
 
-        gpu = self.gpuContext(device)
+        gpu = self.gpuContext(device, gpuMemory)
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
@@ -910,16 +924,20 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         # Training again into a run folder (the last run's, which the module keeps) replaces that run; any
         # other non-empty folder is refused before any work.
         replace = os.path.isfile(os.path.join(folder, "run.json"))
-        self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
-                               worker_python=python, config=config, overwrite=replace)
+        try:
+            self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
+                                   worker_python=python, config=config, overwrite=replace)
+        except GpuMemoryError as error:  # the advice in the module's words, not the command line's
+            raise GpuMemoryError(str(error).replace(LOWER, MEMORY_ADVICE)) from error
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
                      f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
         return self.run
 
     def loadRun(self, runFolder: str, volumeNodes, segmentationNode, probabilityNode=None, device: str = "auto",
-                resampleToReference: bool = False, brainMaskNode=None):
+                resampleToReference: bool = False, brainMaskNode=None, gpuMemory: str = ""):
         """Reload a trained model for the study in the scene (the one it was trained on: its geometry is
-        checked). Returns the TrainedRun (also kept as ``self.run``)."""
+        checked), rendering within ``gpuMemory`` (see ``train``). Returns the TrainedRun (also kept as
+        ``self.run``)."""
         from NeuralRaycastLib.train.run_folder import load_run, prepare_for_run, read_run
 
         folder = str(runFolder or "")
@@ -929,7 +947,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
         prepared = prepare_for_run(study, settings)
-        self.run = load_run(self.gpuContext(device), folder, prepared)
+        self.run = load_run(self.gpuContext(device, gpuMemory), folder, prepared)
         return self.run
 
     def _requireRun(self):

@@ -14,6 +14,11 @@ Progress = Callable[[str, float], None]
 ShouldStop = Callable[[], bool]
 
 
+class Note(str):
+    """A progress message to be read whole (work cut down to fit the GPU's memory, a study downsampled): a
+    console prints it on a line of its own, where the next message does not replace it."""
+
+
 class Cancelled(Exception):
     """Long work stopped at its caller's request; the message says what was kept, and where."""
 
@@ -30,6 +35,8 @@ class ConsoleProgress:
     def __call__(self, message: str, fraction: float) -> None:
         fraction = min(max(fraction, 0.0), 1.0)
         elapsed = time.perf_counter() - self.start
+        if self.tty and isinstance(message, Note):
+            self.stream.write(f"\r{self.label}: {message}".ljust(self.width + len(self.label) + 60) + "\n")
         if self.tty:
             filled = int(round(self.width * fraction))
             bar = "#" * filled + " " * (self.width - filled)

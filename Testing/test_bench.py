@@ -26,6 +26,15 @@ def test_memory_row_says_when_the_device_does_not_tell():
     assert math.isnan(row.value) and "not readable" in row.notes
 
 
+def test_memory_row_names_the_budget_the_work_was_sized_to():
+    """bench --gpu-memory: the memory row says which budget the measured work was sized to, readable or not."""
+    from NeuralRaycastLib.gpu.memory_budget import GIB, MemoryBudget
+
+    budget = MemoryBudget(4 * GIB, "--gpu-memory")
+    for samples in ({"training done": 3 << 30}, {"training done": None}):
+        assert memory_row(samples, budget).notes.endswith("; sized to a GPU memory budget of 4.0 GiB (--gpu-memory)")
+
+
 def test_warps_an_sm_holds_follow_from_registers_and_shared_memory():
     """What the kernels suite reports beside each kernel: 255 registers a thread (the fit's) leave room for 8
     of slangpy's one-warp groups on an H100 SM; even a small kernel gets 32 of 64 warps (32 groups at most)."""

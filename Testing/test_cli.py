@@ -435,3 +435,90 @@ def test_cache_lists_its_folders_and_clears_only_those_named(tmp_path, monkeypat
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
     assert main(["cache"]) == 0
     assert "total" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def phantom_manifest(tmp_path_factory) -> str:
+    """The phantom at 4 mm, the study test_fit_and_evaluate_a_run trains on (the same kernels)."""
+    from NeuralRaycastLib.study.sample import write_sample
+
+    return str(write_sample(tmp_path_factory.mktemp("phantom4"), "phantom", spacing=4))
+
+
+def test_fit_render_evaluate_and_mesh_within_a_small_gpu_memory_budget(phantom_manifest, tmp_path, capsys):
+    """Under --gpu-memory 32M a run trains with fewer patches a step, says so, and logs the sizes it chose
+    (fewer rays a rendered band than the device's default); every command that uses the GPU takes the budget."""
+    from NeuralRaycastLib.gpu.memory_budget import SHARES, SOFTWARE_BYTES
+    from NeuralRaycastLib.render.neural_render import BAND_BYTES
+    from NeuralRaycastLib.render.sample_buffers import RayBatch
+
+    run = tmp_path / "run"
+    assert main(["fit", phantom_manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
+                 "--gpu-memory", "32M", "--out", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "a GPU memory budget of 32 MiB (--gpu-memory) holds 2 of the preset's 4 patches a step (512 rays): " \
+           "training takes smaller steps" in captured.err
+    assert "held-out PSNR" in captured.out
+    memory = json.loads((run / "train_log.json").read_text())["memory"]
+    assert memory["budget_bytes"] == 32 << 20 and memory["budget_source"] == "--gpu-memory"
+    assert (memory["preset_patches"], memory["patches"]) == (4, 2)
+    per_ray = RayBatch.bytes_per_ray(192, 4)  # the quick preset's samples, the phantom's four structures
+    assert memory["band_rays"] == int((32 << 20) * SHARES["band"]) // per_ray
+    assert memory["band_rays"] < min(BAND_BYTES[2], SOFTWARE_BYTES * SHARES["band"]) // per_ray
+    for command in (["render", str(run), "--views", "1", "--size", "24", "20", "--out", str(tmp_path / "r")],
+                    ["evaluate", str(run), "--json"], ["mesh", str(run), "--out", str(tmp_path / "m")]):
+        assert main([*command, "--gpu-memory", "32M"]) == 0, command
+    assert (tmp_path / "r" / "views" / "000.png").is_file() and (tmp_path / "m" / "brain.vtp").is_file()
+
+
+def test_a_budget_no_run_fits_is_one_line_saying_what_to_lower_and_writes_nothing(phantom_manifest, tmp_path, capsys):
+    run = tmp_path / "runs" / "run"
+    assert main(["fit", phantom_manifest, "--preset", "quick", "--views", "4", "--size", "32", "--gpu-memory", "8M",
+                 "--out", str(run)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith("neuralraycast fit: error: a GPU memory budget of 8 MiB (--gpu-memory) cannot hold "
+                                "this run: the field and the study's volumes take ")
+    for what in ("raise --gpu-memory", "--preset quick", "--size", "--max-voxels"):
+        assert what in errors[0]
+    assert not run.exists()
+    assert not (tmp_path / "runs").exists() or list((tmp_path / "runs").iterdir()) == []  # nor a staging folder
+
+
+@pytest.mark.parametrize(("arguments", "variable", "expected"), [
+    (["fit", "STUDY", "--out", "RUN", "--gpu-memory", "6X"], None,
+     "neuralraycast fit: error: --gpu-memory: '6X' is not an amount of memory; write it as 6G, 6GiB or 6000M "
+     "(or auto)"),
+    (["render", "RUN", "--out", "RUN", "--gpu-memory", "0"], None,
+     "neuralraycast render: error: --gpu-memory: 0 is less than the smallest budget, 1 MiB; write it as 6G, 6GiB "
+     "or 6000M"),
+    (["info"], "plenty",
+     "neuralraycast info: error: $NEURALRAYCAST_GPU_MEMORY: 'plenty' is not an amount of memory; write it as 6G, "
+     "6GiB or 6000M (or auto)"),
+])
+def test_a_bad_gpu_memory_amount_is_one_line_and_status_2(arguments, variable, expected, tmp_path, capsys,
+                                                         monkeypatch):
+    from NeuralRaycastLib.gpu.memory_budget import GPU_MEMORY_ENV
+
+    if variable is not None:
+        monkeypatch.setenv(GPU_MEMORY_ENV, variable)
+    arguments = [str(tmp_path / a.lower()) if a in ("STUDY", "RUN") else a for a in arguments]
+    assert main(arguments) == 2
+    assert capsys.readouterr().err.strip() == expected
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_says_the_budget_and_where_it_comes_from(capsys, monkeypatch):
+    from NeuralRaycastLib.gpu.memory_budget import GPU_MEMORY_ENV
+
+    monkeypatch.setenv(GPU_MEMORY_ENV, "3G")
+    assert main(["info", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["memory_budget_bytes"], report["memory_budget_source"]) == (3 << 30, f"${GPU_MEMORY_ENV}")
+    assert main(["info", "--gpu-memory", "1500M"]) == 0
+    assert "memory budget      a GPU memory budget of 1.5 GiB (--gpu-memory)" in capsys.readouterr().out
+    monkeypatch.delenv(GPU_MEMORY_ENV)
+    assert main(["info"]) == 0  # each command its own budget: the device's here
+    shown = capsys.readouterr().out
+    assert "memory budget      a GPU memory budget of " in shown and "--gpu-memory" not in shown
+    assert GPU_MEMORY_ENV not in shown

@@ -89,3 +89,29 @@ def test_fit_step_profile_names_every_phase_and_keeps_training(gpu, phantom_setu
     assert all(seconds > 0 for seconds in phases.values())
     assert fitter.step_index == 5  # one step that may compile, then the four timed
     assert fitter.loss() < before
+
+
+def test_field_queries_run_in_chunks_the_memory_budget_holds(gpu, phantom_setup, monkeypatch):
+    """Under a small GPU memory budget the field's distances and gradients come in chunks of points whose
+    buffers fit the budget's share, and are the values of one query over all the points."""
+    import slangpy as spy
+
+    from NeuralRaycastLib.gpu.memory_budget import MIB, MemoryBudget
+
+    prepared, points, _exact = phantom_setup
+    field = make_field(gpu, prepared)
+    whole = field.distances(points), field.distance_gradients(points[:3000])
+    sizes = []
+    original = spy.Tensor.from_numpy
+
+    def counted(device, array):
+        sizes.append(array.size)
+        return original(device, array)
+
+    monkeypatch.setattr(gpu, "memory", MemoryBudget(1 * MIB, "--gpu-memory"))
+    monkeypatch.setattr(spy.Tensor, "from_numpy", counted)
+    chunked = field.distances(points), field.distance_gradients(points[:3000])
+    per_point = 4 * (3 + field.structures)  # a point and its distances
+    assert max(sizes) // 3 * per_point <= (1 * MIB) // 4 < len(points) * per_point  # in more than one chunk
+    np.testing.assert_array_equal(chunked[0], whole[0])
+    np.testing.assert_array_equal(chunked[1], whole[1])

@@ -368,11 +368,12 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
     and never so many rays that the distances buffer would reach MAX_BUFFER_BYTES."""
     from types import SimpleNamespace
 
+    from NeuralRaycastLib.gpu.memory_budget import MemoryBudget
     from NeuralRaycastLib.render import neural_render
 
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
-    renderer.gpu = SimpleNamespace(report=SimpleNamespace(software=False))
+    renderer.gpu = SimpleNamespace(report=SimpleNamespace(software=False), memory=MemoryBudget(76 << 30, "test"))
     for total, band in ((80 << 30, 8 << 30), (40 << 30, 4 << 30), (8 << 30, 2 << 30), (None, 2 << 30)):
         monkeypatch.setattr(neural_render, "device_memory_total", lambda gpu, total=total: total)
         renderer._device_bytes = None
@@ -384,6 +385,36 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
     renderer.gpu = gpu
     bands = [rows for _first, rows, _batch in renderer.camera_bands(camera, rays_per_pass=24)]
     assert bands == [3, 3, 2]  # asked for the whole view in one band: bands of at most 9 rays instead
+
+
+def test_bands_take_the_memory_budgets_share_and_render_the_same_picture(gpu, monkeypatch):
+    """Under a small GPU memory budget a band holds no more rays than the budget's share for a band, on a GPU as
+    on a software device; a budget with memory to spare leaves the bands as they were (and the picture is the
+    same either way)."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gpu.memory_budget import MIB, SHARES, MemoryBudget
+    from NeuralRaycastLib.render import neural_render
+
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
+    whole = renderer.render(camera)
+    assert renderer.band_rays() == neural_render.BAND_BYTES[2] // per_ray  # lavapipe's 4 GiB default: as before
+    small = MemoryBudget(16 * MIB, "--gpu-memory")
+    monkeypatch.setattr(gpu, "memory", small)
+    renderer.release_batch()
+    rays = renderer.band_rays()
+    assert rays == int(16 * MIB * SHARES["band"]) // per_ray < neural_render.BAND_BYTES[2] // per_ray
+    banded = renderer.render(camera)
+    assert renderer._batch.capacity <= rays  # the buffers made are the band's, not the view's
+    np.testing.assert_array_equal(banded.rgba, whole.rgba)
+    renderer.gpu = SimpleNamespace(report=SimpleNamespace(software=False), memory=small)
+    monkeypatch.setattr(neural_render, "device_memory_total", lambda gpu: 80 << 30)
+    assert renderer.band_rays() == rays  # a large GPU, a small budget: the budget's
+    renderer.gpu.memory = MemoryBudget(76 << 30, "the GPU's free memory")
+    renderer._device_bytes = None
+    assert renderer.band_rays() == neural_render.BAND_BYTES[1] // per_ray  # memory to spare: as before
 
 
 def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):

@@ -86,6 +86,7 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     parameters.iterations = 123
     parameters.shadows = True
     parameters.meshSmoothing = 3
+    parameters.gpuMemory = "6G"
     parameters.runFolder = tmp_path / "run"
     with pytest.raises(ValueError):
         parameters.preset = "fastest"  # not a choice
@@ -103,7 +104,7 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     assert reloaded.inputVolume.GetName() == "T1 scan"
     assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
     assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
-    assert reloaded.shadows is True
+    assert reloaded.shadows is True and reloaded.gpuMemory == "6G"
     assert reloaded.runFolder == tmp_path / "run"
     assert reloaded.volumeNodes() == [reloaded.inputVolume]
 
@@ -221,6 +222,45 @@ def test_no_device_is_a_clear_error(module, scene, self_test, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_the_gpu_memory_setting_is_the_budget_a_training_runs_under(module, scene, self_test, monkeypatch):
+    """The module's GPU memory setting reaches train_study as the device's budget; empty is the device's own;
+    an amount it cannot read is refused naming the setting, before any work."""
+    import NeuralRaycastLib.train.run as run
+    from NeuralRaycastLib.gpu.device import GpuMemoryError
+    from NeuralRaycastLib.gpu.memory_budget import LOWER, MIB, MemoryBudget
+
+    seen = []
+
+    def recording_train_study(gpu, study, folder, settings, *args, **kwargs):
+        seen.append(gpu.memory)
+        raise RuntimeError("stopped before training")
+
+    monkeypatch.setattr(run, "train_study", recording_train_study)
+    volume, _array, _affine = self_test._syntheticVolume("t1")
+    logic = module.NeuralRaycastLogic()
+    for setting in ("64M", ""):
+        with pytest.raises(RuntimeError, match="stopped before training"):
+            logic.train([volume], None, preset="quick", gpuMemory=setting)
+    default = logic.gpuContext("auto").memory
+    assert seen == [MemoryBudget(64 * MIB, "the GPU memory setting"), default]
+    assert default.source != "the GPU memory setting"
+    with pytest.raises(ValueError, match="^the GPU memory setting: 'lots' is not an amount of memory"):
+        logic.train([volume], None, gpuMemory="lots")
+    assert len(seen) == 2
+
+    def too_small(gpu, *args, **kwargs):
+        raise GpuMemoryError(f"{gpu.memory.describe()} cannot hold this run; {LOWER}")
+
+    monkeypatch.setattr(run, "train_study", too_small)
+    with pytest.raises(GpuMemoryError) as raised:
+        logic.train([volume], None, gpuMemory="2M")
+    assert str(raised.value) == ("a GPU memory budget of 2 MiB (the GPU memory setting) cannot hold this run; raise "
+                                 "the GPU memory setting if the GPU has more free, or choose the quick preset or a "
+                                 "coarser study")
+    assert "--" not in str(raised.value)  # no command-line options in the module's message
+
+
+@pytest.mark.gpu
 def test_cancel_keeps_a_saved_state_and_the_scene_unchanged(module, scene, self_test, tmp_path):
     from NeuralRaycastLib.train.presets import training_schedule
 
@@ -292,6 +332,7 @@ def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_fo
     monkeypatch.setattr(run, "ensure_warm", lambda *args: None)
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: "views")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
+    monkeypatch.setattr(run, "check_run_fits", lambda budget, layout, prepared, config: None)
     monkeypatch.setattr(run, "NeuralField", stop_at_the_field)
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()

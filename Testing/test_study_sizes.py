@@ -22,6 +22,7 @@ import pytest
 from conftest import save_nifti
 
 from NeuralRaycastLib.app import cli
+from NeuralRaycastLib.gpu.memory_budget import MemoryBudget
 from NeuralRaycastLib.render.camera import MAX_VIEW_SIZE, MIN_VIEW_SIZE, Camera, check_view_size, orbit_cameras
 from NeuralRaycastLib.study.study import (
     MAX_VOLUME_VOXELS,
@@ -192,6 +193,7 @@ class _UnusedDevice:
     fails the test."""
 
     backend = "stand-in"
+    memory = MemoryBudget(4 << 30, "a stand-in")  # the budget is read as work is sized, not device work
 
     def __getattr__(self, name):
         raise AssertionError(f"the device was used ({name}) before the size was checked")

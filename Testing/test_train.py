@@ -148,6 +148,45 @@ def test_cancel_keeps_a_finite_state(gpu, phantom_views):
     assert np.all(np.isfinite(field.parameters()))
 
 
+def test_steps_the_device_cannot_hold_go_on_with_half_the_patches_and_stop_at_one_naming_what_to_lower(
+        gpu, phantom_views, monkeypatch):
+    """Out of device memory for a training step's rays, training goes on with half the patches a step, saying so
+    and logging the patches used; where not even one patch fits, GpuMemoryError names what to lower."""
+    from NeuralRaycastLib.gpu.device import GpuMemoryError
+    from NeuralRaycastLib.render.sample_buffers import RayBatch
+
+    prepared, views = phantom_views
+    config = replace(training_schedule("quick"), appearance_steps=4, joint_steps=4, eval_every=4)
+    config = replace(config, geometry=replace(config.geometry, steps=20, monitor_every=10))
+    assert config.patches == 4 and config.patch_size == 16
+    original = RayBatch.__init__
+    limit = {"rays": 3 * 256}  # three patches' rays: a step of four cannot be held, one of two can
+
+    def small_device(self, gpu, capacity, *args):
+        if capacity > limit["rays"]:
+            raise RuntimeError("createBuffer(rhi_desc) failed with error: out of memory (simulated)")
+        original(self, gpu, capacity, *args)
+
+    monkeypatch.setattr(RayBatch, "__init__", small_device)
+    messages = []
+    trainer = Trainer(gpu, prepared, new_field(gpu, prepared), views, config)
+    log = trainer.run(lambda message, fraction: messages.append(message))
+    assert not log.cancelled and log.skipped_steps == 0
+    assert "the GPU could not hold a step of 4 patches: training on with 2" in messages
+    assert log.memory["preset_patches"] == 4 and log.memory["patches"] == trainer.config.patches == 2
+    assert log.rays == 8 * 2 * 256  # every step trained on two patches
+    assert np.isfinite(log.last("heldout_psnr"))
+
+    limit["rays"] = 100  # not one patch
+    trainer = Trainer(gpu, prepared, new_field(gpu, prepared), views, config)
+    with pytest.raises(GpuMemoryError) as raised:
+        trainer.run()
+    message = str(raised.value)
+    assert message.startswith("the GPU could not hold the sample buffers of 256 rays")
+    assert "even with 1 patch a step; raise --gpu-memory" in message and "--max-voxels" in message
+    assert "\n" not in message
+
+
 def shaded_phantom(gpu, prepared, views, cooperative: bool | None = None):
     """A field fitted to the phantom's surfaces, its renderer, and a weighted sum of a small view's rendered
     sums as a function of the parameters (with the weights, ∂sum/∂sums, for the backward pass)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import __version__, strict_json
 from ..files import WriteError
 from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device
+from ..gpu.memory_budget import GPU_MEMORY_ENV, LOWER, parse_memory
 from ..outputs import check_output
 from ..paths import CACHE_FOLDERS
 from ..progress import Cancelled, ConsoleProgress
@@ -112,12 +113,21 @@ def _native_output_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def _device(args: argparse.Namespace):
+    """The device the command asked for, with its GPU memory budget: ``--gpu-memory`` where given, else the one
+    open_device finds ($NEURALRAYCAST_GPU_MEMORY, the device's)."""
+    memory = getattr(args, "gpu_memory", None)
+    return open_device(args.device) if memory is None else open_device(args.device, memory)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    report = open_device(args.device).report
+    gpu = _device(args)
     if args.json:
-        _print_json(report.as_dict())
+        _print_json({**gpu.report.as_dict(), "memory_budget_bytes": gpu.memory.bytes,
+                     "memory_budget_source": gpu.memory.source})
     else:
-        print(report.as_text())
+        print(gpu.report.as_text())
+        print(f"memory budget      {gpu.memory.describe()}")
     return 0
 
 
@@ -188,7 +198,7 @@ def cmd_render_reference(args: argparse.Namespace) -> int:
     check_view_split(args.views, args.held_out_every)
     check_output(args.out, args.study, overwrite=args.overwrite)
     check_views_folder(args.out)  # before rendering, not after
-    gpu = open_device(args.device)
+    gpu = _device(args)
     prepared = _prepare(args.study, use_cache=True)
     views = render_reference_views(
         gpu, prepared, args.views, args.size[0], args.size[1], shadows=args.shadows, view_angle=args.view_angle,
@@ -211,9 +221,10 @@ def cmd_fit(args: argparse.Namespace) -> int:
     check_output(args.out, args.study, overwrite=args.overwrite,
                  run_of=str(Path(args.study).expanduser().resolve()))
     load_study_cached(args.study)
-    gpu = open_device(args.device)
+    gpu = _device(args)
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
-                                              views=args.views, size=args.size, shadows=args.shadows),
+                                              views=args.views, size=args.size, shadows=args.shadows,
+                                              max_voxels=args.max_voxels),
                        min_piece_ml=args.min_piece_ml, keep_small_pieces=args.keep_small_pieces)
     if args.preset in (None, AUTO):
         where = "software device" if gpu.report.software else "GPU"
@@ -241,7 +252,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise ValueError(f"views must be at least 1 (got {args.views})")
     check_output(args.out, args.run_folder, overwrite=args.overwrite)
     check_views_folder(args.out)  # before rendering, not after
-    run = open_run(open_device(args.device), args.run_folder, ConsoleProgress("prepare"))
+    run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
     progress = ConsoleProgress("render")
     cameras = orbit_cameras(run.prepared.bounds, args.views, args.size[0], args.size[1])
     images = []
@@ -270,7 +281,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train.evaluate import shown
     from ..train.run_folder import evaluate_run
 
-    gpu = open_device(args.device)
+    gpu = _device(args)
     metrics = evaluate_run(gpu, args.run_folder, ConsoleProgress("evaluate"))
     if args.json:
         _print_json(metrics)
@@ -305,7 +316,7 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     if (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
         from ..train.run_folder import open_run
 
-        run = open_run(open_device(args.device), args.study, ConsoleProgress("prepare"))
+        run = open_run(_device(args), args.study, ConsoleProgress("prepare"))
         meshes = run.meshes(args.smooth, args.decimate)
     else:  # a study: its boundary maps (the classic route)
         meshes = mesh_prepared(_prepare(args.study, use_cache=True), args.smooth, args.decimate)
@@ -322,7 +333,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..study.sample import cached_sample
     from ..study.study import load_study
 
-    gpu = open_device(args.device)
+    gpu = _device(args)
     manifest = cached_sample(args.case, args.spacing, progress=ConsoleProgress(f"sample {args.case}"))
     prepared = prepare(load_study(manifest), progress=ConsoleProgress("prepare"))
     study = f"{args.case} sample, {' x '.join(map(str, prepared.study.shape))} voxels"
@@ -362,7 +373,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset,
-                      warm_up_first=not args.no_warmup, overwrite=args.overwrite)
+                      warm_up_first=not args.no_warmup, overwrite=args.overwrite, gpu_memory=args.gpu_memory)
     print(f"\nreport: {report}")
     return 0
 
@@ -411,9 +422,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log details (and tracebacks) to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def device_option(p: argparse.ArgumentParser) -> None:
+    def device_option(p: argparse.ArgumentParser, memory: bool = True) -> None:
         p.add_argument("--device", choices=CHOICES, default=None,
                        help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan)")
+        if memory:
+            p.add_argument("--gpu-memory", metavar="AMOUNT", default=None,
+                           help=f"GPU memory the work may take, e.g. 6G, 6GiB or 6000M (binary units); batches, "
+                                f"bands and the study's grid are sized to it (default: ${GPU_MEMORY_ENV}, else the "
+                                "GPU's free memory less a margin; docs/gpu-memory.md)")
 
     def preset_option(p: argparse.ArgumentParser, what: str) -> None:
         p.add_argument("--preset", choices=[AUTO, *PRESETS], default=None, help=f"{what}: {presets_help()}")
@@ -491,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimisation steps of all stages together (default: the preset's)")
     p.add_argument("--views", type=int, default=None, help="reference views (default: the preset's)")
     p.add_argument("--size", type=int, default=None, help="view size in pixels (default: the preset's)")
+    p.add_argument("--max-voxels", type=int, default=None, metavar="N",
+                   help="downsample the study so that no axis has more than N voxels (default: the preset's, or "
+                        "what the GPU memory budget holds)")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
@@ -552,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("warmup", help="compile the kernels of the demo and 'fit' ahead (kept in the shader cache)")
-    device_option(p)
+    device_option(p, memory=False)
     p.add_argument("study", nargs="?", default=None, help="study to warm up for (default: the icbm sample)")
     preset_option(p, "preset to warm up for")
     p.add_argument("--jobs", type=int, default=0,
@@ -578,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        if getattr(args, "gpu_memory", None) is not None:
+            parse_memory(args.gpu_memory)  # a bad amount is refused before any work
         if not getattr(args, "json", False):
             return args.run(args)
         with _native_output_to_stderr():
@@ -588,7 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:
         if args.verbose:
             logging.exception("failed")
-        print(f"neuralraycast {args.command}: error: {describe_error(error)}", file=sys.stderr)
+        message = describe_error(error)
+        if isinstance(error, GpuMemoryError) and "--gpu-memory" not in message:
+            message = f"{message}; {LOWER}"
+        print(f"neuralraycast {args.command}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"neuralraycast {args.command}: cancelled", file=sys.stderr)

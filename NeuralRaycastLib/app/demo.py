@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import __version__, strict_json
 from ..files import write_text
-from ..gpu.device import open_device
+from ..gpu.device import memory_budget, open_device
 from ..mesh.mesh import write_meshes
 from ..outputs import check_output
 from ..progress import Cancelled, CancelOnInterrupt, ConsoleProgress
@@ -42,15 +42,17 @@ def turntable_cameras(bounds: np.ndarray, frames: int, size: int) -> list:
 
 def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spacing: float | None = None,
              seed: int = 0, preset_name: str | None = None, warm_up_first: bool = True,
-             overwrite: bool = False) -> Path:
+             overwrite: bool = False, gpu_memory: str | None = None) -> Path:
     """Run the demo into ``out`` (checked first: a non-empty folder only with ``overwrite``); returns the
-    report's path. A training cancelled (Ctrl-C) keeps its state and raises :class:`Cancelled` saying where."""
+    report's path. ``gpu_memory``: the GPU memory budget (``--gpu-memory``; gpu/memory_budget.py). A training
+    cancelled (Ctrl-C) keeps its state and raises :class:`Cancelled` saying where."""
     check_run_values(seed=seed)
     out = check_output(out, overwrite=overwrite)
     timings: dict[str, float] = {}
     started = time.perf_counter()
-    gpu = open_device(device)
+    gpu = open_device(device) if gpu_memory is None else open_device(device, gpu_memory)
     print(gpu.report.as_text(), flush=True)
+    print(f"memory budget      {memory_budget(gpu).describe()}", flush=True)
     settings = RunSettings.for_device(gpu, preset_name, seed=seed).check()
     out.mkdir(parents=True, exist_ok=True)
     note = ""

@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..gpu.device import GpuContext, device_memory_in_use
+from ..gpu.device import GpuContext, device_memory_in_use, memory_budget
+from ..gpu.memory_budget import MemoryBudget
 from .kernel_clock import kernel_clock
 from .report import BenchReport, BenchRow, frame_notes, timed, timed_each
 from .torch_peer import bench_torch_peer
@@ -291,19 +292,22 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
                              f"{repeats} runs; PSNR of the neural render with mesh shadows against it: "
                              f"{psnr(frame['mesh shadows'].rgb(), volumetric.rgb()):.2f} dB"))
         memory[f"{width}² renders"] = device_memory_in_use(gpu)
-    return rows + [memory_row(memory)]
+    return rows + [memory_row(memory, memory_budget(gpu))]
 
 
-def memory_row(samples: dict[str, int | None]) -> BenchRow:
+def memory_row(samples: dict[str, int | None], budget: MemoryBudget | None = None) -> BenchRow:
     """The largest of the device memory samples (bytes in use on the GPU, sampled between the bench's parts,
-    not a true peak), with every sample in the notes; NaN where the device does not tell (CUDA only)."""
+    not a true peak), with every sample in the notes; NaN where the device does not tell (CUDA only). The notes
+    name the ``budget`` the work was sized to (``--gpu-memory``)."""
     known = {name: value for name, value in samples.items() if value is not None}
+    under = "" if budget is None else f"; sized to {budget.describe()}"
     if not known:
-        return BenchRow("train", "GPU memory in use", float("nan"), "GiB", "not readable on this device (CUDA only)")
+        return BenchRow("train", "GPU memory in use", float("nan"), "GiB",
+                        f"not readable on this device (CUDA only){under}")
     largest = max(known, key=lambda name: known[name])
     return BenchRow("train", "GPU memory in use, largest sample", known[largest] / 2**30, "GiB",
                     f"after {largest}; " + ", ".join(f"{name} {value / 2**30:.2f}" for name, value in known.items())
-                    + " GiB (the device's total less free, this process's context included)")
+                    + f" GiB (the device's total less free, this process's context included){under}")
 
 
 def work_per_ray(renderer, camera) -> tuple[float, float]:

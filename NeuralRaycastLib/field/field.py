@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu.device import COOPERATIVE_ENV, GpuContext, tensor_core_networks
+from ..gpu.device import COOPERATIVE_ENV, GpuContext, device_memory, memory_budget, tensor_core_networks
 from ..paths import shader_dir
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
@@ -509,18 +509,25 @@ class NeuralField:
 
     def _query(self, kernel: str, points: np.ndarray, per_point: int, *settings: float) -> np.ndarray:
         """``per_point`` values a point from one of the module's query kernels (a thread a point, every
-        structure from the same network evaluations)."""
+        structure from the same network evaluations), in chunks whose points and values fit the GPU memory
+        budget's share for a band of rays (gpu/memory_budget.py)."""
         import slangpy as spy
 
         points = np.ascontiguousarray(points, dtype=np.float32).reshape(-1, 3)
         if len(points) == 0:
             return np.zeros((0, per_point), np.float32)
         device = self.gpu.device
-        uploaded = spy.Tensor.from_numpy(device, points.reshape(-1))
-        result = spy.Tensor.zeros(device, shape=(len(points) * per_point,), dtype=float)
-        getattr(self.module, kernel)(spy.grid((len(points),)), len(points), self.shader_struct(),
-                                     uploaded.storage.device_address, *settings, result.storage.device_address)
-        return np.asarray(result.to_numpy()).reshape(-1, per_point)
+        chunk = max(1024, memory_budget(self.gpu).share("band") // (4 * (3 + per_point)))
+        values = []
+        for first in range(0, len(points), chunk):
+            part = points[first:first + chunk]
+            with device_memory(f"the field's values at {len(part):,} points"):
+                uploaded = spy.Tensor.from_numpy(device, part.reshape(-1))
+                result = spy.Tensor.zeros(device, shape=(len(part) * per_point,), dtype=float)
+            getattr(self.module, kernel)(spy.grid((len(part),)), len(part), self.shader_struct(),
+                                         uploaded.storage.device_address, *settings, result.storage.device_address)
+            values.append(np.asarray(result.to_numpy()).reshape(-1, per_point))
+        return values[0] if len(values) == 1 else np.concatenate(values)
 
     def normals(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
         """Outward unit normals (N, K, 3)."""

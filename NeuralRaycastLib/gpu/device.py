@@ -25,6 +25,7 @@ import numpy as np
 
 from ..paths import SHADER_CACHE_BYTES, cache_folder, shader_dir
 from .compiler_log import route_slangpy_messages
+from .memory_budget import MemoryBudget, resolve_budget
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
 BACKENDS = ("cuda", "vulkan")
@@ -123,6 +124,11 @@ class GpuContext:
     backend: str
     report: DeviceReport
     _sessions: dict[int, Any] = field(default_factory=dict, repr=False)
+    #: The GPU memory the work may take (memory_budget.py; set by open_device and use_memory_budget).
+    memory: MemoryBudget | None = None
+    #: (free, total) bytes of the GPU when the device opened (CUDA), the device's own budget's basis; None
+    #: where the device cannot say.
+    memory_at_open: tuple[int, int] | None = None
 
     def load_module(self, name: str, structures: int | None = None) -> Any:
         """Load ``shaders/<name>.slang`` for kernels of ``structures`` structures (None: any number; see
@@ -298,6 +304,20 @@ def device_memory_in_use(gpu: GpuContext) -> int | None:
     return None if memory is None else memory[1] - memory[0]
 
 
+def use_memory_budget(gpu: GpuContext, explicit: str | int | None = None,
+                      option: str = "--gpu-memory") -> MemoryBudget:
+    """Set and return the GPU memory budget of ``gpu``'s work: ``explicit`` (given as ``option``), else
+    $NEURALRAYCAST_GPU_MEMORY, else the device's (memory_budget.py). ValueError for a bad value."""
+    at_open = getattr(gpu, "memory_at_open", None) or (None, None)
+    gpu.memory = resolve_budget(explicit, *at_open, gpu.report.software, option)
+    return gpu.memory
+
+
+def memory_budget(gpu: GpuContext) -> MemoryBudget:
+    """The budget every consumer sizes its work to (resolved on first use where nothing set it)."""
+    return getattr(gpu, "memory", None) or use_memory_budget(gpu)
+
+
 def device_memory_total(gpu: GpuContext) -> int | None:
     """Bytes of memory of the GPU a CUDA device runs on, or None where it cannot be read."""
     memory = _cuda_memory(gpu)
@@ -432,11 +452,15 @@ def import_slangpy():
     return slangpy
 
 
-def open_device(choice: str | None = None) -> GpuContext:
-    """Open (once per process and backend) the best working device, or raise GpuUnavailableError."""
+def open_device(choice: str | None = None, gpu_memory: str | int | None = None) -> GpuContext:
+    """Open (once per process and backend) the best working device, or raise GpuUnavailableError. Every call
+    sets its memory budget: ``gpu_memory`` where given (``--gpu-memory``), else as :func:`use_memory_budget`
+    finds it, so one caller's budget never outlives its call's work for the next."""
     wanted = requested_backend(choice)
     if wanted in _CONTEXTS:
-        return _CONTEXTS[wanted]
+        context = _CONTEXTS[wanted]
+        use_memory_budget(context, gpu_memory)
+        return context
     try:
         import_slangpy()
     except ImportError as error:
@@ -456,10 +480,16 @@ def open_device(choice: str | None = None) -> GpuContext:
                 tried[backend] = " ".join(str(error).split())[:200] or type(error).__name__
                 continue
             context = GpuContext(device, backend, _report(device, backend, capability, tried))
+            context.memory_at_open = _cuda_memory(context)
             _CONTEXTS[wanted] = _CONTEXTS[backend] = context
-            return context
+            break
+        else:
+            context = None
     finally:
         logger.level = level
+    if context is not None:
+        use_memory_budget(context, gpu_memory)
+        return context
     reasons = "; ".join(f"{name}: {why}" for name, why in tried.items())
     raise GpuUnavailableError(f"no GPU device works ({reasons}). {INSTALL_HINT}")
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..gpu.device import device_memory
 from .metrics import SSIM_K1, SSIM_K2, SSIM_SIGMA, SSIM_TRUNCATE
 from .sample_buffers import OUTPUTS, RayBatch  # OUTPUTS: floats per pixel of the rendered sums and references
 
@@ -165,6 +166,9 @@ def albedo_consistency_and_gradient(albedo: np.ndarray, weight: np.ndarray) -> t
 #: edges, the pixels opaque in both pictures, and the normal and depth terms' sums over those pixels.
 DEVICE_TERMS = ("l1", "ssim", "mask", "normal", "depth")
 _ADJOINTS = 12  # floats per pixel between the shader's passes
+#: Device memory a pixel of a training batch's patches takes in the loss: its reference, the adjoints, each
+#: term's share (DeviceImageLoss._allocate).
+LOSS_BYTES_PER_PIXEL = 4 * (OUTPUTS + _ADJOINTS + len(DEVICE_TERMS))
 
 
 class DeviceImageLoss:
@@ -192,10 +196,13 @@ class DeviceImageLoss:
         import slangpy as spy
 
         device, pixels = self.gpu.device, patches * self.size**2
-        self._reference = spy.Tensor.zeros(device, shape=(pixels * OUTPUTS,), dtype="float")
-        self._adjoints = spy.Tensor.zeros(device, shape=(pixels * _ADJOINTS,), dtype="float")
-        self._shares = spy.Tensor.zeros(device, shape=(pixels * len(DEVICE_TERMS),), dtype="float")
-        self._patch_sums = spy.Tensor.zeros(device, shape=(patches * len(DEVICE_TERMS),), dtype="float")
+        self._reference = self._adjoints = self._shares = self._patch_sums = None  # another size's, freed first
+        self._patches = 0
+        with device_memory(f"the image loss of {patches} patches"):
+            self._reference = spy.Tensor.zeros(device, shape=(pixels * OUTPUTS,), dtype="float")
+            self._adjoints = spy.Tensor.zeros(device, shape=(pixels * _ADJOINTS,), dtype="float")
+            self._shares = spy.Tensor.zeros(device, shape=(pixels * len(DEVICE_TERMS),), dtype="float")
+            self._patch_sums = spy.Tensor.zeros(device, shape=(patches * len(DEVICE_TERMS),), dtype="float")
         self._patches = patches
 
     def __call__(self, batch: RayBatch, reference: np.ndarray, image_weight: float = 1.0,

@@ -28,7 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu.device import GpuContext, GpuMemoryError, PassClock, ReadBack, device_memory, device_memory_total
+from ..gpu.device import (
+    GpuContext,
+    GpuMemoryError,
+    PassClock,
+    ReadBack,
+    device_memory,
+    device_memory_total,
+    memory_budget,
+)
 from .camera import Camera
 from .image import PLANE_FLOATS, RenderedImage, image_from_planes
 from .occupancy import Occupancy
@@ -36,8 +44,10 @@ from .sample_buffers import OUTPUTS, RayBatch, RayTiles
 from .scene import TrainableScene, WorkLists, list_launch
 
 #: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
-#: the first figure and at most the second; on a CPU device the third. Fewer, larger bands mean fewer passes
-#: and waits, and render a frame faster, with or without mesh shadows (BENCHMARKS.md).
+#: the first figure and at most the second; on a CPU device the third; never more than the memory budget's
+#: share for a band (gpu/memory_budget.py), which leaves these sizes as they are on a GPU with memory to spare.
+#: Fewer, larger bands mean fewer passes and waits, and render a frame faster, with or without mesh shadows
+#: (BENCHMARKS.md).
 BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
 #: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
@@ -109,6 +119,11 @@ class DiffRenderer:
         self.mesh_shadows = shadows
         if shadows is not None and not hasattr(self, "_shadow_module"):
             self._shadow_module = self.gpu.load_module("segment_shadows", self.scene.structures)
+
+    def release_batch(self) -> None:
+        """Free the sample buffers (the next batch makes them again, at its size): after the device could not
+        hold a batch, before a smaller one is tried."""
+        self._batch = None
 
     def batch(self, rays: int) -> RayBatch:
         """Buffers for ``rays`` rays (the last batch if it is large enough; GpuMemoryError if the device cannot
@@ -271,8 +286,8 @@ class DiffRenderer:
 
     # whole images -------------------------------------------------------------------------------------
     def band_rays(self) -> int:
-        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` holds (each buffer under
-        :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
+        """Rays per band of a rendered view: as many as :data:`BAND_BYTES` and the memory budget hold (each buffer
+        under :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
         fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)
         return min(self._band_limit, self._creatable_rays(), max(1, fitting))
 
@@ -282,11 +297,12 @@ class DiffRenderer:
 
     def _band_bytes(self) -> int:
         least, most, software = BAND_BYTES
+        share = memory_budget(self.gpu).share("band")
         if self.gpu.report.software:
-            return software
+            return min(software, share)
         if self._device_bytes is None:
             self._device_bytes = device_memory_total(self.gpu) or 0
-        return min(most, max(least, self._device_bytes // 10))
+        return min(most, max(least, self._device_bytes // 10), share)
 
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
                      timings: dict[str, float] | None = None, frame: Any = None, counted: bool = True

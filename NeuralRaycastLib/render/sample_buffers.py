@@ -113,6 +113,15 @@ class RayBatch:
         distances, visibility, surface entry and three list entries; its first shaded segments' values."""
         return 4 * (max_samples * (7 + structures) + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures)
 
+    @staticmethod
+    def training_bytes_per_ray(max_samples: int, structures: int) -> int:
+        """Device memory a ray takes in a training batch: :meth:`bytes_per_ray` with the gradient buffers a
+        backward pass adds (per sample the distances' gradients and what compositing keeps; the surface
+        values' gradients)."""
+        per_sample = max_samples * (structures + KEPT_FLOATS)
+        gradients = per_sample + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures
+        return RayBatch.bytes_per_ray(max_samples, structures) + 4 * gradients
+
     @property
     def surface_width(self) -> int:
         return SURFACE_VALUES_PER_STRUCTURE * self.structures

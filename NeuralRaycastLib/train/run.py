@@ -16,12 +16,13 @@ from pathlib import Path
 
 from ..field.field import NeuralField
 from ..files import StagedFolder
-from ..gpu.device import GpuContext
+from ..gpu.device import GpuContext, device_memory, memory_budget
 from ..outputs import check_output
 from ..progress import Progress, ShouldStop
 from ..render.camera import check_view_size
 from ..render.reference_views import save_reference_views
 from ..study.study import Study
+from .memory import check_run_fits
 from .presets import RunSettings
 from .run_folder import (
     RUN_FOLDER_REFUSAL,
@@ -31,6 +32,7 @@ from .run_folder import (
     keep_trained_run,
     prepare_for_run,
     reference_views_for_run,
+    study_within_budget,
     write_run,
 )
 from .trainer import TrainConfig, Trainer
@@ -68,13 +70,16 @@ def train_study(
     ``config`` replaces the preset's training schedule whole (scripting, tests).
 
     The settings and ``out`` are checked before any work (:meth:`RunSettings.check`,
-    :func:`~NeuralRaycastLib.outputs.check_output`): a non-empty ``out`` is refused unless it is a run of the
-    same study file, or ``overwrite`` is given for an earlier run of another; whatever else a folder holds is
-    never replaced. The run folder is built beside its place and renamed into it only when complete, replacing
-    an earlier run whole: a failed or interrupted run leaves that earlier run as it was and nothing
-    half-written. A cancel before the first training step raises :class:`CancelledBeforeTraining` with nothing
-    written. When the run folder cannot be written after training (a full or read-only disk), the run is kept
-    elsewhere and :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
+    :func:`~NeuralRaycastLib.outputs.check_output`): a non-empty ``out`` is refused unless it is a run of the same
+    study file, or ``overwrite`` is given for an earlier run of another; whatever else a folder holds is never
+    replaced. The GPU memory budget (``gpu.memory``, gpu/memory_budget.py) sizes the run: a study whose volumes it
+    cannot hold is downsampled, steps take fewer patches, and a run that cannot fit at all is refused with
+    GpuMemoryError before any work on the device (train/memory.py). The run folder is built beside its place and
+    renamed into it only when complete, replacing an earlier run whole: a failed or interrupted run leaves that
+    earlier run as it was and nothing half-written. A cancel before the first training step raises
+    :class:`CancelledBeforeTraining` with nothing written. When the run folder cannot be written after training (a
+    full or read-only disk), the run is kept elsewhere and
+    :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
     """
     settings = (settings or RunSettings.for_device(gpu)).check()
     check_view_size(settings.size, settings.size)  # before the study is prepared and the kernels compiled
@@ -82,20 +87,26 @@ def train_study(
     folder = check_output(out, source, overwrite=overwrite, run_of=source)
     # Refused, or found unwritable, before hours of work rather than after.
     staged = StagedFolder(folder, is_run_folder, RUN_FOLDER_REFUSAL)
+    budget = memory_budget(gpu)
     try:
-        prepared = prepare_for_run(study, settings, progress)
+        loaded, settings = study_within_budget(study, settings, budget, progress)
+        prepared = prepare_for_run(loaded, settings, progress)
+        layout = settings.field_layout(gpu, prepared)
+        check_run_fits(budget, layout, prepared, settings.schedule(config))  # before any work on the device
         if warm_up:
             ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
-        views = reference_views_for_run(gpu, prepared, settings, progress)
-        if should_stop is not None and should_stop():
-            raise CancelledBeforeTraining("cancelled before training began; nothing was written")
-        field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
-        # The view pictures are written while training runs: encoding them would otherwise delay its start.
-        with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
-            saved = writer.submit(save_reference_views, views, staged.path / "reference")
-            trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
-            log = trainer.run(progress, should_stop)
-            trainer.use_picture_settings()
+        # An allocation the device refuses outside the sized work (the volumes, the field) is a GpuMemoryError too.
+        with device_memory(f"this run ({budget.describe()})"):
+            views = reference_views_for_run(gpu, prepared, settings, progress)
+            if should_stop is not None and should_stop():
+                raise CancelledBeforeTraining("cancelled before training began; nothing was written")
+            field = NeuralField(gpu, layout, seed=settings.seed)
+            # The view pictures are written while training runs: encoding them would otherwise delay its start.
+            with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+                saved = writer.submit(save_reference_views, views, staged.path / "reference")
+                trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
+                log = trainer.run(progress, should_stop)
+                trainer.use_picture_settings()
     except BaseException:
         staged.discard()
         raise

@@ -21,9 +21,10 @@ from .. import strict_json
 from ..field.field import NeuralField
 from ..files import WriteError, atomic_files, atomic_folder, copy_tree, write_text
 from ..gpu.device import GpuContext
+from ..gpu.memory_budget import MemoryBudget
 from ..mesh.mesh import Mesh, mesh_sdf_grid
 from ..paths import cache_folder
-from ..progress import Progress
+from ..progress import Note, Progress
 from ..render.camera import Camera
 from ..render.image import RenderedImage
 from ..render.neural_render import DiffRenderer
@@ -50,9 +51,24 @@ def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: 
     if settings.max_voxels:
         full, study = study, downsample_study(study, settings.max_voxels)
         if study is not full and progress is not None:
-            progress(downsampling_note(full, study), 0.0)
+            progress(Note(downsampling_note(full, study)), 0.0)
     return prepare(study, progress=progress, min_piece_ml=settings.min_piece_ml,
                    keep_small_pieces=settings.keep_small_pieces)
+
+
+def study_within_budget(study: Study | str | Path, settings: RunSettings, budget: MemoryBudget,
+                        progress: Progress | None = None) -> tuple[Study, RunSettings]:
+    """The study (read, where a file) and the settings with a voxel limit under which its volumes fit the GPU
+    memory budget (train/memory.py; ``progress`` is told where the limit is the budget's). The limit is kept in
+    the run's settings, so the run's study is prepared the same way again wherever it is opened."""
+    from .memory import settings_within_budget
+
+    if not isinstance(study, Study):
+        study = load_study_cached(study)
+    settings, note = settings_within_budget(study, settings, budget)
+    if note is not None and progress is not None:
+        progress(Note(note), 0.0)
+    return study, settings
 
 
 def reference_views_for_run(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
@@ -113,7 +129,8 @@ def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: Neu
         "rays_per_second_after_first_steps": log.rays_per_second(after_first_step=True),
         "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
         "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
-        "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "rows": log.rows,
+        "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "memory": log.memory,
+        "rows": log.rows,
     }, indent=1) + "\n"
     run = json.dumps({
         "version": RUN_VERSION, "study": source, "settings": asdict(settings),

@@ -23,6 +23,10 @@ flows through it, so the shadows are explained by geometry and not baked into th
 A step whose loss is not finite is skipped and the learning rate halved; the parameters are restored
 from the last good state if they ever become non-finite. ``should_stop`` cancels between steps, keeping
 the last good state.
+
+The steps are sized to the GPU memory budget (train/memory.py: fewer patches a step where the budget cannot hold
+the preset's, said through the progress); a step the device still cannot hold is taken again with half the
+patches, a few times at most, and where not even one patch fits, GpuMemoryError says what to lower.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import numpy as np
 from ..field.field import NeuralField
 from ..field.field_render import FieldScene, boundary_occupancy, field_occupancy
 from ..field.sdf_fit import Adam, FitConfig, SdfFitter, learning_rate_factor
-from ..gpu.device import GpuContext, PassClock
-from ..progress import Progress, ShouldStop
+from ..gpu.device import GpuContext, GpuMemoryError, PassClock, memory_budget
+from ..gpu.memory_budget import LOWER
+from ..progress import Note, Progress, ShouldStop
 from ..render.image_loss import DeviceImageLoss, albedo_consistency_and_gradient
 from ..render.metrics import psnr, ssim
 from ..render.neural_render import SHADE_WEIGHT, DiffRenderer
@@ -46,6 +51,10 @@ from ..render.reference_render import march_settings
 from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
+from .memory import schedule_within_budget
+
+#: Times a run halves its patches a step where the device could not hold a step's buffers.
+MEMORY_RETRIES = 4
 
 
 class TrainingError(RuntimeError):
@@ -120,6 +129,9 @@ class TrainLog:
     skipped_steps: int = 0
     mesh_seconds: float = 0.0  # re-extracting the learned meshes and their BVH (training with shadows)
     mesh_extractions: int = 0
+    # The memory budget and the sizes chosen under it: patches a step (the preset's and the last used), SDF
+    # points a step, rays of a rendered band.
+    memory: dict = dataclasses.field(default_factory=dict)
 
     def last(self, key: str) -> float | None:
         return next((row[key] for row in reversed(self.rows) if key in row), None)
@@ -211,14 +223,20 @@ class Trainer:
     ) -> None:
         import slangpy as spy
 
-        self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, config
+        budget = memory_budget(gpu)
+        sized, self.memory_note = schedule_within_budget(config, budget, len(prepared.structures))
+        self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, sized
+        self._report: Progress = lambda message, fraction: None
+        self._memory_retries = 0
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
         self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
                                        config.occupancy_cell_mm, from_boundary=True, shade_weight=config.shade_weight)
         self.sampler = PatchSampler(views.targets(), views.training, config.patch_size, seed=config.seed)
         self.image_loss = DeviceImageLoss(gpu, config.patch_size)
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
-        self.log = TrainLog()
+        self.log = TrainLog(memory={"budget_bytes": budget.bytes, "budget_source": budget.source,
+                                    "preset_patches": config.patches, "patches": sized.patches,
+                                    "sdf_points": sized.geometry.batch})
 
     # one step of stages 2 and 3 --------------------------------------------------------------------------
     def image_step(self, geometry: bool = True, rows: np.ndarray | None = None,
@@ -253,6 +271,33 @@ class Trainer:
         clock.skip()
         return {"loss": loss, **terms}
 
+    def _image_step_in_memory(self, geometry: bool, rows: np.ndarray | None,
+                              timings: dict[str, float] | None) -> dict[str, float]:
+        """:meth:`image_step`; where the device cannot hold its buffers, again with half the patches."""
+        while True:
+            try:
+                return self.image_step(geometry=geometry, rows=rows, timings=timings)
+            except GpuMemoryError as error:
+                self._halve_patches(error)
+                rows = None if rows is None else rows[: self.config.patches]
+
+    def _halve_patches(self, error: GpuMemoryError) -> None:
+        """Take the following steps with half the patches (the step that failed added no gradient), saying so;
+        GpuMemoryError naming what to lower where already at one patch or after MEMORY_RETRIES halvings."""
+        patches = self.config.patches
+        if patches <= 1 or self._memory_retries >= MEMORY_RETRIES:
+            raise GpuMemoryError(f"{error}, even with {patches} patch{'es' if patches > 1 else ''} a step; "
+                                 f"{LOWER}") from error
+        self._memory_retries += 1
+        self.field.zero_gradients()
+        self.renderer.release_batch()
+        self.config = replace(self.config, patches=max(1, patches // 2))
+        self.log.memory["patches"] = self.config.patches
+        c = self.config
+        done = (c.geometry.steps + sum(self.log.stage_steps.values())) / (
+            c.geometry.steps + c.appearance_steps + c.joint_steps)
+        self._report(Note(f"the GPU could not hold a step of {patches} patches: training on with {c.patches}"), done)
+
     def render_optimisers(self, steps: int) -> tuple[Adam, SdfFitter]:
         """Adam over stages 2 and 3 (``steps`` in all) and the SDF and Eikonal terms of the joint steps."""
         c = self.config
@@ -266,7 +311,7 @@ class Trainer:
         """One step of stage 3 (``joint``) or stage 2: the image step, the SDF and Eikonal terms when joint,
         then Adam (appearance only in stage 2) at ``rate`` times the schedule. A non-finite loss skips Adam
         and leaves the gradients accumulated; returns the loss terms (``timings``: see :meth:`image_step`)."""
-        terms = self.image_step(geometry=joint, rows=rows, timings=timings)
+        terms = self._image_step_in_memory(joint, rows, timings)
         clock = PassClock(self.gpu, timings)
         if joint:
             sdf.accumulate(step, self.config.sdf_weight)
@@ -319,9 +364,12 @@ class Trainer:
     def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> TrainLog:
         c = self.config
         report = progress or (lambda message, fraction: None)
+        self._report = report
         stop = should_stop or (lambda: False)
         total = c.geometry.steps + c.appearance_steps + c.joint_steps
         start = time.perf_counter()
+        if self.memory_note:
+            report(Note(self.memory_note), 0.0)
 
         # stage 1: geometry from the boundary maps
         fitter = SdfFitter(self.gpu, self.prepared, self.field, c.geometry)
@@ -368,7 +416,7 @@ class Trainer:
                 self.gpu.device.wait()
             spent = time.perf_counter() - t0
             self.log.stage_seconds[stage] = self.log.stage_seconds.get(stage, 0.0) + spent
-            self.log.stage_rays[stage] = self.log.stage_rays.get(stage, 0) + c.patches * c.patch_size ** 2
+            self.log.stage_rays[stage] = self.log.stage_rays.get(stage, 0) + self.config.patches * c.patch_size ** 2
             self.log.stage_steps[stage] = self.log.stage_steps.get(stage, 0) + 1
             if first:
                 self.log.first_step_seconds[stage] = spent
@@ -402,5 +450,6 @@ class Trainer:
             self.refresh_meshes()
         self.log.seconds = time.perf_counter() - start
         self.log.cancelled = cancelled
+        self.log.memory["band_rays"] = self.renderer.band_rays()
         return self.log
 
