@@ -1248,7 +1248,8 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
                 corners = np.array([ijk.min(axis=0) - 0.5, ijk.max(axis=0) + 0.5])
                 ras = corners @ study.affine[:3, :3].T + study.affine[:3, 3]
                 expected = np.ravel(np.column_stack([ras.min(axis=0), ras.max(axis=0)]))
-                np.testing.assert_allclose(model.GetPolyData().GetBounds(), expected, atol=spacing,
+                # a drawn (blocky) label's surface is smoothed over about a voxel: its corners round off
+                np.testing.assert_allclose(model.GetPolyData().GetBounds(), expected, atol=1.5 * spacing,
                                            err_msg=f"bounds of the model of '{segmentName}'")
             # Creating them again updates the same nodes.
             self.assertEqual([node.GetID() for node in logic.createModels(smoothingIterations=0)],

@@ -264,7 +264,7 @@ def test_thick_slices_are_kept_and_the_downsampling_is_reported(monkeypatch):
     np.testing.assert_allclose(small.channels["t1"][5, 7, 2], study.channels["t1"][15:18, 21:24, 2].mean(), rtol=1e-5)
 
     messages: list[str] = []
-    monkeypatch.setattr(run_folder, "prepare", lambda study, progress=None: study)  # what it would prepare
+    monkeypatch.setattr(run_folder, "prepare", lambda study, progress=None, **pieces: study)  # what it would prepare
     prepared = run_folder.prepare_for_run(study, RunSettings("quick", max_voxels=96),
                                           lambda message, fraction: messages.append(message))
     assert prepared.shape == (96, 96, 9)

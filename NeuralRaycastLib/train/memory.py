@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,8 +25,6 @@ from ..study.study import Study, downsample_factors
 if TYPE_CHECKING:
     from ..field.field import FieldLayout
     from ..study.preprocess import PreparedStudy
-    from .presets import RunSettings
-    from .trainer import TrainConfig
 
 #: Device memory a point of an SDF-fit step takes: the points are drawn on the device and never stored; only
 #: each point's loss is written, when the loss is read (SdfFitter.loss).
@@ -72,7 +70,7 @@ def study_voxel_limit(study: Study, budget: MemoryBudget) -> int | None:
     return 2
 
 
-def settings_within_budget(study: Study, settings: RunSettings, budget: MemoryBudget) -> tuple[RunSettings, str | None]:
+def settings_within_budget(study: Study, settings: Any, budget: MemoryBudget) -> tuple[Any, str | None]:
     """The settings with a voxel limit that fits the study's volumes into the budget (kept where the user's or
     the preset's is already at least as strict), and the line saying so (None: nothing changed)."""
     limit = study_voxel_limit(study, budget)
@@ -86,7 +84,7 @@ def settings_within_budget(study: Study, settings: RunSettings, budget: MemoryBu
     return replace(settings, max_voxels=limit), note
 
 
-def check_run_fits(budget: MemoryBudget, layout: FieldLayout, prepared: PreparedStudy, config: TrainConfig) -> None:
+def check_run_fits(budget: MemoryBudget, layout: FieldLayout, prepared: PreparedStudy, config: Any) -> None:
     """Refuse, before any work on the device, a run that even one training patch would take past the budget:
     GpuMemoryError, one line naming the sizes and what to lower."""
     structures = len(prepared.structures)
@@ -98,8 +96,8 @@ def check_run_fits(budget: MemoryBudget, layout: FieldLayout, prepared: Prepared
                              f"{format_bytes(resident)} and one training patch {format_bytes(patch)}; {LOWER}")
 
 
-def schedule_within_budget(config: TrainConfig, budget: MemoryBudget,
-                           structures: int) -> tuple[TrainConfig, str | None]:
+def schedule_within_budget(config: Any, budget: MemoryBudget,
+                           structures: int) -> tuple[Any, str | None]:
     """The schedule with as many patches a step, and SDF points a step, as the budget's share for training holds
     (at most the schedule's), and the line saying what was cut (None: nothing)."""
     share = budget.share("training")
