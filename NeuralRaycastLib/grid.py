@@ -64,3 +64,15 @@ def off_grid_mm(affine: np.ndarray, reference_affine: np.ndarray, shape: tuple[i
     offset = float(np.abs(grid_corners(affine, shape) - grid_corners(reference_affine, shape)).max())
     tolerance = GRID_TOLERANCE_VOXELS * float(np.linalg.norm(np.asarray(reference_affine)[:3, :3], axis=0).min())
     return offset if offset > tolerance else None
+
+
+def voxel_box(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first and last index along each axis of a non-empty mask's voxels (both inside the box)."""
+    spans = [np.flatnonzero(mask.any(axis=tuple(other for other in range(3) if other != axis))) for axis in range(3)]
+    return np.array([span[0] for span in spans]), np.array([span[-1] for span in spans])
+
+
+def voxel_box_slices(mask: np.ndarray) -> tuple[slice, ...]:
+    """A non-empty mask's bounding box as slices of its grid."""
+    low, high = voxel_box(mask)
+    return tuple(slice(int(lo), int(hi) + 1) for lo, hi in zip(low, high, strict=True))

@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from ..files import FileSet, atomic_files
-from ..grid import interpolate_ijk
+from ..grid import interpolate_ijk, voxel_box
 
 EXPORT_FORMATS = ("vtp", "stl", "obj", "ply")
 
@@ -148,10 +148,9 @@ def extract_surface(volume: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray,
     inside = volume < 0
     if not inside.any() or inside.all():
         return np.zeros((0, 3)), np.zeros((0, 3), np.int64)
-    spans = [np.flatnonzero(inside.any(axis=tuple(other for other in range(3) if other != axis)))
-             for axis in range(3)]
-    low = np.maximum([span[0] - 1 for span in spans], 0)
-    high = np.minimum([span[-1] + 2 for span in spans], volume.shape)
+    first, last = voxel_box(inside)
+    low = np.maximum(first - 1, 0)
+    high = np.minimum(last + 2, volume.shape)
     crop = volume[low[0] : high[0], low[1] : high[1], low[2] : high[2]].astype(np.float32)
     outside = max(float(np.abs(crop).max()), 1.0)
     padded = np.pad(crop, 1, constant_values=outside)

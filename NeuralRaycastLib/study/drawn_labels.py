@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .pieces import Piece, label_pieces
+from ..grid import voxel_box_slices
+from .pieces import Piece, fill_holes, label_pieces, pieces_of
 
 #: Pieces (and holes) of a label smaller than this many millilitres are left out of its surface by default:
 #: specks of a few voxels, which no smooth surface at the study's resolution holds.
@@ -58,8 +59,7 @@ class LabelNote:
     @classmethod
     def from_dict(cls, data: dict) -> LabelNote:
         def pieces(key: str) -> list[Piece]:
-            return [Piece(int(p["voxels"]), float(p["volume_ml"]), tuple(p["centre_ras"]))  # type: ignore[arg-type]
-                    for p in data.get(key, [])]
+            return [Piece.from_dict(piece) for piece in data.get(key, [])]
 
         return cls(pieces("left_out"), pieces("kept_apart"), pieces("holes_filled"), bool(data.get("drawn", False)),
                    float(data.get("disagreement", 0.0)))
@@ -80,38 +80,23 @@ def split_small_pieces(mask: np.ndarray, affine: np.ndarray, min_piece_ml: float
     small = [index for index, piece in enumerate(pieces) if index > 0 and piece.volume_ml < min_piece_ml]
     if not small:
         return mask, np.zeros_like(mask), []
-    is_small = np.zeros(len(pieces) + 1, bool)
-    is_small[np.asarray(small) + 1] = True
-    small_mask = is_small[found]
+    small_mask = pieces_of(found, len(pieces), small)
     return mask & ~small_mask, small_mask, [pieces[index] for index in small]
 
 
 def fill_small_holes(mask: np.ndarray, affine: np.ndarray, min_piece_ml: float) -> tuple[np.ndarray, list[Piece]]:
     """``mask`` with its holes (what is outside it but enclosed, face-connected) smaller than
     ``min_piece_ml`` filled, and the list of them. Only the mask's bounding box is searched."""
-    from scipy import ndimage
-
     if not mask.any() or min_piece_ml <= 0:
         return mask, []
-    spans = [np.flatnonzero(mask.any(axis=tuple(o for o in range(3) if o != axis))) for axis in range(3)]
-    box = tuple(slice(int(span[0]), int(span[-1]) + 1) for span in spans)
-    background, count = ndimage.label(~mask[box])
-    if count == 0:
-        return mask, []
-    faces = [background[[0, -1]], background[:, [0, -1]], background[:, :, [0, -1]]]
-    enclosed = np.ones(count + 1, bool)
-    enclosed[0] = False
-    for face in faces:
-        enclosed[face.ravel()] = False
+    box = voxel_box_slices(mask)
     holes = np.zeros(mask.shape, bool)
-    holes[box] = enclosed[background]
+    holes[box] = fill_holes(mask[box]) & ~mask[box]
     found, pieces = label_pieces(holes, affine)
     fill = [index for index, piece in enumerate(pieces) if piece.volume_ml < min_piece_ml]
     if not fill:
         return mask, []
-    chosen = np.zeros(len(pieces) + 1, bool)
-    chosen[np.asarray(fill) + 1] = True
-    return mask | chosen[found], [pieces[index] for index in fill]
+    return mask | pieces_of(found, len(pieces), fill), [pieces[index] for index in fill]
 
 
 def smoothing_mm(spacing: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """A structure's connected pieces: drawn labels hold specks and fragments, which a smooth learned surface
-may leave out; they are counted and listed (size and place) so that nothing is smoothed away unsaid."""
+may leave out; they are counted and listed (size and place) so that nothing is smoothed away unsaid. And a
+mask's holes: what is outside it but enclosed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..grid import voxel_ml
+from ..grid import voxel_box_slices, voxel_ml
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class Piece:
     def as_dict(self) -> dict:
         return {"voxels": self.voxels, "volume_ml": self.volume_ml, "centre_ras": list(self.centre_ras)}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Piece:
+        """The piece :meth:`as_dict` gave."""
+        centre = tuple(float(v) for v in data["centre_ras"])
+        return cls(int(data["voxels"]), float(data["volume_ml"]), centre)  # type: ignore[arg-type]
+
 
 def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list[Piece]]:
     """The 26-connected pieces of ``mask``, largest first, and the map of them (0 outside, i + 1 inside the
@@ -28,8 +35,7 @@ def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list
     pieces_map = np.zeros(mask.shape, np.int32)
     if not mask.any():
         return pieces_map, []
-    spans = [np.flatnonzero(mask.any(axis=tuple(other for other in range(3) if other != axis))) for axis in range(3)]
-    box = tuple(slice(int(span[0]), int(span[-1]) + 1) for span in spans)
+    box = voxel_box_slices(mask)
     found, count = ndimage.label(mask[box], structure=np.ones((3, 3, 3), bool))
     indices = np.arange(1, count + 1)
     sizes = np.bincount(found.ravel(), minlength=count + 1)[1:]
@@ -46,3 +52,26 @@ def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list
                     tuple(round(float(v), 2) for v in ras[piece, :3]))  # type: ignore[arg-type]
               for piece in order]
     return pieces_map, pieces
+
+
+def pieces_of(pieces_map: np.ndarray, count: int, chosen: list[int]) -> np.ndarray:
+    """The voxels of the ``chosen`` pieces (indices into :func:`label_pieces`' list of ``count`` pieces) of its
+    ``pieces_map``."""
+    selected = np.zeros(count + 1, bool)
+    selected[np.asarray(chosen, np.int64) + 1] = True
+    return selected[pieces_map]
+
+
+def fill_holes(mask: np.ndarray) -> np.ndarray:
+    """``scipy.ndimage.binary_fill_holes`` with its default (face) connectivity, by one labelling of what is
+    outside the mask instead of dilating from the border until nothing changes: what outside is not
+    connected to the grid's faces is a hole."""
+    from scipy import ndimage
+
+    background, _ = ndimage.label(~mask)
+    faces = [background[[0, -1]], background[:, [0, -1]], background[:, :, [0, -1]]]
+    reaches_a_face = np.zeros(int(background.max()) + 1, bool)
+    for face in faces:
+        reaches_a_face[face.ravel()] = True
+    reaches_a_face[0] = False  # the mask itself
+    return ~reaches_a_face[background]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..array_cache import read_entry, write_entry
+from ..grid import voxel_box
 from ..paths import cache_folder
 from ..progress import Progress
 from .drawn_labels import (
@@ -34,6 +35,7 @@ from .drawn_labels import (
     smoothing_mm,
     tidy_label,
 )
+from .pieces import fill_holes
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -131,21 +133,6 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     return mask
 
 
-def fill_holes(mask: np.ndarray) -> np.ndarray:
-    """``scipy.ndimage.binary_fill_holes`` with its default (face) connectivity, by one labelling of what is
-    outside the mask instead of dilating from the border until nothing changes: what outside is not
-    connected to the grid's faces is a hole."""
-    from scipy import ndimage
-
-    background, _ = ndimage.label(~mask)
-    faces = [background[[0, -1]], background[:, [0, -1]], background[:, :, [0, -1]]]
-    reaches_a_face = np.zeros(int(background.max()) + 1, bool)
-    for face in faces:
-        reaches_a_face[face.ravel()] = True
-    reaches_a_face[0] = False  # the mask itself
-    return ~reaches_a_face[background]
-
-
 def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True,
                     name: str = "a mask", note: LabelNote | None = None, detect_drawn: bool = True) -> np.ndarray:
     """Signed distance in mm to the boundary of a voxel mask; negative inside (``name``: what the mask is,
@@ -175,7 +162,7 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
         state = "is empty (no voxel inside)" if not inside.any() else "fills the whole volume (no voxel outside)"
         raise StudyError(f"cannot compute a signed distance for {name}: the mask {state} on the "
                          f"{'×'.join(map(str, inside.shape))} grid, so it has no surface")
-    low, high = _voxel_box(inside)
+    low, high = voxel_box(inside)
     reach = max(EXACT_REACH_MM, (EXACT_BAND_VOXELS + 2.0) * float(spacing.max()))
     margin = np.ceil(reach / spacing).astype(int)
     crop = tuple(slice(max(lo - m, 0), min(hi + m + 1, n))
@@ -194,7 +181,7 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
                 surface.cancel()
                 smoothed = smoothed_label(sdf, box, smoothing_mm(spacing) / spacing)
                 box = smoothed < 0
-                low, high = (corner + origin for corner in _voxel_box(box))
+                low, high = (corner + origin for corner in voxel_box(box))
                 sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
                 surface = pool.submit(_contour_surface, smoothed, spacing, origin)
         if surface is not None:
@@ -203,12 +190,6 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     out[crop] = sdf
     _far_field(out, crop, low, high, spacing)
     return out
-
-
-def _voxel_box(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The first and last index along each axis of a non-empty mask's voxels."""
-    spans = [np.flatnonzero(mask.any(axis=tuple(other for other in range(3) if other != axis))) for axis in range(3)]
-    return np.array([span[0] for span in spans]), np.array([span[-1] for span in spans])
 
 
 def _feature_distance(features: np.ndarray, spacing: np.ndarray) -> np.ndarray:

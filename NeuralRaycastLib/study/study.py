@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ..grid import grid_corners_bounds, off_grid_mm
+from ..grid import grid_corners_bounds, off_grid_mm, voxel_box_slices
 from .structures import BRATS_STRUCTURES
 
 #: BraTS channel suffixes (both the classic and the 2023 names) -> channel name used here.
@@ -588,8 +588,7 @@ def _thickness_mm(mask: np.ndarray, spacing: np.ndarray) -> float:
     taken on a grid of half voxels, where a slab of whole voxels measures exactly its thickness."""
     from scipy import ndimage
 
-    spans = [np.flatnonzero(mask.any(axis=tuple(other for other in range(3) if other != axis))) for axis in range(3)]
-    crop = mask[tuple(slice(span[0], span[-1] + 1) for span in spans)]
+    crop = mask[voxel_box_slices(mask)]
     halves = crop.size <= 1 << 21  # a structure small enough to be lost, say; a large one is measured in voxels
     if halves:
         crop = crop.repeat(2, axis=0).repeat(2, axis=1).repeat(2, axis=2)
