@@ -172,6 +172,19 @@ def _create(path: Path) -> tuple[int, int]:
     return descriptor, mode
 
 
+@contextlib.contextmanager
+def _removed_on_error(temporary: Path, target: Path) -> Iterator[None]:
+    """Any error while ``temporary`` is written for ``target``: the temporary is removed, and a file system
+    error becomes a :class:`WriteError` naming ``target``."""
+    try:
+        yield
+    except BaseException as error:
+        _remove(temporary)
+        if isinstance(error, OSError):
+            raise write_error(target, error) from error
+        raise
+
+
 class FileSet:
     """Files written all or nothing: each is written to a temporary sibling and checked as it is closed;
     :meth:`commit` puts them all in place, :meth:`discard` removes them. Use through :func:`atomic_files`."""
@@ -193,17 +206,12 @@ class FileSet:
         target = Path(target)
         self._prepare(target)
         temporary = _temporary_sibling(target, PARTIAL)
-        try:
+        with _removed_on_error(temporary, target):
             descriptor, mode = _create(temporary)  # reserves the name, gives the usual permissions
             os.close(descriptor)
             yield temporary
             os.chmod(temporary, mode)
             self._finish(temporary, target, check, synced=False)
-        except BaseException as error:
-            _remove(temporary)
-            if isinstance(error, OSError):
-                raise write_error(target, error) from error
-            raise
 
     @contextlib.contextmanager
     def open(self, target: str | Path, check: Check | None = None) -> Iterator[BinaryIO]:
@@ -211,7 +219,7 @@ class FileSet:
         target = Path(target)
         self._prepare(target)
         temporary = _temporary_sibling(target, PARTIAL)
-        try:
+        with _removed_on_error(temporary, target):
             descriptor, _ = _create(temporary)
             raw = _DescriptorWriter(descriptor)
             try:
@@ -224,11 +232,6 @@ class FileSet:
                 with contextlib.suppress(OSError):
                     os.close(descriptor)
             self._finish(temporary, target, check, synced=True)
-        except BaseException as error:
-            _remove(temporary)
-            if isinstance(error, OSError):
-                raise write_error(target, error) from error
-            raise
 
     def _finish(self, temporary: Path, target: Path, check: Check | None, synced: bool) -> None:
         if os.stat(temporary).st_size == 0:
