@@ -169,7 +169,9 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
                  for lo, hi, m, n in zip(low, high, margin, inside.shape, strict=True))
     box = inside[crop]
     origin = np.array([c.start for c in crop])
-    with ThreadPoolExecutor(1) as pool:  # the surface is smoothed while the transforms run
+    # The label's own surface is smoothed while the transforms run. A drawn label's is not used; its smoothed
+    # surface then takes the second worker instead of waiting for the first.
+    with ThreadPoolExecutor(2) as pool:
         surface = pool.submit(_smoothed_surface, box, spacing, origin) if smooth_surface else None
         sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
         if surface is not None and detect_drawn:
