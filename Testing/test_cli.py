@@ -93,8 +93,16 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["fit", manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
                  "--out", str(run)]) == 0
-    assert "held-out PSNR" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "held-out PSNR" in printed
     assert {"run.json", "model.safetensors", "train_log.json", "reference"} <= {p.name for p in run.iterdir()}
+    # Where the run's time went, phase by phase: printed at the end, kept in the log (its save excepted).
+    timing = next(line for line in printed.splitlines() if line.startswith("time: "))
+    for phase in ("load", "boundary maps", "reference views", "train", "save"):
+        assert f" {phase} " in f" {timing} ", timing
+    phases = json.loads((run / "train_log.json").read_text())["phases"]
+    assert [p["name"] for p in phases][:2] == ["load", "boundary maps"] and phases[-1]["name"] == "train"
+    assert all(p["seconds"] >= 0 for p in phases)
     assert main(["evaluate", str(run), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)
     assert metrics["heldout_psnr"] > 10 and 0 <= metrics["heldout_ssim"] <= 1

@@ -238,6 +238,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     psnr = log.last("heldout_psnr")
     print(f"done: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
+    print(f"time: {run.phases.summary()}")
     return 0
 
 
@@ -558,7 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", nargs="+", default=["reference"],
                    help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
                         "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
-                        "it trains), prepare (the study prepared afresh on the CPU), kernels (registers, spills "
+                        "it trains), prepare (the study prepared afresh on the CPU), workstation (fit from the study "
+                        "folder to the saved run, by phase, with its peak GPU memory, under the device's, an 8 GiB "
+                        "and a 4 GiB budget; clears the cached boundary maps and views), kernels (registers, spills "
                         "and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) (default: "
                         "reference)")
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")

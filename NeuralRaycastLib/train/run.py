@@ -16,13 +16,14 @@ from pathlib import Path
 
 from ..field.field import NeuralField
 from ..files import StagedFolder
-from ..gpu.device import GpuContext, device_memory, memory_budget
+from ..gpu.device import GpuContext, device_memory, device_memory_in_use, memory_budget
 from ..outputs import check_output
 from ..progress import Progress, ShouldStop
 from ..render.camera import check_view_size
 from ..render.reference_views import save_reference_views
 from ..study.study import Study
 from .memory import check_run_fits
+from .phases import PhaseClock
 from .presets import RunSettings
 from .run_folder import (
     RUN_FOLDER_REFUSAL,
@@ -88,21 +89,26 @@ def train_study(
     # Refused, or found unwritable, before hours of work rather than after.
     staged = StagedFolder(folder, is_run_folder, RUN_FOLDER_REFUSAL)
     budget = memory_budget(gpu)
+    clock = PhaseClock(lambda: device_memory_in_use(gpu))
     try:
-        loaded, settings = study_within_budget(study, settings, budget, progress)
-        prepared = prepare_for_run(loaded, settings, progress)
+        with clock.phase("load"):
+            loaded, settings = study_within_budget(study, settings, budget, progress)
+        with clock.phase("boundary maps"):
+            prepared = prepare_for_run(loaded, settings, progress)
         layout = settings.field_layout(gpu, prepared)
         check_run_fits(budget, layout, prepared, settings.schedule(config))  # before any work on the device
         if warm_up:
-            ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
+            with clock.phase("compile"):
+                ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
         # An allocation the device refuses outside the sized work (the volumes, the field) is a GpuMemoryError too.
         with device_memory(f"this run ({budget.describe()})"):
-            views = reference_views_for_run(gpu, prepared, settings, progress)
+            with clock.phase("reference views"):
+                views = reference_views_for_run(gpu, prepared, settings, progress)
             if should_stop is not None and should_stop():
                 raise CancelledBeforeTraining("cancelled before training began; nothing was written")
-            field = NeuralField(gpu, layout, seed=settings.seed)
             # The view pictures are written while training runs: encoding them would otherwise delay its start.
-            with ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+            with clock.phase("train"), ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+                field = NeuralField(gpu, layout, seed=settings.seed)
                 saved = writer.submit(save_reference_views, views, staged.path / "reference")
                 trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
                 log = trainer.run(progress, should_stop)
@@ -110,10 +116,12 @@ def train_study(
     except BaseException:
         staged.discard()
         raise
+    log.phases = clock.as_list()  # train_log.json's record; the save's own time is only in the returned run's
     try:
-        saved.result()  # a failed write surfaces here, before anything says the run is done
-        write_run(staged.path, gpu, prepared, field, log, settings, source)
-        staged.commit()
+        with clock.phase("save"):
+            saved.result()  # a failed write surfaces here, before anything says the run is done
+            write_run(staged.path, gpu, prepared, field, log, settings, source)
+            staged.commit()
     except OSError as error:
         staged.discard()
         kept = keep_trained_run(folder, gpu, prepared, field, log, settings, source)
@@ -121,4 +129,4 @@ def train_study(
     except BaseException:
         staged.discard()
         raise
-    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log)
+    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log, clock)

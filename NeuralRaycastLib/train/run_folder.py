@@ -32,6 +32,7 @@ from ..render.reference_views import ReferenceViews, render_reference_views
 from ..study.cache import load_study_cached
 from ..study.preprocess import PreparedStudy, prepare
 from ..study.study import Study, downsample_study, downsampling_note
+from .phases import PhaseClock
 from .presets import RunSettings, training_schedule
 from .trainer import TrainLog, field_renderer, learned_mesh_shadows
 
@@ -89,6 +90,7 @@ class TrainedRun:
     settings: RunSettings
     views: ReferenceViews | None = None  # the reference views trained on (None for a loaded model)
     log: TrainLog | None = None
+    phases: PhaseClock | None = None  # where train_study's time and GPU memory went (None for a loaded model)
 
     def render(self, camera: Camera) -> RenderedImage:
         return self.renderer.render(camera)
@@ -130,7 +132,7 @@ def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: Neu
         "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
         "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
         "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "memory": log.memory,
-        "rows": log.rows,
+        "phases": log.phases, "rows": log.rows,
     }, indent=1) + "\n"
     run = json.dumps({
         "version": RUN_VERSION, "study": source, "settings": asdict(settings),

@@ -132,6 +132,8 @@ class TrainLog:
     # The memory budget and the sizes chosen under it: patches a step (the preset's and the last used), SDF
     # points a step, rays of a rendered band.
     memory: dict = dataclasses.field(default_factory=dict)
+    # The run's phases before saving (train/phases.py: name, seconds, peak GPU memory), where train_study ran it.
+    phases: list[dict] = dataclasses.field(default_factory=list)
 
     def last(self, key: str) -> float | None:
         return next((row[key] for row in reversed(self.rows) if key in row), None)

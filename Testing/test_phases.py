@@ -1,0 +1,64 @@
+"""Where a run's time and GPU memory go (train/phases.py), and the workstation bench's table of a fit."""
+
+import math
+import time
+
+import pytest
+
+from NeuralRaycastLib.bench.workstation import fit_rows, save_seconds
+from NeuralRaycastLib.train.phases import PhaseClock
+
+
+def test_each_phase_gets_its_time_and_the_largest_memory_sample_taken_while_it_ran():
+    in_use = iter(range(100, 10_000))  # memory that keeps growing: each phase's peak is its last sample
+    readings: list[int] = []
+
+    def reader() -> int:
+        readings.append(next(in_use))
+        return readings[-1]
+
+    clock = PhaseClock(reader, interval=0.001)
+    with clock.phase("boundary maps"):
+        pass
+    first_end, taken = readings[-1], len(readings)
+    with clock.phase("train"):
+        deadline = time.monotonic() + 5
+        while len(readings) < taken + 5 and time.monotonic() < deadline:  # several samples while it runs
+            time.sleep(0.002)
+    maps, train = clock.phases
+    assert (maps.name, train.name) == ("boundary maps", "train")
+    assert maps.peak_bytes == first_end  # the phase's end is sampled even when it is shorter than an interval
+    assert train.peak_bytes == readings[-1] > maps.peak_bytes
+    assert clock.seconds == pytest.approx(maps.seconds + train.seconds)
+    assert clock.summary().startswith("boundary maps 0.0 s (0.0 GiB) · train ")
+
+
+def test_a_phase_that_fails_is_still_recorded_and_a_device_without_memory_figures_is_not_sampled():
+    calls = []
+    clock = PhaseClock(lambda: calls.append(1))  # returns None: this device does not tell its memory
+    with pytest.raises(ValueError), clock.phase("load"):
+        raise ValueError("unreadable study")
+    assert [(p.name, p.peak_bytes) for p in clock.phases] == [("load", None)]
+    assert len(calls) == 1  # asked once, when the clock was made, and never again
+    assert "GiB" not in clock.summary() and clock.summary().endswith("s in all")
+
+
+def test_the_workstation_bench_tabulates_a_fits_phases_its_start_peak_memory_and_psnr():
+    printed = "done: 9.8 s\ntime: load 0.1 s · boundary maps 2.0 s · train 9.9 s · save 0.5 s; 12.5 s in all\n"
+    assert save_seconds(printed) == 0.5
+    log = {"phases": [{"name": "load", "seconds": 0.1, "peak_bytes": 1 << 30},
+                      {"name": "boundary maps", "seconds": 2.0, "peak_bytes": 1 << 30},
+                      {"name": "train", "seconds": 9.9, "peak_bytes": 3 << 30}],
+           "memory": {"budget_bytes": 4 << 30, "budget_source": "--gpu-memory"}, "seconds": 9.9,
+           "rows": [{"heldout_psnr": 30.0}, {"step": 5}, {"heldout_psnr": 41.5}]}
+    rows = {row.metric: row for row in fit_rows("budget 4G", {"wall": 15.0, "log": log, "printed": printed},
+                                                "standard")}
+    assert rows["fit, budget 4G: save"].value == 0.5
+    assert rows["fit, budget 4G: start and the rest"].value == pytest.approx(15.0 - 12.5)
+    assert rows["fit, budget 4G: peak GPU memory"].value == 3.0
+    assert "4.0 GiB (--gpu-memory)" in rows["fit, budget 4G: peak GPU memory"].notes
+    assert rows["fit, budget 4G: held-out PSNR"].value == 41.5  # the last held-out figure, not the first
+    no_memory = fit_rows("x", {"wall": 1.0, "log": {"phases": [{"name": "train", "seconds": 1.0}]}, "printed": ""},
+                         "quick")
+    assert not any(row.metric.endswith("peak GPU memory") for row in no_memory)
+    assert math.isnan(next(row for row in no_memory if row.metric.endswith("held-out PSNR")).value)
