@@ -96,12 +96,14 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "held-out PSNR" in printed
     assert {"run.json", "model.safetensors", "train_log.json", "reference"} <= {p.name for p in run.iterdir()}
+    # The views trained on, as pictures with their cameras; not their float arrays (seconds to compress).
+    assert (run / "reference" / "cameras.json").is_file() and not (run / "reference" / "reference.npz").exists()
     # Where the run's time went, phase by phase: printed at the end, kept in the log (its save excepted).
     timing = next(line for line in printed.splitlines() if line.startswith("time: "))
-    for phase in ("load", "boundary maps", "reference views", "train", "save"):
+    for phase in ("load", "boundary maps", "reference views", "field and trainer", "train", "save"):
         assert f" {phase} " in f" {timing} ", timing
     phases = json.loads((run / "train_log.json").read_text())["phases"]
-    assert [p["name"] for p in phases][:2] == ["load", "boundary maps"] and phases[-1]["name"] == "train"
+    assert [p["name"] for p in phases][:2] == ["load", "boundary maps"] and phases[-1]["name"] == "picture settings"
     assert all(p["seconds"] >= 0 for p in phases)
     assert main(["evaluate", str(run), "--json"]) == 0
     metrics = json.loads(capsys.readouterr().out)

@@ -89,7 +89,7 @@ def _start_training(gpu: GpuContext, study: str | Path, settings: RunSettings, m
     mark("reference views")
     # fit writes the view pictures while it trains; so does this probe, into a folder it then removes
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(1) as writer:
-        saved = writer.submit(save_reference_views, views, Path(folder) / "reference")
+        saved = writer.submit(save_reference_views, views, Path(folder) / "reference", arrays=False)
         field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
         config = settings.schedule()
         trainer = Trainer(gpu, prepared, field, views, config)

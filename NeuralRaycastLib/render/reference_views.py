@@ -139,18 +139,19 @@ def check_views_folder(folder: str | Path) -> None:
     check_replaceable(folder, is_views_folder, VIEWS_FOLDER_REFUSAL)
 
 
-def save_reference_views(views: ReferenceViews, folder: str | Path) -> Path:
+def save_reference_views(views: ReferenceViews, folder: str | Path, arrays: bool = True) -> Path:
     """Write ``views/NNN.png`` (RGBA), ``depth/``, ``normal/``, ``contact_sheet.png``, ``cameras.json``
-    and ``reference.npz`` (float arrays: rgba, depth, normal) into ``folder``, whole or not at all: views
-    written there before are replaced only once every new file is written (none of theirs kept); a folder
-    holding anything else is refused (FileExistsError)."""
+    and, with ``arrays``, ``reference.npz`` (float arrays: rgba, depth, normal) into ``folder``, whole or not
+    at all: views written there before are replaced only once every new file is written (none of theirs
+    kept); a folder holding anything else is refused (FileExistsError). A run folder's views go without the
+    arrays: compressing them takes seconds after training and they are the view cache's already."""
     folder = Path(folder)
     with atomic_folder(folder, is_views_folder, VIEWS_FOLDER_REFUSAL) as staging:
-        _write_views(views, staging)
+        _write_views(views, staging, arrays)
     return folder
 
 
-def _write_views(views: ReferenceViews, folder: Path) -> None:
+def _write_views(views: ReferenceViews, folder: Path, arrays: bool) -> None:
     for index, image in enumerate(views.images):
         rgba = image.rgba.copy()
         alpha = rgba[..., 3:4]
@@ -162,6 +163,8 @@ def _write_views(views: ReferenceViews, folder: Path) -> None:
     cameras = [{"index": i, "split": "held_out" if i in views.held_out else "training", **c.to_slicer()}
                for i, c in enumerate(views.cameras)]
     write_text(folder / "cameras.json", json.dumps({"cameras": cameras}, indent=2) + "\n")
+    if not arrays:
+        return
     with atomic_file(folder / "reference.npz") as handle:
         np.savez_compressed(
             handle,

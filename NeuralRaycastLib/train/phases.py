@@ -27,7 +27,7 @@ class PhaseClock:
     thread samples it every ``interval`` seconds during each phase, so a phase's peak is the largest sample (a
     short spike between samples can be missed: the figure is a lower bound of the true peak)."""
 
-    def __init__(self, memory_in_use: Callable[[], int | None] | None = None, interval: float = 0.005):
+    def __init__(self, memory_in_use: Callable[[], int | None] | None = None, interval: float = 0.02):
         self.phases: list[Phase] = []
         self._memory_in_use = memory_in_use
         self._interval = interval

@@ -90,6 +90,7 @@ def train_study(
     staged = StagedFolder(folder, is_run_folder, RUN_FOLDER_REFUSAL)
     budget = memory_budget(gpu)
     clock = PhaseClock(lambda: device_memory_in_use(gpu))
+    writer = ThreadPoolExecutor(1, thread_name_prefix="reference-views")
     try:
         with clock.phase("load"):
             loaded, settings = study_within_budget(study, settings, budget, progress)
@@ -107,13 +108,16 @@ def train_study(
             if should_stop is not None and should_stop():
                 raise CancelledBeforeTraining("cancelled before training began; nothing was written")
             # The view pictures are written while training runs: encoding them would otherwise delay its start.
-            with clock.phase("train"), ThreadPoolExecutor(1, thread_name_prefix="reference-views") as writer:
+            saved = writer.submit(save_reference_views, views, staged.path / "reference", arrays=False)
+            with clock.phase("field and trainer"):
                 field = NeuralField(gpu, layout, seed=settings.seed)
-                saved = writer.submit(save_reference_views, views, staged.path / "reference")
                 trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
+            with clock.phase("train"):
                 log = trainer.run(progress, should_stop)
+            with clock.phase("picture settings"):
                 trainer.use_picture_settings()
     except BaseException:
+        writer.shutdown(cancel_futures=True)
         staged.discard()
         raise
     log.phases = clock.as_list()  # train_log.json's record; the save's own time is only in the returned run's
@@ -129,4 +133,6 @@ def train_study(
     except BaseException:
         staged.discard()
         raise
+    finally:
+        writer.shutdown()
     return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log, clock)
