@@ -11,9 +11,11 @@ import pytest
 
 from NeuralRaycastLib.gpu.device import GpuMemoryError
 from NeuralRaycastLib.gpu.memory_budget import (
+    CUDA_PROCESS_BYTES,
     GIB,
     GPU_MEMORY_ENV,
     MIB,
+    SHARES,
     SOFTWARE_BYTES,
     UNKNOWN_GPU_BYTES,
     MemoryBudget,
@@ -69,6 +71,17 @@ def test_the_budget_is_the_option_else_the_variable_else_the_device(monkeypatch)
     # where the device cannot tell: a common card's size, or the default of a software device
     assert resolve_budget(None, None, None, False).bytes == UNKNOWN_GPU_BYTES == 8 * GIB
     assert resolve_budget(None, None, None, True).bytes == SOFTWARE_BYTES == 4 * GIB
+
+
+def test_a_budget_given_for_a_cuda_device_is_the_whole_process_its_context_included():
+    """On CUDA a given budget is what the process may hold in all: its context and slangpy's heaps are set aside
+    (at most half of a small budget) before the work is sized; the device's own figure is measured after them."""
+    given = resolve_budget("4G", 70 * GIB, 80 * GIB, False, cuda=True)
+    assert (given.bytes, given.held) == (4 * GIB, CUDA_PROCESS_BYTES)
+    assert given.share("training") == int((4 * GIB - CUDA_PROCESS_BYTES) * SHARES["training"])
+    assert resolve_budget("32M", 70 * GIB, 80 * GIB, False, cuda=True).work_bytes == 16 * MIB
+    assert resolve_budget("4G", None, None, False).held == 0  # Vulkan, Metal, a software device: not measured
+    assert resolve_budget(None, 70 * GIB, 80 * GIB, False, cuda=True).held == 0
 
 
 def test_the_standard_preset_trains_unchanged_in_4_gib_and_with_fewer_patches_below():

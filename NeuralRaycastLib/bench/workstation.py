@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..gpu.device import GpuContext
+from ..gpu.device import GpuContext, device_memory_in_use
 from .report import BenchRow
 
 #: The budgets a run is timed under: the device's own, then the workstation cards' sizes.
@@ -69,12 +69,13 @@ def bench_workstation(gpu: GpuContext, prepared, quick: bool, progress) -> list[
             name = f"budget {budget}" if budget else "device's budget"
             progress(f"workstation: fit under the {name}", index / len(BUDGETS))
             out = Path(scratch) / f"run-{index}"
+            before = device_memory_in_use(gpu) or 0  # this bench's own process: not the fit's
             try:
                 result = timed_fit(fit_command(study, out, gpu.backend, preset, budget), out)
             except RuntimeError as error:
                 rows.append(BenchRow("workstation", f"fit, {name}", float("nan"), "s", str(error)[:200]))
                 continue
-            rows += fit_rows(name, result, preset)
+            rows += fit_rows(name, result, preset, before)
     return rows
 
 
@@ -84,10 +85,12 @@ def budget_text(memory: dict) -> str:
     return "not recorded" if size is None else f"{size / 2**30:.1f} GiB ({memory.get('budget_source', '?')})"
 
 
-def fit_rows(name: str, result: dict, preset: str) -> list[BenchRow]:
-    """One row per phase of a timed fit, its start and total, its peak memory and held-out PSNR."""
+def fit_rows(name: str, result: dict, preset: str, before: int = 0) -> list[BenchRow]:
+    """One row per phase of a timed fit, its start and total, its peak memory and held-out PSNR (``before``:
+    bytes in use on the GPU before the fit's process started, taken off its samples)."""
     log = result["log"]
-    phases = list(log.get("phases", []))
+    phases = [{**phase, "peak_bytes": None if phase.get("peak_bytes") is None else phase["peak_bytes"] - before}
+              for phase in log.get("phases", [])]
     save = save_seconds(result["printed"])
     if save is not None:
         phases.append({"name": "save", "seconds": save, "peak_bytes": None})
@@ -95,8 +98,8 @@ def fit_rows(name: str, result: dict, preset: str) -> list[BenchRow]:
     for phase in phases:
         peak = phase.get("peak_bytes")
         rows.append(BenchRow("workstation", f"fit, {name}: {phase['name']}", phase["seconds"], "s",
-                             f"peak GPU memory {peak / 2**30:.2f} GiB (sampled)" if peak is not None
-                             else "GPU memory not read"))
+                             "GPU memory not read" if peak is None
+                             else f"peak GPU memory of the fit's process {peak / 2**30:.2f} GiB (sampled)"))
     start = result["wall"] - sum(phase["seconds"] for phase in phases)
     rows.append(BenchRow("workstation", f"fit, {name}: start and the rest", start, "s",
                          "imports, the device's open, reading the options, printing"))

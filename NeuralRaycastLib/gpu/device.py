@@ -309,7 +309,7 @@ def use_memory_budget(gpu: GpuContext, explicit: str | int | None = None,
     """Set and return the GPU memory budget of ``gpu``'s work: ``explicit`` (given as ``option``), else
     $NEURALRAYCAST_GPU_MEMORY, else the device's (memory_budget.py). ValueError for a bad value."""
     at_open = getattr(gpu, "memory_at_open", None) or (None, None)
-    gpu.memory = resolve_budget(explicit, *at_open, gpu.report.software, option)
+    gpu.memory = resolve_budget(explicit, *at_open, gpu.report.software, option, gpu.backend == "cuda")
     return gpu.memory
 
 

@@ -33,6 +33,10 @@ KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 SAFETY_MARGIN = (512 * MIB, 1 / 20)
 UNKNOWN_GPU_BYTES = 8 * GIB
 SOFTWARE_BYTES = 4 * GIB
+#: What a CUDA process holds on the GPU before any work, once its device is open: the CUDA context and slangpy's
+#: own heaps (measured with ``bench --suite workstation``: BENCHMARKS.md). A budget given by the user is the
+#: process's whole footprint, so this part of it (at most half) is set aside before the work is sized.
+CUDA_PROCESS_BYTES = 768 * MIB
 #: The smallest budget accepted: less cannot hold a device's first kernels, let alone a field.
 MIN_BYTES = 1 * MIB
 
@@ -55,10 +59,16 @@ class MemoryBudget:
 
     bytes: int
     source: str
+    held: int = 0  # of ``bytes``, what the process holds before any work (CUDA_PROCESS_BYTES)
+
+    @property
+    def work_bytes(self) -> int:
+        """The bytes the work itself may take."""
+        return self.bytes - self.held
 
     def share(self, kind: str) -> int:
         """The bytes the work of ``kind`` (a key of :data:`SHARES`) sizes itself to."""
-        return int(self.bytes * SHARES[kind])
+        return int(self.work_bytes * SHARES[kind])
 
     def describe(self) -> str:
         """E.g. ``a GPU memory budget of 4.0 GiB (--gpu-memory)``."""
@@ -105,12 +115,17 @@ def device_budget(free: int | None, total: int | None, software: bool) -> Memory
 
 
 def resolve_budget(explicit: str | int | None, free: int | None, total: int | None, software: bool,
-                   option: str = "--gpu-memory") -> MemoryBudget:
+                   option: str = "--gpu-memory", cuda: bool = False) -> MemoryBudget:
     """The budget: ``explicit`` (a value given as ``option``), else $NEURALRAYCAST_GPU_MEMORY, else the
-    device's (:func:`device_budget`). A bad value raises ValueError naming where it was given."""
+    device's (:func:`device_budget`; measured with the process's own share already taken). A bad value raises
+    ValueError naming where it was given. On ``cuda``, a given budget sets aside what the process holds before
+    any work (:data:`CUDA_PROCESS_BYTES`, at most half of it)."""
+    given = None
     if explicit is not None and (chosen := parse_memory(explicit, option)) is not None:
-        return MemoryBudget(chosen, option)
-    variable = os.environ.get(GPU_MEMORY_ENV)
-    if variable is not None and (chosen := parse_memory(variable, f"${GPU_MEMORY_ENV}")) is not None:
-        return MemoryBudget(chosen, f"${GPU_MEMORY_ENV}")
-    return device_budget(free, total, software)
+        given = MemoryBudget(chosen, option)
+    elif (variable := os.environ.get(GPU_MEMORY_ENV)) is not None and (
+            chosen := parse_memory(variable, f"${GPU_MEMORY_ENV}")) is not None:
+        given = MemoryBudget(chosen, f"${GPU_MEMORY_ENV}")
+    if given is None:
+        return device_budget(free, total, software)
+    return MemoryBudget(given.bytes, given.source, min(CUDA_PROCESS_BYTES, given.bytes // 2)) if cuda else given

@@ -91,7 +91,7 @@ def check_run_fits(budget: MemoryBudget, layout: FieldLayout, prepared: Prepared
     volumes = int(np.prod(prepared.study.shape)) * volume_bytes_per_voxel(structures, len(prepared.channel_names))
     resident = field_bytes(layout) + volumes
     patch = config.patch_size**2 * training_bytes_per_ray(config.max_samples, structures)
-    if resident + patch > budget.bytes or patch > budget.share("training"):
+    if resident + patch > budget.work_bytes or patch > budget.share("training"):
         raise GpuMemoryError(f"{budget.describe()} cannot hold this run: the field and the study's volumes take "
                              f"{format_bytes(resident)} and one training patch {format_bytes(patch)}; {LOWER}")
 

@@ -237,8 +237,8 @@ class Trainer:
         self.image_loss = DeviceImageLoss(gpu, config.patch_size)
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
         self.log = TrainLog(memory={"budget_bytes": budget.bytes, "budget_source": budget.source,
-                                    "preset_patches": config.patches, "patches": sized.patches,
-                                    "sdf_points": sized.geometry.batch})
+                                    "held_bytes": budget.held, "preset_patches": config.patches,
+                                    "patches": sized.patches, "sdf_points": sized.geometry.batch})
 
     # one step of stages 2 and 3 --------------------------------------------------------------------------
     def image_step(self, geometry: bool = True, rows: np.ndarray | None = None,
