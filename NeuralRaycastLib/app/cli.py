@@ -215,6 +215,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from ..study.cache import load_study_cached
     from ..train.presets import RunSettings
     from ..train.run import train_study
+    from .worker import JsonLines, StopOnStdin
 
     # Bad options, outputs and studies fail at once, before the device opens (the study then read from the cache).
     check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
@@ -229,10 +230,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.preset in (None, AUTO):
         where = "software device" if gpu.report.software else "GPU"
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
+    stream = JsonLines() if args.progress_json else None
+    stdin_stop = StopOnStdin() if args.progress_json else None
     with CancelOnInterrupt() as cancel:
-        run = train_study(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel,
-                          warm_up=not args.no_warmup, overwrite=args.overwrite)
+        should_stop = cancel if stdin_stop is None else (lambda: cancel() or stdin_stop())
+        run = train_study(gpu, args.study, args.out, settings, stream or ConsoleProgress(f"fit {gpu.backend}"),
+                          should_stop, warm_up=not args.no_warmup, overwrite=args.overwrite)
     log = run.log
+    if stream is not None:
+        stream.write({"event": "done", "run_folder": str(run.folder), "cancelled": bool(log.cancelled),
+                      "seconds": log.seconds, "heldout_psnr": log.last("heldout_psnr")})
     if log.cancelled:
         raise Cancelled(f"cancelled after {log.seconds:.1f} s of training; the state reached is saved in {run.folder}")
     psnr = log.last("heldout_psnr")
@@ -516,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
     pieces_options(p)
     warmup_option(p)
+    p.add_argument("--progress-json", action="store_true",
+                   help="for a program that runs 'fit' as a worker: progress as one JSON object a line on standard "
+                        "output (stage, fraction, loss, held-out PSNR; then done or error), and a line 'stop' on "
+                        "standard input, or its closing, stops training keeping the state reached")
     p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
@@ -599,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "gpu_memory", None) is not None:
             parse_memory(args.gpu_memory)  # a bad amount is refused before any work
-        if not getattr(args, "json", False):
+        if not (getattr(args, "json", False) or getattr(args, "progress_json", False)):
             return args.run(args)
         with _native_output_to_stderr():
             return args.run(args)
@@ -613,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(error, GpuMemoryError) and "--gpu-memory" not in message:
             message = f"{message}; {LOWER}"
         print(f"neuralraycast {args.command}: error: {message}", file=sys.stderr)
+        if getattr(args, "progress_json", False):
+            print(strict_json.dumps({"event": "error", "message": message}), flush=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"neuralraycast {args.command}: cancelled", file=sys.stderr)
