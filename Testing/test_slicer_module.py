@@ -95,12 +95,17 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
 
     scene.SetURL(str(tmp_path / "scene.mrml"))
     assert scene.Commit()
-    scene.Clear(0)
-    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 0
+    assert "\"shadows True\"" in (tmp_path / "scene.mrml").read_text()  # as Slicer writes a boolean
+    scene.Clear(0)  # as closing the scene in Slicer: the singleton parameter node stays, reset
+    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 1
+    assert not parameters.parameterNode.GetParameter("preset")
     scene.SetURL(str(tmp_path / "scene.mrml"))
     assert scene.Import()
+    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 1  # merged into the singleton
 
     reloaded = module.NeuralRaycastLogic().getParameterNode()
+    assert reloaded.parameterNode is parameters.parameterNode or \
+        reloaded.parameterNode.GetID() == parameters.parameterNode.GetID()
     assert reloaded.inputVolume.GetName() == "T1 scan"
     assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
     assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
