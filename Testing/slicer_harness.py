@@ -85,7 +85,12 @@ def parameterNodeWrapper(cls):
                 validator.validate(value)
             self.parameterNode.SetParameter(name, to_text(value))
 
-        return property(lambda self: from_text(self.parameterNode.GetParameter(name)), setter)
+        def getter(self):
+            if not self.parameterNode.GetParameterNames().count(name):  # a reset node: the default, as Slicer reads
+                setter(self, fields[name][2])
+            return from_text(self.parameterNode.GetParameter(name))
+
+        return property(getter, setter)
 
     namespace = {name: value for name, value in vars(cls).items() if callable(value) and not name.startswith("__")}
     for name, (kind, validators, _default) in fields.items():
@@ -99,6 +104,10 @@ def parameterNodeWrapper(cls):
 
     namespace["__init__"] = __init__
     namespace["allParameters"] = fields
+    namespace["AddObserver"] = lambda self, event, callback, priority=0.0: self.parameterNode.AddObserver(
+        event, callback, priority)
+    namespace["RemoveObserver"] = lambda self, tag: self.parameterNode.RemoveObserver(tag)
+    namespace["Modified"] = lambda self: self.parameterNode.Modified()
     namespace["connectGui"] = _connect_gui
     namespace["disconnectGui"] = _disconnect_gui
     return type(cls.__name__, (), namespace)
