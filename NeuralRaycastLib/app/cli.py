@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import logging
 import os
 import sys
@@ -31,6 +32,10 @@ from ..train.trainer import TrainingError
 #: memory's (a full disk, a read-only folder, too large a study) are among them.
 USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, OSError, MemoryError, ValueError,
                TrainingError)
+
+#: Whether the measurement code (NeuralRaycastLib/bench, left out of the Slicer extension) is here: the
+#: ``bench`` command is offered only then.
+HAS_BENCH = importlib.util.find_spec(f"{__package__.rpartition('.')[0]}.bench") is not None
 
 #: Exit statuses, as the help's epilog lists them.
 EXIT_DONE, EXIT_ERROR, EXIT_CANCELLED = 0, 2, 130
@@ -564,22 +569,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decimate", type=float, default=0.0, metavar="F", help="fraction of triangles to remove")
     p.set_defaults(run=cmd_mesh)
 
-    p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
-    device_option(p)
-    p.add_argument("--suite", nargs="+", default=["reference"],
-                   help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
-                        "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
-                        "it trains), prepare (the study prepared afresh on the CPU), kernels (registers, spills "
-                        "and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) (default: "
-                        "reference)")
-    p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
-    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
-    p.add_argument("--quick", action="store_true",
-                   help="for slow devices: fewer repetitions, smaller batches and frames (no 1024² frames)")
-    p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
-    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(run=cmd_bench)
+    if HAS_BENCH:  # the measurement code is in a clone, not in the Slicer extension
+        p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
+        device_option(p)
+        p.add_argument("--suite", nargs="+", default=["reference"],
+                       help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
+                            "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
+                            "it trains), prepare (the study prepared afresh on the CPU), kernels (registers, spills "
+                            "and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) (default: "
+                            "reference)")
+        p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
+        p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+        p.add_argument("--quick", action="store_true",
+                       help="for slow devices: fewer repetitions, smaller batches and frames (no 1024² frames)")
+        p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
+        p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+        p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+        p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("warmup", help="compile the kernels of the demo and 'fit' ahead (kept in the shader cache)")
     device_option(p, memory=False)
