@@ -131,3 +131,15 @@ def test_the_installed_layout_imports_and_runs_without_the_measurement_code(tmp_
     assert result.returncode == 0, result.stderr[-2000:]
     commands = ast.literal_eval(result.stdout.strip().splitlines()[-1])
     assert "fit" in commands and "bench" not in commands
+
+
+def test_the_icon_and_screenshot_urls_name_files_of_this_repository():
+    """The Extensions Index downloads them: each raw URL's path must be a file here (on the default branch)."""
+    text = (ROOT / "CMakeLists.txt").read_text()
+    for variable in ("EXTENSION_ICONURL", "EXTENSION_SCREENSHOTURLS"):
+        urls = re.search(rf'set\({variable}\s+"([^"]+)"\)', text).group(1).split()
+        assert urls, variable
+        for url in urls:
+            match = re.fullmatch(r"https://raw\.githubusercontent\.com/[^/]+/[^/]+/main/(.+)", url)
+            assert match, url
+            assert (ROOT / match.group(1)).is_file(), f"{variable}: {match.group(1)} is not in the repository"
