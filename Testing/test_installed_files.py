@@ -33,14 +33,47 @@ def files_under(folder: Path) -> set[str]:
             if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc"}
 
 
-def installed_lib_files() -> list[str]:
-    """LibFiles.cmake's list, as CMake computes it."""
+#: Stand-ins for what Slicer's build tree gives an extension's CMake: its install folder and the scripted module
+#: macro, which (as Slicer's, CMake/SlicerMacroBuildScriptedModule.cmake) refuses a listed file that does not exist
+#: and installs scripts and resources under the scripted modules folder, keeping their relative paths.
+SLICER_STAND_IN = """
+cmake_minimum_required(VERSION 3.16)
+project(InstalledFilesCheck NONE)
+set(Slicer_QTSCRIPTEDMODULES_LIB_DIR lib/Slicer/qt-scripted-modules)
+set(Slicer_INSTALL_QTSCRIPTEDMODULES_LIB_DIR lib/Slicer/qt-scripted-modules)
+set(BUILD_TESTING OFF)
+macro(slicerMacroBuildScriptedModule)
+  cmake_parse_arguments(MY "WITH_GENERIC_TESTS;WITH_SUBDIR" "NAME" "SCRIPTS;RESOURCES" ${ARGN})
+  foreach(_file IN LISTS MY_SCRIPTS MY_RESOURCES)
+    if(NOT EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/${_file})
+      message(FATAL_ERROR "slicerMacroBuildScriptedModule given nonexistent file '${_file}'")
+    endif()
+    get_filename_component(_dir ${_file} DIRECTORY)
+    install(FILES ${CMAKE_CURRENT_SOURCE_DIR}/${_file} DESTINATION ${Slicer_INSTALL_QTSCRIPTEDMODULES_LIB_DIR}/${_dir})
+  endforeach()
+endmacro()
+add_subdirectory(@MODULE_DIR@ NeuralRaycast)
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The scripted modules folder as the module's own CMake installs it (configure, then install)."""
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("cmake is not installed")
-    result = subprocess.run([cmake, f"-DNEURALRAYCAST_LIB_DIR={LIB_DIR}", "-P", str(MODULE_DIR / "LibFiles.cmake")],
-                            capture_output=True, text=True, check=True)
-    return [line.strip() for line in result.stderr.splitlines() if line.strip()]  # message() writes to stderr
+    work = tmp_path_factory.mktemp("cmake")
+    (work / "CMakeLists.txt").write_text(SLICER_STAND_IN.replace("@MODULE_DIR@", MODULE_DIR.as_posix()))
+    for step in ([cmake, "-S", str(work), "-B", str(work / "build")],
+                 [cmake, "--install", str(work / "build"), "--prefix", str(work / "install")]):
+        result = subprocess.run(step, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return work / "install" / "lib" / "Slicer" / "qt-scripted-modules"
+
+
+def installed_lib_files(installed: Path) -> list[str]:
+    return sorted(name.removeprefix("NeuralRaycastLib/") for name in files_under(installed)
+                  if name.startswith("NeuralRaycastLib/"))
 
 
 def test_the_module_installs_every_file_of_its_folder_and_lists_none_that_is_gone():
@@ -50,8 +83,17 @@ def test_the_module_installs_every_file_of_its_folder_and_lists_none_that_is_gon
     assert sorted(present - set(listed)) == [], "there but not installed"
 
 
-def test_the_library_is_installed_whole_without_its_measurement_code():
-    lib = installed_lib_files()
+def test_cmake_installs_the_module_its_resources_the_library_and_the_shaders_and_nothing_else(installed):
+    expected = ({"NeuralRaycast.py"} | {f"Resources/{name}" for name in files_under(MODULE_DIR / "Resources")}
+                | {f"NeuralRaycastLib/{name}" for name in files_under(LIB_DIR)
+                   if name.endswith(".py") and not name.startswith("bench/")}
+                | {f"shaders/{path.name}" for path in (ROOT / "shaders").glob("*.slang")})
+    assert sorted(files_under(installed) - expected) == [], "installed, but not a file of the module"
+    assert sorted(expected - files_under(installed)) == [], "a file of the module, not installed"
+
+
+def test_the_library_is_installed_whole_without_its_measurement_code(installed):
+    lib = installed_lib_files(installed)
     python_files = {name for name in files_under(LIB_DIR) if name.endswith(".py")}
     assert [name for name in lib if name.startswith("bench/")] == []
     assert set(lib) == {name for name in python_files if not name.startswith("bench/")}
@@ -84,33 +126,28 @@ def _imported_modules(path: Path, package: str) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_installed_file_imports_the_measurement_code():
+def test_no_installed_file_imports_the_measurement_code(installed):
     """The command line's bench command reaches it only where it is present (HAS_BENCH); nothing else does."""
     users = []
-    for name in installed_lib_files():
-        path = LIB_DIR / name
+    for name in installed_lib_files(installed):
+        path = installed / "NeuralRaycastLib" / name
         package = "NeuralRaycastLib." + ".".join(Path(name).with_suffix("").parts)
         if path.name != "__init__.py":
             package = package.rpartition(".")[0]
         for module, function in _imported_modules(path, package):
             if module == "NeuralRaycastLib.bench" or module.startswith("NeuralRaycastLib.bench."):
                 users.append((name, function))
-    for module, function in _imported_modules(MODULE_DIR / "NeuralRaycast.py", ""):
+    for module, function in _imported_modules(installed / "NeuralRaycast.py", ""):
         if "bench" in module.split("."):
             users.append(("NeuralRaycast.py", function))
     assert sorted(set(users)) == [("app/cli.py", "cmd_bench")]
 
 
-def test_the_installed_layout_imports_and_runs_without_the_measurement_code(tmp_path):
-    """The files CMake installs, laid out as in Slicer's qt-scripted-modules folder: every module imports, and
-    the command line works and does not offer bench."""
-    modules = tmp_path / "qt-scripted-modules"
-    names = installed_lib_files()
-    for name in names:
-        target = modules / "NeuralRaycastLib" / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(LIB_DIR / name, target)
-    shutil.copytree(ROOT / "shaders", modules / "shaders", ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+def test_the_installed_layout_imports_and_runs_without_the_measurement_code(installed, tmp_path):
+    """The files CMake installs, as in Slicer's qt-scripted-modules folder: every module imports, and the
+    command line works and does not offer bench."""
+    modules = installed
+    names = installed_lib_files(installed)
     imports = sorted("NeuralRaycastLib." + ".".join(Path(name).with_suffix("").parts).removesuffix(".__init__")
                      for name in names)
     script = (
