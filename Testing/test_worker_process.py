@@ -173,3 +173,21 @@ def test_the_fit_command_offers_the_progress_stream():
                                capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                                check=True).stdout
     assert "--progress-json" in help_text
+
+
+def test_a_worker_whose_starter_is_gone_stops_keeping_its_state():
+    """Standard input closing (Slicer ended or crashed) asks the worker to stop, as a 'stop' line does."""
+    import io
+
+    from NeuralRaycastLib.app.worker import StopOnStdin
+
+    gone_starter = StopOnStdin(io.StringIO(""))
+    wait_for(gone_starter)
+    asked = StopOnStdin(io.StringIO("status\nstop\n"))
+    wait_for(asked)
+    read, write = os.pipe()
+    waiting = StopOnStdin(os.fdopen(read))  # open, silent: training goes on
+    time.sleep(0.2)
+    assert not waiting()
+    os.close(write)
+    wait_for(waiting)
