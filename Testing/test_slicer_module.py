@@ -660,3 +660,20 @@ def test_a_widget_without_a_parameter_or_of_a_class_no_connector_binds_is_refuse
     ui.shadowsCheckBox.className = "QLineEdit"
     with pytest.raises(TypeError, match="shadowsCheckBox"):
         parameters.connectGui(ui)
+
+
+@pytest.mark.gpu
+def test_a_worker_trains_into_a_run_folder_and_leaves_the_scene_unchanged(module, scene, self_test, tmp_path):
+    """End to end through the worker: the command line's training in a process of its own, its progress read,
+    the run folder written; the scene gains nothing (the widget then loads the run with loadRun)."""
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path), spacing=4.0)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    job = logic.startTraining(volumes, segmentation, preset="quick", iterations=30, views=4, size=32,
+                              runFolder=tmp_path / "run")
+    reports = []
+    outcome = job.wait(lambda message, fraction: reports.append(message))
+    assert outcome.state == "done", outcome.message
+    assert outcome.run_folder == str(tmp_path / "run") and (tmp_path / "run" / "model.safetensors").is_file()
+    assert any("held-out PSNR" in message for message in reports) and outcome.heldout_psnr > 10
+    assert node_ids(scene) == before and logic.run is None
