@@ -3,9 +3,13 @@
 The MRML scene, the node classes and the module logics (segmentations, volumes, colours) are the real
 ones from the ``slicer-core`` package. What only the Slicer application provides is stood in for by the
 small classes below: ``slicer.app``, ``slicer.modules``, ``slicer.i18n``, ``slicer.ScriptedLoadableModule``
-and ``slicer.parameterNodeWrapper`` (values kept as parameters and node references of the real
-``vtkMRMLScriptedModuleNode``, so saving and reloading a scene exercises real MRML serialisation).
-GUI classes (the Widget) are not exercised here.
+and ``slicer.parameterNodeWrapper``. They behave as Slicer's do where a module can tell: the parameter node is
+the scene's one singleton ``vtkMRMLScriptedModuleNode`` of the module (kept, and reset, when the scene is
+cleared; merged into when a scene is imported), values are written as Slicer's serialisers write them (``True``
+and ``False`` for booleans, ``str`` for numbers, node references for nodes), and ``connectGui`` binds the .ui's
+widgets by their ``SlicerParameterName`` with the pairings of widget class and parameter type Slicer's GUI
+connectors accept (those connectors need a Qt application, so the widgets here are stand-ins read from the
+.ui file: :func:`load_ui`).
 """
 
 from __future__ import annotations
@@ -48,10 +52,11 @@ def _is_node_type(kind) -> bool:
     return isinstance(kind, type) and issubclass(kind, slicer.vtkMRMLNode)
 
 
+#: How Slicer's parameterNodeWrapper serialisers write and read each type (serializers.py there).
 _TEXT = {
-    bool: (lambda value: "true" if value else "false", lambda text: text == "true"),
+    bool: (lambda value: "True" if value else "False", lambda text: text == "True"),
     int: (str, int),
-    float: (repr, float),
+    float: (str, float),
     str: (str, str),
     pathlib.Path: (str, pathlib.Path),
 }
@@ -80,7 +85,12 @@ def parameterNodeWrapper(cls):
                 validator.validate(value)
             self.parameterNode.SetParameter(name, to_text(value))
 
-        return property(lambda self: from_text(self.parameterNode.GetParameter(name)), setter)
+        def getter(self):
+            if not self.parameterNode.GetParameterNames().count(name):  # a reset node: the default, as Slicer reads
+                setter(self, fields[name][2])
+            return from_text(self.parameterNode.GetParameter(name))
+
+        return property(getter, setter)
 
     namespace = {name: value for name, value in vars(cls).items() if callable(value) and not name.startswith("__")}
     for name, (kind, validators, _default) in fields.items():
@@ -94,9 +104,141 @@ def parameterNodeWrapper(cls):
 
     namespace["__init__"] = __init__
     namespace["allParameters"] = fields
-    namespace["connectGui"] = lambda self, ui: None
-    namespace["disconnectGui"] = lambda self, tag: None
+    namespace["AddObserver"] = lambda self, event, callback, priority=0.0: self.parameterNode.AddObserver(
+        event, callback, priority)
+    namespace["RemoveObserver"] = lambda self, tag: self.parameterNode.RemoveObserver(tag)
+    namespace["Modified"] = lambda self: self.parameterNode.Modified()
+    namespace["connectGui"] = _connect_gui
+    namespace["disconnectGui"] = _disconnect_gui
     return type(cls.__name__, (), namespace)
+
+
+# --- the .ui's widgets and their binding ------------------------------------------------------------------------
+
+
+class Widget:
+    """A stand-in for one widget of the .ui file: its class, name, properties and value. ``user_sets`` is what
+    a user's edit does: the value changes and the widget's change signal reaches its listeners."""
+
+    def __init__(self, class_name: str, name: str, properties: dict, items: list[str]) -> None:
+        self.className, self.name, self.properties, self.items = class_name, name, properties, items
+        self.enabled, self.toolTip, self.text = True, "", properties.get("text", "")
+        self.minimum, self.maximum = properties.get("minimum", 0), properties.get("maximum", 99)
+        self.nodeTypes = properties.get("nodeTypes", [])
+        self.value, self.listeners, self.plainText, self.format = None, [], "", ""
+
+    def property(self, name: str):
+        return self.properties.get(name)
+
+    def setRange(self, minimum, maximum) -> None:
+        self.minimum, self.maximum = minimum, maximum
+
+    def setFormat(self, text: str) -> None:
+        self.format = text
+
+    def setPlainText(self, text: str) -> None:
+        self.plainText = text
+
+    def user_sets(self, value) -> None:
+        self.value = value
+        for listener in list(self.listeners):
+            listener(value)
+
+
+def _property_value(element):
+    child = next(iter(element))
+    if child.tag == "bool":
+        return child.text == "true"
+    if child.tag == "number":
+        return int(child.text)
+    if child.tag == "stringlist":
+        return [item.text for item in child.iter("string")]
+    return child.text
+
+
+def load_ui(path: pathlib.Path = ROOT / "NeuralRaycast" / "Resources" / "UI" / "NeuralRaycast.ui"):
+    """The .ui file's named widgets as stand-ins, as attributes of one object (``slicer.util.childWidgetVariables``)."""
+    import xml.etree.ElementTree as ET
+
+    ui = types.SimpleNamespace()
+    for element in ET.parse(path).iter("widget"):
+        properties = {prop.get("name"): _property_value(prop) for prop in element.findall("property")}
+        items = [item.find("property/string").text for item in element.findall("item")]
+        setattr(ui, element.get("name"), Widget(element.get("class"), element.get("name"), properties, items))
+    return ui
+
+
+#: Widget classes Slicer's GUI connectors bind, by parameter type (guiConnectors.py there: canRepresent).
+_CONNECTABLE = {
+    bool: ("QCheckBox", "ctkCheckBox", "QPushButton", "ctkCheckablePushButton"),
+    int: ("QSpinBox", "QSlider", "QDoubleSpinBox", "ctkSliderWidget", "ctkDoubleSpinBox", "qMRMLSliderWidget",
+          "qMRMLSpinBox"),
+    float: ("QDoubleSpinBox", "ctkSliderWidget", "ctkDoubleSpinBox", "qMRMLSliderWidget", "qMRMLSpinBox"),
+    str: ("QLineEdit", "QLabel", "QTextEdit"),
+    pathlib.Path: ("ctkPathLineEdit", "ctkDirectoryButton"),
+}
+_COMBO_BOXES = ("QComboBox", "ctkComboBox")
+
+
+def _connector_error(widget: Widget, kind, validators) -> str | None:
+    """Why Slicer's connectors would refuse to bind ``widget`` to a parameter of type ``kind``; None if they bind."""
+    if _is_node_type(kind):
+        return None if widget.className == "qMRMLNodeComboBox" else f"a {widget.className} cannot show a node"
+    if widget.className in _COMBO_BOXES:
+        if kind in (int, float, str, bool) and any(isinstance(v, Choice) for v in validators):
+            return None
+        return f"a {widget.className} needs a parameter annotated with Choice"
+    if widget.className in _CONNECTABLE.get(kind, ()):
+        return None
+    return f"no GUI connector binds a {widget.className} to a {getattr(kind, '__name__', kind)} parameter"
+
+
+def _connect_gui(self, ui):
+    """Bind every widget of ``ui`` that names a parameter (``SlicerParameterName``) both ways, as Slicer does:
+    the widget shows the parameter, the user's edits are validated and written to it. A widget naming no
+    parameter, or one no connector binds to its parameter's type, raises as in Slicer."""
+    fields = type(self).allParameters
+    bindings = []
+    for widget in vars(ui).values():
+        name = widget.property("SlicerParameterName")
+        if not name:
+            continue
+        if name not in fields:
+            raise ValueError(f"widget '{widget.name}' is bound to '{name}', which is no parameter of "
+                             f"{type(self).__name__}")
+        kind, validators, _default = fields[name]
+        if error := _connector_error(widget, kind, validators):
+            raise TypeError(f"widget '{widget.name}' cannot be bound to '{name}': {error}")
+        for validator in validators:  # as the connectors configure their widgets
+            if isinstance(validator, WithinRange):
+                widget.setRange(validator.minimum, validator.maximum)
+            elif isinstance(validator, Choice) and widget.className in _COMBO_BOXES:
+                widget.items = [str(choice) for choice in validator.choices]
+        if _is_node_type(kind):
+            widget.nodeTypes = [kind.__name__]
+        widget.value = getattr(self, name)
+
+        def write(value, name=name):
+            setattr(self, name, value)
+
+        widget.listeners.append(write)
+        bindings.append((widget, name, write))
+
+    def show(caller=None, event=None):
+        for widget, name, _write in bindings:
+            widget.value = getattr(self, name)
+
+    observer = self.parameterNode.AddObserver("ModifiedEvent", show)
+    return bindings, observer
+
+
+def _disconnect_gui(self, tag) -> None:
+    if tag is None:
+        return
+    bindings, observer = tag
+    for widget, _name, write in bindings:
+        widget.listeners.remove(write)
+    self.parameterNode.RemoveObserver(observer)
 
 
 # --- scripted module base classes ------------------------------------------------------------------------
@@ -118,19 +260,22 @@ class ScriptedLoadableModuleLogic:
         self.moduleName = type(self).__name__.removesuffix("Logic")
 
     def getParameterNode(self):
-        """The scene's one scripted module node of this module (created on first use)."""
+        """The scene's singleton scripted module node of this module (created on first use), as Slicer's: its
+        singleton tag is the module's name, so a cleared scene keeps it (reset) and an imported scene's is
+        merged into it."""
         import slicer
 
         scene = slicer.mrmlScene
-        for index in range(scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode")):
-            node = scene.GetNthNodeByClass(index, "vtkMRMLScriptedModuleNode")
-            if node.GetAttribute("ModuleName") == self.moduleName:
-                return node
+        node = scene.GetSingletonNode(self.moduleName, "vtkMRMLScriptedModuleNode")
+        if node is not None:
+            if node.GetAttribute("ModuleName") != self.moduleName:  # a scene close resets the attributes
+                node.SetAttribute("ModuleName", self.moduleName)
+            return node
         node = slicer.vtkMRMLScriptedModuleNode()
-        node.SetName(scene.GetUniqueNameByString(self.moduleName))
+        node.SetSingletonTag(self.moduleName)
         node.SetAttribute("ModuleName", self.moduleName)
-        scene.AddNode(node)
-        return node
+        node.SetName(scene.GenerateUniqueName(self.moduleName))
+        return scene.AddNode(node)
 
 
 class ScriptedLoadableModuleTest(unittest.TestCase):

@@ -3,6 +3,7 @@ saved scene, and bad input that must leave the scene as it was (see slicer_harne
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import xml.etree.ElementTree as ET
@@ -95,12 +96,17 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
 
     scene.SetURL(str(tmp_path / "scene.mrml"))
     assert scene.Commit()
-    scene.Clear(0)
-    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 0
+    assert "\"shadows True\"" in (tmp_path / "scene.mrml").read_text()  # as Slicer writes a boolean
+    scene.Clear(0)  # as closing the scene in Slicer: the singleton parameter node stays, reset
+    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 1
+    assert not parameters.parameterNode.GetParameter("preset")
     scene.SetURL(str(tmp_path / "scene.mrml"))
     assert scene.Import()
+    assert scene.GetNumberOfNodesByClass("vtkMRMLScriptedModuleNode") == 1  # merged into the singleton
 
     reloaded = module.NeuralRaycastLogic().getParameterNode()
+    assert reloaded.parameterNode is parameters.parameterNode or \
+        reloaded.parameterNode.GetID() == parameters.parameterNode.GetID()
     assert reloaded.inputVolume.GetName() == "T1 scan"
     assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
     assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
@@ -431,3 +437,243 @@ def test_clearing_cached_data_keeps_the_compiled_kernels(module, tmp_path, monke
     assert module.NeuralRaycastLogic.clearCachedData() == 300
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shaders"]
     assert module.NeuralRaycastLogic.clearCachedData() == 0  # nothing left to clear is no error
+
+
+# --- training in a worker process --------------------------------------------------------------------------------
+
+
+def _study_in_scene(self_test):
+    volume, array, _affine = self_test._syntheticVolume("t1")
+    segmentation = self_test._newSegmentation(volume)
+    self_test._addSegment(segmentation, "Tumor", self_test._box(array.shape, (3, 6), (4, 8), (5, 9)), volume)
+    return volume, segmentation
+
+
+def test_training_starts_in_a_worker_running_the_command_lines_fit(module, scene, self_test, tmp_path):
+    import sys
+
+    volume, segmentation = _study_in_scene(self_test)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    job = logic.startTraining([volume], segmentation, preset="quick", seed=3, iterations=50, shadows=True,
+                              runFolder=tmp_path / "run")
+    try:
+        command = job.worker.command
+        assert command[:4] == [sys.executable, "-m", "NeuralRaycastLib.app.entry", "fit"]  # PythonSlicer in Slicer
+        assert command[command.index("--out") + 1] == str(tmp_path / "run")
+        assert {"--progress-json", "--shadows"} <= set(command)
+        assert command[command.index("--iterations") + 1] == "50" and command[command.index("--seed") + 1] == "3"
+        study = pathlib.Path(command[4])
+        assert study.name == "manifest.json" and study.is_file()  # the scene's study, handed over as files
+        assert job.worker.env["PYTHONPATH"].split(os.pathsep)[0] == str(slicer_harness.ROOT)
+    finally:
+        job.kill()
+    assert job.outcome.state == "cancelled" and not job.outcome.trained
+    assert not study.parent.exists()  # the temporary study is removed once the worker has ended
+    assert not (tmp_path / "run").exists()
+    assert node_ids(scene) == before and logic.run is None
+
+
+@pytest.mark.skipif(os.name == "nt", reason="signals as on POSIX")
+def test_a_worker_that_dies_is_one_clear_message_and_the_scene_is_unchanged(module, scene, self_test, tmp_path):
+    import signal
+
+    volume, segmentation = _study_in_scene(self_test)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    job = logic.startTraining([volume], segmentation, runFolder=tmp_path / "run")
+    os.killpg(job.worker.pid, signal.SIGKILL)  # as a GPU fault or the out-of-memory killer would
+    outcome = job.wait()
+    assert outcome.state == "crashed"
+    assert outcome.message.startswith("the training process ended unexpectedly (signal SIGKILL); nothing was saved "
+                                      "and the scene is unchanged")
+    assert node_ids(scene) == before and logic.run is None and not (tmp_path / "run").exists()
+
+
+def test_inputs_are_checked_before_the_gpu_is_opened(module, scene, monkeypatch):
+    """Where slangpy is missing (a fresh Slicer, the Extensions Index's build machines) a missing input is still
+    reported as such."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "slangpy", None)  # importing it fails
+    logic = module.NeuralRaycastLogic()
+    with pytest.raises(ValueError, match="No input volume"):
+        logic.train([], None)
+    with pytest.raises(ValueError, match="No input volume"):
+        logic.startTraining([], None)
+    from NeuralRaycastLib.gpu.device import GpuUnavailableError
+
+    with pytest.raises(GpuUnavailableError):  # and the GPU's absence is its own error
+        module.NeuralRaycastLogic.gpuContext("auto")
+
+
+def test_the_gpu_self_test_is_skipped_with_its_reason_where_no_device_opens(module, self_test, monkeypatch):
+    import NeuralRaycastLib.gpu.device as gpu
+
+    def no_device(choice=None, *args):
+        raise gpu.GpuUnavailableError("no usable GPU or Vulkan driver: install mesa-vulkan-drivers")
+
+    monkeypatch.setattr(gpu, "open_device", no_device)
+    shown = []
+    monkeypatch.setattr(self_test, "delayDisplay", lambda message, msec=None: shown.append(message))
+    self_test.test_TrainRenderModels()
+    assert shown == ["Skipped the train, render and models test: no usable GPU or Vulkan driver: install "
+                     "mesa-vulkan-drivers"]
+
+
+def test_the_modules_presets_and_devices_are_the_librarys(module):
+    from NeuralRaycastLib.gpu.device import CHOICES
+    from NeuralRaycastLib.train.presets import AUTO, PRESETS
+
+    assert (AUTO, *PRESETS) == module.PRESETS
+    assert module.DEVICES == CHOICES
+
+
+def test_loading_the_module_file_changes_no_import_path(module):
+    source = slicer_harness.MODULE_FILE.read_text()
+    top_level = [line for line in source.splitlines() if line.startswith(("sys.path", "import NeuralRaycastLib",
+                                                                          "from NeuralRaycastLib"))]
+    assert top_level == []
+    import ast
+
+    for node in ast.parse(source).body:  # file scope: no statement touches sys.path
+        assert "sys.path" not in ast.unparse(node) or isinstance(node, ast.FunctionDef), ast.unparse(node)[:80]
+
+
+def test_pip_constraints_keep_slicers_numpy(module, tmp_path):
+    import importlib.metadata
+
+    path = module.NeuralRaycastLogic.writePipConstraints(str(tmp_path))
+    lines = pathlib.Path(path).read_text().splitlines()
+    assert f"numpy=={importlib.metadata.version('numpy')}" in lines
+
+
+def test_the_logic_opens_no_dialogs(module):
+    import ast
+    import inspect
+
+    source = inspect.getsource(module.NeuralRaycastLogic)
+    calls = {ast.unparse(node.func) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)}
+    dialogs = {call for call in calls if re.search(r"Display$|pip_install|pip_ensure|QMessageBox", call)}
+    assert dialogs == set()
+
+
+# --- the widget around a run, with the .ui's widgets as stand-ins -------------------------------------------------
+
+
+@pytest.fixture
+def widget(module, scene, monkeypatch):
+    import slicer
+
+    monkeypatch.setattr(slicer.util, "showStatusMessage", lambda *args: None, raising=False)
+    panel = module.NeuralRaycastWidget()
+    panel.ui = slicer_harness.load_ui(UI_FILE)
+    panel.logic = module.NeuralRaycastLogic()
+    panel.setParameterNode(panel.logic.getParameterNode())
+    yield panel
+    panel.setParameterNode(None)
+
+
+def test_every_input_and_the_cache_button_are_disabled_while_a_run_goes(widget):
+    bound = [w for w in vars(widget.ui).values() if w.property("SlicerParameterName")]
+    assert len(bound) == len(widget._parameterNode.allParameters)
+    widget._setRunning(True)
+    assert all(not w.enabled for w in bound)
+    assert not widget.ui.clearCacheButton.enabled and not widget.ui.loadButton.enabled
+    assert widget.ui.applyButton.enabled and widget.ui.applyButton.text == "Cancel"
+    widget._setRunning(False)
+    assert all(w.enabled for w in bound) and widget.ui.clearCacheButton.enabled
+
+
+def test_a_run_that_ends_after_the_scene_closed_says_where_its_model_is(widget, scene, self_test, tmp_path):
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.app.worker import Outcome
+
+    volume, segmentation = _study_in_scene(self_test)
+    inputs = {"volumes": [volume.GetID()], "segmentation": segmentation.GetID(), "probability": None,
+              "brainMask": None, "device": "auto", "gpuMemory": "", "resample": False}
+    widget.onSceneStartClose(None, None)  # as Slicer: the widget lets go of the parameter node, then the scene clears
+    scene.Clear(0)
+    assert widget._parameterNode is None
+    before = node_ids(scene)
+    job = SimpleNamespace(runFolder=str(tmp_path / "run"))
+    widget._trainingEnded(job, Outcome("done", "trained", str(tmp_path / "run"), 0), inputs)
+    assert str(tmp_path / "run") in widget.ui.resultsText.plainText
+    assert "left the scene" in widget.ui.resultsText.plainText
+    assert node_ids(scene) == before
+
+
+def test_a_crashed_run_is_one_error_message(widget, scene, monkeypatch):
+    import slicer
+
+    from NeuralRaycastLib.app.worker import Outcome
+
+    shown = []
+    monkeypatch.setattr(slicer.util, "errorDisplay", lambda text, **kwargs: shown.append(text), raising=False)
+    before = node_ids(scene)
+    widget._trainingEnded(None, Outcome("crashed", "the training process ended unexpectedly (signal SIGSEGV); "
+                                        "nothing was saved and the scene is unchanged"), None)
+    assert shown == ["Training failed: the training process ended unexpectedly (signal SIGSEGV); nothing was saved "
+                     "and the scene is unchanged"]
+    assert node_ids(scene) == before
+
+
+def test_the_ui_binds_every_widget_to_its_parameter_both_ways(module, scene, self_test, tmp_path):
+    """Each widget the .ui binds shows its parameter and writes the user's edit to it, through the pairings of
+    widget class and type Slicer's GUI connectors accept; every parameter has its widget."""
+    ui = slicer_harness.load_ui(UI_FILE)
+    parameters = module.NeuralRaycastLogic().getParameterNode()
+    tag = parameters.connectGui(ui)
+    bound = {w.property("SlicerParameterName"): w for w in vars(ui).values() if w.property("SlicerParameterName")}
+    assert set(bound) == set(module.NeuralRaycastParameterNode.allParameters)
+    volume, _array, _affine = self_test._syntheticVolume("t1")
+    edits = {"preset": "high", "device": "vulkan", "gpuMemory": "6G", "seed": 11, "iterations": 900,
+             "shadows": True, "meshSmoothing": 4, "runFolder": tmp_path / "run",
+             "inputSegmentation": self_test._newSegmentation(volume),
+             "outputRender": scene.AddNewNodeByClass("vtkMRMLVectorVolumeNode", "render")}
+    for name in ("inputVolume", "inputVolume2", "inputVolume3", "inputVolume4", "probabilityVolume",
+                 "brainMaskVolume"):
+        edits[name] = volume
+    assert set(edits) == set(bound)
+    for name, value in edits.items():
+        bound[name].user_sets(value)
+        assert getattr(parameters, name) == value, name
+    assert bound["preset"].items == list(module.PRESETS)
+    assert bound["seed"].maximum == 2**31 - 1
+    parameters.meshSmoothing = 7  # and the parameter shows in its widget
+    assert bound["meshSmoothing"].value == 7
+    with pytest.raises(ValueError):
+        bound["meshSmoothing"].user_sets(500)  # out of range, refused as the wrapper does
+    parameters.disconnectGui(tag)
+    bound["seed"].user_sets(12)
+    assert parameters.seed == 11
+
+
+def test_a_widget_without_a_parameter_or_of_a_class_no_connector_binds_is_refused(module, scene):
+    ui = slicer_harness.load_ui(UI_FILE)
+    ui.seedSpinBox.properties["SlicerParameterName"] = "randomSeed"
+    parameters = module.NeuralRaycastLogic().getParameterNode()
+    with pytest.raises(ValueError, match="seedSpinBox.*randomSeed"):
+        parameters.connectGui(ui)
+    ui = slicer_harness.load_ui(UI_FILE)
+    ui.shadowsCheckBox.className = "QLineEdit"
+    with pytest.raises(TypeError, match="shadowsCheckBox"):
+        parameters.connectGui(ui)
+
+
+@pytest.mark.gpu
+def test_a_worker_trains_into_a_run_folder_and_leaves_the_scene_unchanged(module, scene, self_test, tmp_path):
+    """End to end through the worker: the command line's training in a process of its own, its progress read,
+    the run folder written; the scene gains nothing (the widget then loads the run with loadRun)."""
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path), spacing=4.0)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    job = logic.startTraining(volumes, segmentation, preset="quick", iterations=30, views=4, size=32,
+                              runFolder=tmp_path / "run")
+    reports = []
+    outcome = job.wait(lambda message, fraction: reports.append(message))
+    assert outcome.state == "done", outcome.message
+    assert outcome.run_folder == str(tmp_path / "run") and (tmp_path / "run" / "model.safetensors").is_file()
+    assert any("held-out PSNR" in message for message in reports) and outcome.heldout_psnr > 10
+    assert node_ids(scene) == before and logic.run is None

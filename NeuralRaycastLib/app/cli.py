@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import logging
 import os
 import sys
@@ -31,6 +32,10 @@ from ..train.trainer import TrainingError
 #: memory's (a full disk, a read-only folder, too large a study) are among them.
 USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, OSError, MemoryError, ValueError,
                TrainingError)
+
+#: Whether the measurement code (NeuralRaycastLib/bench, left out of the Slicer extension) is here: the
+#: ``bench`` command is offered only then.
+HAS_BENCH = importlib.util.find_spec(f"{__package__.rpartition('.')[0]}.bench") is not None
 
 #: Exit statuses, as the help's epilog lists them.
 EXIT_DONE, EXIT_ERROR, EXIT_CANCELLED = 0, 2, 130
@@ -215,6 +220,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     from ..study.cache import load_study_cached
     from ..train.presets import RunSettings
     from ..train.run import train_study
+    from .worker import JsonLines, StopOnStdin
 
     # Bad options, outputs and studies fail at once, before the device opens (the study then read from the cache).
     check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
@@ -229,10 +235,16 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.preset in (None, AUTO):
         where = "software device" if gpu.report.software else "GPU"
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
+    stream = JsonLines() if args.progress_json else None
+    stdin_stop = StopOnStdin() if args.progress_json else None
     with CancelOnInterrupt() as cancel:
-        run = train_study(gpu, args.study, args.out, settings, ConsoleProgress(f"fit {gpu.backend}"), cancel,
-                          warm_up=not args.no_warmup, overwrite=args.overwrite)
+        should_stop = cancel if stdin_stop is None else (lambda: cancel() or stdin_stop())
+        run = train_study(gpu, args.study, args.out, settings, stream or ConsoleProgress(f"fit {gpu.backend}"),
+                          should_stop, warm_up=not args.no_warmup, overwrite=args.overwrite)
     log = run.log
+    if stream is not None:
+        stream.write({"event": "done", "run_folder": str(run.folder), "cancelled": bool(log.cancelled),
+                      "seconds": log.seconds, "heldout_psnr": log.last("heldout_psnr")})
     if log.cancelled:
         raise Cancelled(f"cancelled after {log.seconds:.1f} s of training; the state reached is saved in {run.folder}")
     psnr = log.last("heldout_psnr")
@@ -517,6 +529,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
     pieces_options(p)
     warmup_option(p)
+    p.add_argument("--progress-json", action="store_true",
+                   help="for a program that runs 'fit' as a worker: progress as one JSON object a line on standard "
+                        "output (stage, fraction, loss, held-out PSNR; then done or error), and a line 'stop' on "
+                        "standard input, or its closing, stops training keeping the state reached")
     p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
@@ -554,24 +570,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decimate", type=float, default=0.0, metavar="F", help="fraction of triangles to remove")
     p.set_defaults(run=cmd_mesh)
 
-    p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
-    device_option(p)
-    p.add_argument("--suite", nargs="+", default=["reference"],
-                   help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
-                        "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
-                        "it trains), prepare (the study prepared afresh on the CPU), workstation (fit from the study "
-                        "folder to the saved run, by phase, with its peak GPU memory, under the device's, an 8 GiB "
-                        "and a 4 GiB budget; clears the cached boundary maps and views), kernels (registers, spills "
-                        "and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) (default: "
-                        "reference)")
-    p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
-    p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
-    p.add_argument("--quick", action="store_true",
-                   help="for slow devices: fewer repetitions, smaller batches and frames (no 1024² frames)")
-    p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
-    p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
-    p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(run=cmd_bench)
+    if HAS_BENCH:  # the measurement code is in a clone, not in the Slicer extension
+        p = sub.add_parser("bench", help="measure speed on this device (Markdown for BENCHMARKS.md)")
+        device_option(p)
+        p.add_argument("--suite", nargs="+", default=["reference"],
+                       help="suites to run: reference, sdf_fit, train, mesh_accuracy, torch_peer (the same SDF fit in "
+                            "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
+                            "it trains), prepare (the study prepared afresh on the CPU), workstation (fit from the "
+                            "study folder to the saved run, by phase, with its peak GPU memory, under the device's, an "
+                            "8 GiB and a 4 GiB budget; clears the cached boundary maps and views), kernels (registers, "
+                            "spills and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) "
+                            "(default: reference)")
+        p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
+        p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
+        p.add_argument("--quick", action="store_true",
+                       help="for slow devices: fewer repetitions, smaller batches and frames (no 1024² frames)")
+        p.add_argument("--append", metavar="MD", help="append the Markdown section to this file")
+        p.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+        p.add_argument("--command-line", default=None, help=argparse.SUPPRESS)
+        p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("warmup", help="compile the kernels of the demo and 'fit' ahead (kept in the shader cache)")
     device_option(p, memory=False)
@@ -602,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "gpu_memory", None) is not None:
             parse_memory(args.gpu_memory)  # a bad amount is refused before any work
-        if not getattr(args, "json", False):
+        if not (getattr(args, "json", False) or getattr(args, "progress_json", False)):
             return args.run(args)
         with _native_output_to_stderr():
             return args.run(args)
@@ -616,6 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(error, GpuMemoryError) and "--gpu-memory" not in message:
             message = f"{message}; {LOWER}"
         print(f"neuralraycast {args.command}: error: {message}", file=sys.stderr)
+        if getattr(args, "progress_json", False):
+            print(strict_json.dumps({"event": "error", "message": message}), flush=True)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print(f"neuralraycast {args.command}: cancelled", file=sys.stderr)
