@@ -57,6 +57,15 @@ class GridMismatchError(ValueError):
 
 #: Attribute that marks the model nodes this module made, valued with the structure name.
 MODEL_ATTRIBUTE = "NeuralRaycast.Structure"
+#: Attribute that marks the segmentation and table nodes of the learned surfaces this module made, valued
+#: with what the node holds (see RESULT_NODES).
+RESULT_ATTRIBUTE = "NeuralRaycast.Result"
+#: What each result node holds: attribute value -> (node class, name).
+RESULT_NODES = {
+    "segmentation": ("vtkMRMLSegmentationNode", "Learned surfaces (neural)"),
+    "structures": ("vtkMRMLTableNode", "Learned surfaces: per structure"),
+    "pieces": ("vtkMRMLTableNode", "Learned surfaces: pieces not held as drawn"),
+}
 
 
 #
@@ -156,6 +165,8 @@ class NeuralRaycastParameterNode:
         the scene keeps it, so the model can be reloaded after the scene is.
     meshSmoothing - smoothing iterations of the learned surfaces' models.
     outputRender - the RGB volume that receives renders of the 3D view's camera.
+    labelmapOversampling - the learned segmentation's label maps are on the study's grid split this many times
+        along each axis (1: the study's grid).
     """
 
     inputVolume: vtkMRMLScalarVolumeNode
@@ -174,6 +185,7 @@ class NeuralRaycastParameterNode:
     runFolder: pathlib.Path
     meshSmoothing: Annotated[int, WithinRange(0, 100)] = 10
     outputRender: vtkMRMLVectorVolumeNode
+    labelmapOversampling: Annotated[int, WithinRange(1, 4)] = 2
 
     def volumeNodes(self) -> list:
         """The selected channel volumes, reference first, without empty slots."""
@@ -200,6 +212,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._parameterNodeGuiTag = None
         self._running = False
         self._cancelRequested = False
+        self._liveView = None
 
     def setup(self) -> None:
         """Called when the user opens the module the first time and the widget is initialized."""
@@ -220,12 +233,15 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.renderButton.connect("clicked(bool)", self.onRenderButton)
         self.ui.modelsButton.connect("clicked(bool)", self.onModelsButton)
         self.ui.clearCacheButton.connect("clicked(bool)", self.onClearCacheButton)
+        self.ui.segmentationButton.connect("clicked(bool)", self.onSegmentationButton)
+        self.ui.liveViewButton.connect("toggled(bool)", self.onLiveViewToggled)
         self._resetProgress()
 
         self.initializeParameterNode()
 
     def cleanup(self) -> None:
         """Called when the application closes and the module widget is destroyed."""
+        self._stopLiveView()
         self.removeObservers()
 
     def enter(self) -> None:
@@ -241,6 +257,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
 
     def onSceneStartClose(self, caller, event) -> None:
         """Called just before the scene is closed."""
+        self.ui.liveViewButton.checked = False
+        self._stopLiveView()
         self.setParameterNode(None)
 
     def onSceneEndClose(self, caller, event) -> None:
@@ -292,6 +310,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         trained = self.logic is not None and self.logic.run is not None
         self.ui.renderButton.enabled = trained
         self.ui.modelsButton.enabled = trained
+        self.ui.segmentationButton.enabled = trained
+        self.ui.liveViewButton.enabled = trained
 
     def _resetProgress(self) -> None:
         self.ui.progressBar.setRange(0, 100)
@@ -315,6 +335,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._cancelRequested = False
         for button in (self.ui.loadButton, self.ui.renderButton, self.ui.modelsButton):
             button.enabled = not running
+        self.ui.segmentationButton.enabled = not running and self.logic.run is not None
         if running:
             self.ui.applyButton.text = _("Cancel")
             self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")
@@ -405,6 +426,51 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         with slicer.util.tryWithErrorDisplay(_("Failed to create the models."), waitCursor=True):
             self.logic.createModels(self._parameterNode.meshSmoothing)
 
+    def onSegmentationButton(self) -> None:
+        with slicer.util.tryWithErrorDisplay(_("Failed to create the segmentation and tables."), waitCursor=True):
+            self._createSegmentationAndTables()
+
+    def _createSegmentationAndTables(self) -> None:
+        """The learned surfaces as a segmentation and the per-structure tables; the table is shown beside the
+        views."""
+        parameters = self._parameterNode
+        self.logic.createSegmentation(parameters.labelmapOversampling, parameters.meshSmoothing,
+                                      parameters.inputVolume)
+        structures, _pieces = self.logic.createResultsTables()
+        slicer.app.layoutManager().setLayout(slicer.vtkMRMLLayoutNode.SlicerLayoutFourUpTableView)
+        slicer.app.applicationLogic().GetSelectionNode().SetActiveTableID(structures.GetID())
+        slicer.app.applicationLogic().PropagateTableSelection()
+
+    def onLiveViewToggled(self, checked: bool) -> None:
+        """Live view on: the trained field over the first 3D view, following its camera; off: the view as it was."""
+        self._stopLiveView()
+        if not checked:
+            return
+        import qt
+
+        live = None
+        with slicer.util.tryWithErrorDisplay(_("Failed to start the live view."), waitCursor=True):
+            threeDView = slicer.app.layoutManager().threeDWidget(0).threeDView()
+            cameraNode = slicer.modules.cameras.logic().GetViewActiveCameraNode(threeDView.mrmlViewNode())
+            live = self.logic.createLiveView(cameraNode, threeDView.renderWindow(),
+                                             lambda callback: qt.QTimer.singleShot(0, callback),
+                                             threeDView.scheduleRender, self._onLiveViewError)
+        if live is None or live.error is not None:  # refused at once (said by _onLiveViewError) or failed
+            if live is not None:
+                live.close()
+            self.ui.liveViewButton.checked = False
+            return
+        self._liveView = live
+
+    def _onLiveViewError(self, error: Exception) -> None:
+        self.ui.liveViewButton.checked = False  # stops the live view
+        slicer.util.errorDisplay(_("The live view stopped: {error}").format(error=error))
+
+    def _stopLiveView(self) -> None:
+        if self._liveView is not None:
+            live, self._liveView = self._liveView, None
+            live.close()
+
     def onClearCacheButton(self) -> None:
         with slicer.util.tryWithErrorDisplay(_("Failed to clear the cached data."), waitCursor=True):
             self.logic.ensureDependencies()
@@ -424,6 +490,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def _showResults(self) -> None:
         self._onProgress(_("creating models of the learned surfaces"), 1.0)
         self.logic.createModels(self._parameterNode.meshSmoothing)
+        self._onProgress(_("creating the segmentation and tables of the learned surfaces"), 1.0)
+        self._createSegmentationAndTables()
         self._onProgress(_("rendering the 3D view"), 1.0)
         self._renderThreeDView()
         self._onProgress(_("done"), 1.0)
@@ -1032,6 +1100,176 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             self._removeNodes(added)
             raise
         return models
+
+    def _segmentLook(self, structureName: str, color) -> tuple[str, tuple[float, float, float]]:
+        """The name and colour of a structure's segment (the brain's, and any structure not read from a
+        segmentation, after the structure)."""
+        name, look = self.structureSegments.get(structureName, (structureName.replace("_", " "), color))
+        return name, tuple(float(c) for c in look)
+
+    @staticmethod
+    def _resultNode(kind: str, replaceExisting: bool):
+        """The result node of ``kind`` (see RESULT_NODES) this module made before, if asked to replace it;
+        else None."""
+        if replaceExisting:
+            className = RESULT_NODES[kind][0]
+            for node in slicer.util.getNodesByClass(className):
+                if node.GetAttribute(RESULT_ATTRIBUTE) == kind:
+                    return node
+        return None
+
+    def createSegmentation(self, oversampling: int = 2, smoothingIterations: int = 10, referenceVolumeNode=None,
+                           replaceExisting: bool = True):
+        """The learned surfaces as a segmentation node: one segment per structure, named and coloured after
+        its input segment, holding the learned mesh as its closed surface and, as its source representation,
+        a binary label map on the study's grid split ``oversampling`` times along each axis (the voxels whose
+        centres lie inside the mesh), so that Segment Editor, Segment Statistics and export work on it.
+
+        :param referenceVolumeNode: the study's reference volume, kept as the segmentation's reference node.
+        All label maps are made before the scene changes; a node this call added is removed if it fails.
+        """
+        from NeuralRaycastLib.mesh.labelmap import mesh_labelmaps
+
+        run = self._requireRun()
+        meshes = [mesh for mesh in run.meshes(smoothing_iterations=smoothingIterations) if len(mesh.faces)]
+        if not meshes:
+            raise ValueError("The learned field has no surface inside the study's box (is the model trained?)")
+        fine, fineShape, labelmaps = mesh_labelmaps(meshes, run.prepared.affine, run.prepared.study.shape,
+                                                 oversampling)
+        segments = [self._segment(mesh, labelmap, fine) for mesh, labelmap in zip(meshes, labelmaps, strict=True)]
+
+        node = self._resultNode("segmentation", replaceExisting)
+        created = node is None
+        if created:
+            node = slicer.mrmlScene.AddNewNodeByClass(*RESULT_NODES["segmentation"])
+            node.SetAttribute(RESULT_ATTRIBUTE, "segmentation")
+        try:
+            segmentation = node.GetSegmentation()
+            wasModifying = node.StartModify()
+            segmentation.RemoveAllSegments()
+            segmentation.SetSourceRepresentationName(slicer.vtkSegmentationConverter.GetBinaryLabelmapRepresentationName())
+            if referenceVolumeNode is not None:
+                node.SetNodeReferenceID(node.GetReferenceImageGeometryReferenceRole(), referenceVolumeNode.GetID())
+            # the finer grid over the whole study: where the segment tools edit and what export writes
+            extent = [value for n in fineShape for value in (0, int(n) - 1)]
+            geometry = slicer.vtkSegmentationConverter.SerializeImageGeometry(
+                slicer.util.vtkMatrixFromArray(fine), extent)
+            segmentation.SetConversionParameter(slicer.vtkSegmentationConverter.GetReferenceImageGeometryParameterName(),
+                                                geometry)
+            try:
+                for mesh, segment in zip(meshes, segments, strict=True):
+                    segmentation.AddSegment(segment, mesh.name)
+            finally:
+                node.EndModify(wasModifying)
+            if node.GetDisplayNode() is None:
+                node.CreateDefaultDisplayNodes()
+            node.GetDisplayNode().SetPreferredDisplayRepresentationName3D(
+                slicer.vtkSegmentationConverter.GetClosedSurfaceRepresentationName())
+        except Exception:
+            if created:
+                self._removeNodes([node])
+            raise
+        return node
+
+    @staticmethod
+    def _orientedImage(ijkToRas: np.ndarray, first, inside):
+        """A vtkOrientedImageData on the grid of ``ijkToRas`` holding ``inside`` (bool I, J, K; None: no voxels)
+        from grid index ``first``: Slicer's binary label map of one segment."""
+        from vtk.util.numpy_support import numpy_to_vtk
+
+        image = slicer.vtkOrientedImageData()
+        image.SetImageToWorldMatrix(slicer.util.vtkMatrixFromArray(np.asarray(ijkToRas, np.float64)))
+        if inside is None or inside.size == 0:
+            inside = np.zeros((1, 1, 1), bool)
+        i, j, k = (int(v) for v in first)
+        ni, nj, nk = inside.shape
+        image.SetExtent(i, i + ni - 1, j, j + nj - 1, k, k + nk - 1)
+        values = np.ascontiguousarray(inside.transpose(2, 1, 0), np.uint8).reshape(-1)  # VTK's x runs fastest
+        image.GetPointData().SetScalars(numpy_to_vtk(values, deep=True, array_type=vtk.VTK_UNSIGNED_CHAR))
+        return image
+
+    def _segment(self, mesh, labelmap, ijkToRas: np.ndarray):
+        """One segment: the learned mesh as its closed surface and its voxels as its binary label map."""
+        name, color = self._segmentLook(mesh.name, mesh.color)
+        segment = slicer.vtkSegment()
+        segment.SetName(name)
+        segment.SetColor(*color)
+        segment.AddRepresentation(slicer.vtkSegmentationConverter.GetBinaryLabelmapRepresentationName(),
+                                  self._orientedImage(ijkToRas, labelmap.first, labelmap.inside))
+        segment.AddRepresentation(slicer.vtkSegmentationConverter.GetClosedSurfaceRepresentationName(),
+                                  mesh.polydata())
+        return segment
+
+    def createResultsTables(self, metrics=None, replaceExisting: bool = True) -> tuple:
+        """Two table nodes: one row per learned structure (Dice, surface distances, the label's and the learned
+        volume and their difference in %, connected pieces kept and not), and one row per piece of a label that
+        the surface does not hold as drawn (left out or kept apart as too small, holes filled, not reached),
+        with its size and centre. Returns (structures table, pieces table).
+
+        :param metrics: ``NeuralRaycastLib.train.evaluate.geometry_metrics`` of the run (computed if None).
+        """
+        from NeuralRaycastLib.train.structure_table import PIECE_COLUMNS, STRUCTURE_COLUMNS, piece_rows, structure_rows
+
+        run = self._requireRun()
+        if metrics is None:
+            from NeuralRaycastLib.train.evaluate import geometry_metrics
+
+            metrics = geometry_metrics(run.field, run.prepared)
+        names = {structure.name: self._segmentLook(structure.name, structure.color)[0]
+                 for structure in run.prepared.structures}
+        notes = run.prepared.label_notes
+        tables = (("structures", STRUCTURE_COLUMNS, structure_rows(metrics, notes, names)),
+                  ("pieces", PIECE_COLUMNS, piece_rows(metrics, notes, names)))
+        nodes, added = [], []
+        try:
+            for kind, columns, rows in tables:
+                node = self._resultNode(kind, replaceExisting)
+                if node is None:
+                    node = slicer.mrmlScene.AddNewNodeByClass(*RESULT_NODES[kind])
+                    node.SetAttribute(RESULT_ATTRIBUTE, kind)
+                    added.append(node)
+                self._fillTable(node, columns, rows)
+                nodes.append(node)
+        except Exception:
+            self._removeNodes(added)
+            raise
+        return tuple(nodes)
+
+    @staticmethod
+    def _fillTable(tableNode, columns, rows) -> None:
+        """Replace a table node's content by ``rows`` (dicts keyed by each column's key)."""
+        table = vtk.vtkTable()
+        for column in columns:
+            array = vtk.vtkDoubleArray() if column.numeric else vtk.vtkStringArray()
+            array.SetName(column.title)
+            for row in rows:
+                array.InsertNextValue(row[column.key] if column.numeric else str(row[column.key]))
+            table.AddColumn(array)
+        wasModifying = tableNode.StartModify()
+        tableNode.SetAndObserveTable(table)
+        tableNode.SetUseColumnTitleAsColumnHeader(True)
+        for column in columns:
+            if column.unit:
+                tableNode.SetColumnUnitLabel(column.title, column.unit)
+            tableNode.SetColumnDescription(column.title, column.description)
+        tableNode.EndModify(wasModifying)
+
+    # -- live view ------------------------------------------------------------------------------------
+
+    def liveRender(self, camera) -> np.ndarray:
+        """The trained field from ``camera`` as a premultiplied RGBA picture (H, W, 4), for the live view."""
+        return self._requireRun().render(camera).rgba
+
+    def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0):
+        """Show the trained field over a 3D view, rendered again whenever its camera node changes (the mouse,
+        scripts, the view's reset) or the view is resized; renders are coalesced (one in flight, one
+        waiting). ``defer(callback)`` runs a callback after pending events (the widget: a zero-delay timer);
+        ``redraw()`` asks the view to draw again; ``onError(error)`` is told of a failed render (the live view
+        stops then). Returns the ``NeuralRaycastLib.render.live_view.LiveView``; ``close()`` it to stop."""
+        from NeuralRaycastLib.render.live_view import LiveView
+
+        self._requireRun()
+        return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale)
 
     @staticmethod
     def _existingModel(structureName: str):
