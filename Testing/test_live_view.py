@@ -236,3 +236,25 @@ def test_the_frame_rate_command_times_renders_through_the_scheduler():
     assert len({camera.position for camera in calls[1:]}) == 12
     assert all((camera.width, camera.height) == (32, 24) for camera in calls)
     assert result["frames"] == 12 and result["frames_per_second"] > 0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--frames", "0"], "frames must be at least 1 (got 0)"),
+    (["--size", "8000", "600"], "view size 8000 x 600 pixels is outside the supported range"),
+])
+def test_the_frame_rate_command_refuses_bad_values_in_one_line_before_opening_the_run(extra, message, tmp_path,
+                                                                                      capsys):
+    from NeuralRaycastLib.app.cli import main
+
+    assert main(["frame-rate", str(tmp_path / "no-run"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"neuralraycast frame-rate: error: {message}") and "\n" not in err
+
+
+def test_the_frame_rate_command_has_help(capsys):
+    from NeuralRaycastLib.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frame-rate", "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: neuralraycast frame-rate" in capsys.readouterr().out
