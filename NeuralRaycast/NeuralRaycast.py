@@ -60,6 +60,9 @@ MODEL_ATTRIBUTE = "NeuralRaycast.Structure"
 #: Attribute that marks the segmentation and table nodes of the learned surfaces this module made, valued
 #: with what the node holds (see RESULT_NODES).
 RESULT_ATTRIBUTE = "NeuralRaycast.Result"
+#: The longest side of a live view picture on a software device (lavapipe), where one of a whole view's size takes
+#: seconds: a coarse picture stretched over the view keeps it following the camera.
+LIVE_SIDE_SOFTWARE = 96
 #: What each result node holds: attribute value -> (node class, name).
 RESULT_NODES = {
     "segmentation": ("vtkMRMLSegmentationNode", "Learned surfaces (neural)"),
@@ -1260,16 +1263,25 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         """The trained field from ``camera`` as a premultiplied RGBA picture (H, W, 4), for the live view."""
         return self._requireRun().render(camera).rgba
 
-    def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0):
+    def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0,
+                       maxSide: int | None = None):
         """Show the trained field over a 3D view, rendered again whenever its camera node changes (the mouse,
         scripts, the view's reset) or the view is resized; renders are coalesced (one in flight, one
         waiting). ``defer(callback)`` runs a callback after pending events (the widget: a zero-delay timer);
         ``redraw()`` asks the view to draw again; ``onError(error)`` is told of a failed render (the live view
-        stops then). Returns the ``NeuralRaycastLib.render.live_view.LiveView``; ``close()`` it to stop."""
+        stops then). The picture is the view's size times ``scale``, its longer side at most ``maxSide``
+        (None: the view's size on a GPU, LIVE_SIDE_SOFTWARE on a software device, where a frame of the view's
+        size takes seconds) and stretched over the view. Returns the
+        ``NeuralRaycastLib.render.live_view.LiveView``; ``close()`` it to stop."""
+        from NeuralRaycastLib.render.camera import MAX_VIEW_SIZE
         from NeuralRaycastLib.render.live_view import LiveView
 
-        self._requireRun()
-        return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale)
+        run = self._requireRun()
+        if maxSide is None:
+            report = getattr(getattr(run.renderer, "gpu", None), "report", None)
+            maxSide = LIVE_SIDE_SOFTWARE if getattr(report, "software", False) else MAX_VIEW_SIZE
+        return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale,
+                        maxSide)
 
     @staticmethod
     def _existingModel(structureName: str):
@@ -1492,6 +1504,22 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
             # Creating them again updates the same nodes.
             self.assertEqual([node.GetID() for node in logic.createModels(smoothingIterations=0)],
                              [node.GetID() for node in models])
+
+            # The learned surfaces as a segmentation (one segment per structure, named after its segment, with a
+            # label map and a closed surface) and a table row per structure.
+            segmentation = logic.createSegmentation(oversampling=1, smoothingIterations=0,
+                                                    referenceVolumeNode=volumes[0]).GetSegmentation()
+            names = [segmentation.GetNthSegment(index).GetName() for index in range(segmentation.GetNumberOfSegments())]
+            self.assertTrue(set(masks) <= set(names), f"segments {names}")
+            for index in range(segmentation.GetNumberOfSegments()):
+                segment = segmentation.GetNthSegment(index)
+                self.assertTrue(segment.GetRepresentation("Binary labelmap") is not None)
+                self.assertGreater(segment.GetRepresentation("Closed surface").GetNumberOfCells(), 0)
+            structuresTable, _piecesTable = logic.createResultsTables()
+            self.assertEqual(structuresTable.GetTable().GetNumberOfRows(), len(run.prepared.structures))
+
+            # A live view picture of a camera: premultiplied RGBA at the camera's size.
+            self.assertEqual(logic.liveRender(logic.cameraFromNode(cameraNode, (32, 24))).shape, (24, 32, 4))
         self.delayDisplay("Test passed")
 
 

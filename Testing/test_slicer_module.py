@@ -658,3 +658,24 @@ def test_the_live_view_follows_the_3d_views_camera_node_at_the_views_size(module
     phantom_logic.run = None
     with pytest.raises(RuntimeError, match="No trained model"):
         phantom_logic.createLiveView(cameraNode, window, queue.append)
+
+
+def test_the_live_view_is_coarser_on_a_software_device(module, scene, phantom_logic, monkeypatch):
+    from types import SimpleNamespace
+
+    import vtk
+
+    window = vtk.vtkRenderWindow()
+    window.SetOffScreenRendering(1)
+    window.SetSize(400, 300)
+    cameraNode = scene.AddNewNodeByClass("vtkMRMLCameraNode", "3D view camera")
+    rendered = phantom_logic.run.renderer.cameras
+    for software, expected in ((True, (96, 72)), (False, (400, 300))):
+        rendered.clear()
+        device = SimpleNamespace(report=SimpleNamespace(software=software))
+        monkeypatch.setattr(phantom_logic.run.renderer, "gpu", device, raising=False)
+        queue = []
+        live = phantom_logic.createLiveView(cameraNode, window, queue.append)
+        queue.pop()()
+        assert [(camera.width, camera.height) for camera in rendered] == [expected]
+        live.close()
