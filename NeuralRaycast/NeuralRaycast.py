@@ -339,6 +339,9 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         for button in (self.ui.loadButton, self.ui.renderButton, self.ui.modelsButton):
             button.enabled = not running
         self.ui.segmentationButton.enabled = not running and self.logic.run is not None
+        if running:  # the live view shows the last model; a new one replaces it when the run is done
+            self.ui.liveViewButton.checked = False
+        self.ui.liveViewButton.enabled = not running and self.logic.run is not None
         if running:
             self.ui.applyButton.text = _("Cancel")
             self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")

@@ -192,6 +192,13 @@ def test_the_live_view_follows_the_mouse_scripts_and_the_reset_at_the_views_size
     settle()
     assert renders[-1] == expected() and len(renders) == 4
 
+    # what leaves the picture as it is (a redraw resetting the clipping range) renders nothing
+    camera_node.GetCamera().SetClippingRange(1.0, 5000.0)
+    camera_node.GetCamera().Modified()
+    renderer.ResetCameraClippingRange()
+    window.Render()
+    assert queue == [] and len(renders) == 4
+
     # a resized view renders at its new size
     window.SetSize(80, 40)
     settle()

@@ -257,6 +257,7 @@ class LiveView:
                                                                               self._failed)
         self.shown: list[tuple[int, int]] = []  # sizes of the pictures shown, in order
         self.error: Exception | None = None
+        self._last: Camera | None = None  # the camera last asked for
         self._observers: list[tuple[Any, int]] = [
             (camera_node, camera_node.AddObserver(vtk.vtkCommand.ModifiedEvent, self._changed)),
             (render_window, render_window.AddObserver(vtk.vtkCommand.WindowResizeEvent, self._changed)),
@@ -273,12 +274,17 @@ class LiveView:
         return camera_from_vtk(vtk_camera, self.view_size(), self.scale, self.max_side)
 
     def refresh(self) -> None:
-        """Render the view as it is now (soon, coalesced with other changes)."""
+        """Render the view as it is now (soon, coalesced with other changes), unless that camera at that size
+        was the last asked for: a camera node is also modified by what leaves the picture as it is (the
+        clipping range each redraw resets), and a redraw must not start another render."""
         try:
             camera = self.camera()
         except ValueError as error:  # a parallel projection or a degenerate camera: said, not shown
             self._failed(error)
             return
+        if camera == self._last:
+            return
+        self._last = camera
         self.scheduler.request(camera)
 
     def close(self) -> None:
