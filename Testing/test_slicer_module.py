@@ -512,11 +512,11 @@ def segment_labelmap(segment) -> tuple[np.ndarray, np.ndarray]:
     ijkToRas = slicer.util.arrayFromVTKMatrix(matrix)
     ijk = np.stack(np.meshgrid(*[np.arange(extent[2 * a], extent[2 * a + 1] + 1) for a in range(3)],
                                indexing="ij"), axis=-1).reshape(-1, 3)
-    return values != 0, (ijk @ ijkToRas[:3, :3].T + ijkToRas[:3, 3]).reshape(*counts, 3)
+    return values == segment.GetLabelValue(), (ijk @ ijkToRas[:3, :3].T + ijkToRas[:3, 3]).reshape(*counts, 3)
 
 
 def test_the_learned_surfaces_become_a_segmentation_with_closed_surfaces_and_fine_label_maps(module, scene,
-                                                                                           phantom_logic):
+                                                                                           phantom_logic, tmp_path):
     import slicer
     import vtk
 
@@ -565,6 +565,21 @@ def test_the_learned_surfaces_become_a_segmentation_with_closed_surfaces_and_fin
     assert slicer.vtkSlicerSegmentationsModuleLogic.ExportAllSegmentsToLabelmapNode(node, labelmapNode, 0)
     np.testing.assert_allclose(labelmapNode.GetSpacing(), fineSpacing)
     assert set(np.unique(slicer.util.arrayFromVolume(labelmapNode))) == {0, 1, 2, 3, 4}
+
+    # saved as a .seg.nrrd (what a saved scene holds) and read back: the same segments, voxels and colours
+    voxels = {name: int(segment_labelmap(segmentation.GetSegment(name))[0].sum()) for name in meshes}
+    storage = slicer.vtkMRMLSegmentationStorageNode()
+    scene.AddNode(storage)
+    storage.SetFileName(str(tmp_path / "learned.seg.nrrd"))
+    assert storage.WriteData(node)
+    reread = scene.AddNewNodeByClass("vtkMRMLSegmentationNode", "reread")
+    assert storage.ReadData(reread)
+    segments = reread.GetSegmentation()
+    for name in meshes:
+        segment = segments.GetSegment(name)
+        assert segment.GetName() == segmentation.GetSegment(name).GetName()
+        np.testing.assert_allclose(segment.GetColor(), segmentation.GetSegment(name).GetColor(), atol=1e-6)
+        assert int(segment_labelmap(segment)[0].sum()) == voxels[name]
 
     # made again: the same node, its segments replaced
     again = phantom_logic.createSegmentation(oversampling=1, smoothingIterations=0)
