@@ -74,6 +74,18 @@ class GridMismatchError(ValueError):
 
 #: Attribute that marks the model nodes this module made, valued with the structure name.
 MODEL_ATTRIBUTE = "NeuralRaycast.Structure"
+#: Attribute that marks the segmentation and table nodes of the learned surfaces this module made, valued
+#: with what the node holds (see RESULT_NODES).
+RESULT_ATTRIBUTE = "NeuralRaycast.Result"
+#: The longest side of a live view picture on a software device (lavapipe), where one of a whole view's size takes
+#: seconds: a coarse picture stretched over the view keeps it following the camera.
+LIVE_SIDE_SOFTWARE = 96
+#: What each result node holds: attribute value -> (node class, name).
+RESULT_NODES = {
+    "segmentation": ("vtkMRMLSegmentationNode", "Learned surfaces (neural)"),
+    "structures": ("vtkMRMLTableNode", "Learned surfaces: per structure"),
+    "pieces": ("vtkMRMLTableNode", "Learned surfaces: pieces not held as drawn"),
+}
 
 
 #
@@ -206,6 +218,8 @@ class NeuralRaycastParameterNode:
         the scene keeps it, so the model can be reloaded after the scene is.
     meshSmoothing - smoothing iterations of the learned surfaces' models.
     outputRender - the RGB volume that receives renders of the 3D view's camera.
+    labelmapOversampling - the learned segmentation's label maps are on the study's grid split this many times
+        along each axis (1: the study's grid).
     """
 
     inputVolume: vtkMRMLScalarVolumeNode
@@ -224,6 +238,7 @@ class NeuralRaycastParameterNode:
     runFolder: pathlib.Path
     meshSmoothing: Annotated[int, WithinRange(0, 100)] = 10
     outputRender: vtkMRMLVectorVolumeNode
+    labelmapOversampling: Annotated[int, WithinRange(1, 4)] = 2
 
     def volumeNodes(self) -> list:
         """The selected channel volumes, reference first, without empty slots."""
@@ -254,6 +269,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._jobInputs = None
         self._pollTimer = None
         self._killTimer = None
+        self._liveView = None
 
     def setup(self) -> None:
         """Called when the user opens the module the first time and the widget is initialized."""
@@ -274,6 +290,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.renderButton.connect("clicked(bool)", self.onRenderButton)
         self.ui.modelsButton.connect("clicked(bool)", self.onModelsButton)
         self.ui.clearCacheButton.connect("clicked(bool)", self.onClearCacheButton)
+        self.ui.segmentationButton.connect("clicked(bool)", self.onSegmentationButton)
+        self.ui.liveViewButton.connect("toggled(bool)", self.onLiveViewToggled)
         self._resetProgress()
 
         import qt
@@ -298,6 +316,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         for timer in (self._pollTimer, self._killTimer):
             if timer is not None:
                 timer.stop()
+        self._stopLiveView()
         self.removeObservers()
 
     def enter(self) -> None:
@@ -313,7 +332,9 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
 
     def onSceneStartClose(self, caller, event) -> None:
         """Called just before the scene is closed. A training keeps running (its model is saved); its end
-        finds the inputs gone and says where the model is."""
+        finds the inputs gone and says where the model is. The live view stops."""
+        self.ui.liveViewButton.checked = False
+        self._stopLiveView()
         self.setParameterNode(None)
 
     def onSceneEndClose(self, caller, event) -> None:
@@ -365,6 +386,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         trained = self.logic is not None and self.logic.run is not None
         self.ui.renderButton.enabled = trained
         self.ui.modelsButton.enabled = trained
+        self.ui.segmentationButton.enabled = trained
+        self.ui.liveViewButton.enabled = trained
 
     def _resetProgress(self) -> None:
         self.ui.progressBar.setRange(0, 100)
@@ -392,6 +415,10 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._running = running
         for widget in self._inputWidgets():
             widget.enabled = not running
+        self.ui.segmentationButton.enabled = not running and self.logic.run is not None
+        if running:  # the live view shows the last model; a new one replaces it when the run is done
+            self.ui.liveViewButton.checked = False
+        self.ui.liveViewButton.enabled = not running and self.logic.run is not None
         if running:
             self.ui.applyButton.text = _("Cancel")
             self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")
@@ -540,6 +567,51 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         with slicer.util.tryWithErrorDisplay(_("Failed to create the models."), waitCursor=True):
             self.logic.createModels(self._parameterNode.meshSmoothing)
 
+    def onSegmentationButton(self) -> None:
+        with slicer.util.tryWithErrorDisplay(_("Failed to create the segmentation and tables."), waitCursor=True):
+            self._createSegmentationAndTables()
+
+    def _createSegmentationAndTables(self) -> None:
+        """The learned surfaces as a segmentation and the per-structure tables; the table is shown beside the
+        views."""
+        parameters = self._parameterNode
+        self.logic.createSegmentation(parameters.labelmapOversampling, parameters.meshSmoothing,
+                                      parameters.inputVolume)
+        structures, _pieces = self.logic.createResultsTables()
+        slicer.app.layoutManager().setLayout(slicer.vtkMRMLLayoutNode.SlicerLayoutFourUpTableView)
+        slicer.app.applicationLogic().GetSelectionNode().SetActiveTableID(structures.GetID())
+        slicer.app.applicationLogic().PropagateTableSelection()
+
+    def onLiveViewToggled(self, checked: bool) -> None:
+        """Live view on: the trained field over the first 3D view, following its camera; off: the view as it was."""
+        self._stopLiveView()
+        if not checked:
+            return
+        import qt
+
+        live = None
+        with slicer.util.tryWithErrorDisplay(_("Failed to start the live view."), waitCursor=True):
+            threeDView = slicer.app.layoutManager().threeDWidget(0).threeDView()
+            cameraNode = slicer.modules.cameras.logic().GetViewActiveCameraNode(threeDView.mrmlViewNode())
+            live = self.logic.createLiveView(cameraNode, threeDView.renderWindow(),
+                                             lambda callback: qt.QTimer.singleShot(0, callback),
+                                             threeDView.scheduleRender, self._onLiveViewError)
+        if live is None or live.error is not None:  # refused at once (said by _onLiveViewError) or failed
+            if live is not None:
+                live.close()
+            self.ui.liveViewButton.checked = False
+            return
+        self._liveView = live
+
+    def _onLiveViewError(self, error: Exception) -> None:
+        self.ui.liveViewButton.checked = False  # stops the live view
+        slicer.util.errorDisplay(_("The live view stopped: {error}").format(error=error))
+
+    def _stopLiveView(self) -> None:
+        if self._liveView is not None:
+            live, self._liveView = self._liveView, None
+            live.close()
+
     def onClearCacheButton(self) -> None:
         with slicer.util.tryWithErrorDisplay(_("Failed to clear the cached data."), waitCursor=True):
             installDependencies(self.logic)
@@ -559,6 +631,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def _showResults(self) -> None:
         self._onProgress(_("creating models of the learned surfaces"), 1.0)
         self.logic.createModels(self._parameterNode.meshSmoothing)
+        self._onProgress(_("creating the segmentation and tables of the learned surfaces"), 1.0)
+        self._createSegmentationAndTables()
         self._onProgress(_("rendering the 3D view"), 1.0)
         self._renderThreeDView()
         self._onProgress(_("done"), 1.0)
@@ -1223,6 +1297,185 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             raise
         return models
 
+    def _segmentLook(self, structureName: str, color) -> tuple[str, tuple[float, float, float]]:
+        """The name and colour of a structure's segment (the brain's, and any structure not read from a
+        segmentation, after the structure)."""
+        name, look = self.structureSegments.get(structureName, (structureName.replace("_", " "), color))
+        return name, tuple(float(c) for c in look)
+
+    @staticmethod
+    def _resultNode(kind: str, replaceExisting: bool):
+        """The result node of ``kind`` (see RESULT_NODES) this module made before, if asked to replace it;
+        else None."""
+        if replaceExisting:
+            className = RESULT_NODES[kind][0]
+            for node in slicer.util.getNodesByClass(className):
+                if node.GetAttribute(RESULT_ATTRIBUTE) == kind:
+                    return node
+        return None
+
+    def createSegmentation(self, oversampling: int = 2, smoothingIterations: int = 10, referenceVolumeNode=None,
+                           replaceExisting: bool = True):
+        """The learned surfaces as a segmentation node: one segment per structure, named and coloured after
+        its input segment, holding the learned mesh as its closed surface and, as its source representation,
+        a binary label map on the study's grid split ``oversampling`` times along each axis (the voxels whose
+        centres lie inside the mesh), so that Segment Editor, Segment Statistics and export work on it.
+
+        :param referenceVolumeNode: the study's reference volume, kept as the segmentation's reference node.
+        All label maps are made before the scene changes; a node this call added is removed if it fails.
+        """
+        from NeuralRaycastLib.mesh.labelmap import mesh_labelmaps
+
+        run = self._requireRun()
+        meshes = [mesh for mesh in run.meshes(smoothing_iterations=smoothingIterations) if len(mesh.faces)]
+        if not meshes:
+            raise ValueError("The learned field has no surface inside the study's box (is the model trained?)")
+        fine, fineShape, labelmaps = mesh_labelmaps(meshes, run.prepared.affine, run.prepared.study.shape,
+                                                 oversampling)
+        segments = [self._segment(mesh, labelmap, fine) for mesh, labelmap in zip(meshes, labelmaps, strict=True)]
+
+        node = self._resultNode("segmentation", replaceExisting)
+        created = node is None
+        if created:
+            node = slicer.mrmlScene.AddNewNodeByClass(*RESULT_NODES["segmentation"])
+            node.SetAttribute(RESULT_ATTRIBUTE, "segmentation")
+        try:
+            segmentation = node.GetSegmentation()
+            wasModifying = node.StartModify()
+            segmentation.RemoveAllSegments()
+            segmentation.SetSourceRepresentationName(slicer.vtkSegmentationConverter.GetBinaryLabelmapRepresentationName())
+            if referenceVolumeNode is not None:
+                node.SetNodeReferenceID(node.GetReferenceImageGeometryReferenceRole(), referenceVolumeNode.GetID())
+            # the finer grid over the whole study: where the segment tools edit and what export writes
+            extent = [value for n in fineShape for value in (0, int(n) - 1)]
+            geometry = slicer.vtkSegmentationConverter.SerializeImageGeometry(
+                slicer.util.vtkMatrixFromArray(fine), extent)
+            segmentation.SetConversionParameter(slicer.vtkSegmentationConverter.GetReferenceImageGeometryParameterName(),
+                                                geometry)
+            try:
+                for mesh, segment in zip(meshes, segments, strict=True):
+                    segmentation.AddSegment(segment, mesh.name)
+            finally:
+                node.EndModify(wasModifying)
+            if node.GetDisplayNode() is None:
+                node.CreateDefaultDisplayNodes()
+            node.GetDisplayNode().SetPreferredDisplayRepresentationName3D(
+                slicer.vtkSegmentationConverter.GetClosedSurfaceRepresentationName())
+        except Exception:
+            if created:
+                self._removeNodes([node])
+            raise
+        return node
+
+    @staticmethod
+    def _orientedImage(ijkToRas: np.ndarray, first, inside):
+        """A vtkOrientedImageData on the grid of ``ijkToRas`` holding ``inside`` (bool I, J, K; None: no voxels)
+        from grid index ``first``: Slicer's binary label map of one segment."""
+        from vtk.util.numpy_support import numpy_to_vtk
+
+        image = slicer.vtkOrientedImageData()
+        image.SetImageToWorldMatrix(slicer.util.vtkMatrixFromArray(np.asarray(ijkToRas, np.float64)))
+        if inside is None or inside.size == 0:
+            inside = np.zeros((1, 1, 1), bool)
+        i, j, k = (int(v) for v in first)
+        ni, nj, nk = inside.shape
+        image.SetExtent(i, i + ni - 1, j, j + nj - 1, k, k + nk - 1)
+        values = np.ascontiguousarray(inside.transpose(2, 1, 0), np.uint8).reshape(-1)  # VTK's x runs fastest
+        image.GetPointData().SetScalars(numpy_to_vtk(values, deep=True, array_type=vtk.VTK_UNSIGNED_CHAR))
+        return image
+
+    def _segment(self, mesh, labelmap, ijkToRas: np.ndarray):
+        """One segment: the learned mesh as its closed surface and its voxels as its binary label map."""
+        name, color = self._segmentLook(mesh.name, mesh.color)
+        segment = slicer.vtkSegment()
+        segment.SetName(name)
+        segment.SetColor(*color)
+        segment.AddRepresentation(slicer.vtkSegmentationConverter.GetBinaryLabelmapRepresentationName(),
+                                  self._orientedImage(ijkToRas, labelmap.first, labelmap.inside))
+        segment.AddRepresentation(slicer.vtkSegmentationConverter.GetClosedSurfaceRepresentationName(),
+                                  mesh.polydata())
+        return segment
+
+    def createResultsTables(self, metrics=None, replaceExisting: bool = True) -> tuple:
+        """Two table nodes: one row per learned structure (Dice, surface distances, the label's and the learned
+        volume and their difference in %, connected pieces kept and not), and one row per piece of a label that
+        the surface does not hold as drawn (left out or kept apart as too small, holes filled, not reached),
+        with its size and centre. Returns (structures table, pieces table).
+
+        :param metrics: ``NeuralRaycastLib.train.evaluate.geometry_metrics`` of the run (computed if None).
+        """
+        from NeuralRaycastLib.train.structure_table import PIECE_COLUMNS, STRUCTURE_COLUMNS, piece_rows, structure_rows
+
+        run = self._requireRun()
+        if metrics is None:
+            from NeuralRaycastLib.train.evaluate import geometry_metrics
+
+            metrics = geometry_metrics(run.field, run.prepared)
+        names = {structure.name: self._segmentLook(structure.name, structure.color)[0]
+                 for structure in run.prepared.structures}
+        notes = run.prepared.label_notes
+        tables = (("structures", STRUCTURE_COLUMNS, structure_rows(metrics, notes, names)),
+                  ("pieces", PIECE_COLUMNS, piece_rows(metrics, notes, names)))
+        nodes, added = [], []
+        try:
+            for kind, columns, rows in tables:
+                node = self._resultNode(kind, replaceExisting)
+                if node is None:
+                    node = slicer.mrmlScene.AddNewNodeByClass(*RESULT_NODES[kind])
+                    node.SetAttribute(RESULT_ATTRIBUTE, kind)
+                    added.append(node)
+                self._fillTable(node, columns, rows)
+                nodes.append(node)
+        except Exception:
+            self._removeNodes(added)
+            raise
+        return tuple(nodes)
+
+    @staticmethod
+    def _fillTable(tableNode, columns, rows) -> None:
+        """Replace a table node's content by ``rows`` (dicts keyed by each column's key)."""
+        table = vtk.vtkTable()
+        for column in columns:
+            array = vtk.vtkDoubleArray() if column.numeric else vtk.vtkStringArray()
+            array.SetName(column.title)
+            for row in rows:
+                array.InsertNextValue(row[column.key] if column.numeric else str(row[column.key]))
+            table.AddColumn(array)
+        wasModifying = tableNode.StartModify()
+        tableNode.SetAndObserveTable(table)
+        tableNode.SetUseColumnTitleAsColumnHeader(True)
+        for column in columns:
+            if column.unit:
+                tableNode.SetColumnUnitLabel(column.title, column.unit)
+            tableNode.SetColumnDescription(column.title, column.description)
+        tableNode.EndModify(wasModifying)
+
+    # -- live view ------------------------------------------------------------------------------------
+
+    def liveRender(self, camera) -> np.ndarray:
+        """The trained field from ``camera`` as a premultiplied RGBA picture (H, W, 4), for the live view."""
+        return self._requireRun().render(camera).rgba
+
+    def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0,
+                       maxSide: int | None = None):
+        """Show the trained field over a 3D view, rendered again whenever its camera node changes (the mouse,
+        scripts, the view's reset) or the view is resized; renders are coalesced (one in flight, one
+        waiting). ``defer(callback)`` runs a callback after pending events (the widget: a zero-delay timer);
+        ``redraw()`` asks the view to draw again; ``onError(error)`` is told of a failed render (the live view
+        stops then). The picture is the view's size times ``scale``, its longer side at most ``maxSide``
+        (None: the view's size on a GPU, LIVE_SIDE_SOFTWARE on a software device, where a frame of the view's
+        size takes seconds) and stretched over the view. Returns the
+        ``NeuralRaycastLib.render.live_view.LiveView``; ``close()`` it to stop."""
+        from NeuralRaycastLib.render.camera import MAX_VIEW_SIZE
+        from NeuralRaycastLib.render.live_view import LiveView
+
+        run = self._requireRun()
+        if maxSide is None:
+            report = getattr(getattr(run.renderer, "gpu", None), "report", None)
+            maxSide = LIVE_SIDE_SOFTWARE if getattr(report, "software", False) else MAX_VIEW_SIZE
+        return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale,
+                        maxSide)
+
     @staticmethod
     def _existingModel(structureName: str):
         for model in slicer.util.getNodesByClass("vtkMRMLModelNode"):
@@ -1504,6 +1757,22 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
             # Creating them again updates the same nodes.
             self.assertEqual([node.GetID() for node in logic.createModels(smoothingIterations=0)],
                              [node.GetID() for node in models])
+
+            # The learned surfaces as a segmentation (one segment per structure, named after its segment, with a
+            # label map and a closed surface) and a table row per structure.
+            segmentation = logic.createSegmentation(oversampling=1, smoothingIterations=0,
+                                                    referenceVolumeNode=volumes[0]).GetSegmentation()
+            names = [segmentation.GetNthSegment(index).GetName() for index in range(segmentation.GetNumberOfSegments())]
+            self.assertTrue(set(masks) <= set(names), f"segments {names}")
+            for index in range(segmentation.GetNumberOfSegments()):
+                segment = segmentation.GetNthSegment(index)
+                self.assertTrue(segment.GetRepresentation("Binary labelmap") is not None)
+                self.assertGreater(segment.GetRepresentation("Closed surface").GetNumberOfCells(), 0)
+            structuresTable, _piecesTable = logic.createResultsTables()
+            self.assertEqual(structuresTable.GetTable().GetNumberOfRows(), len(run.prepared.structures))
+
+            # A live view picture of a camera: premultiplied RGBA at the camera's size.
+            self.assertEqual(logic.liveRender(logic.cameraFromNode(cameraNode, (32, 24))).shape, (24, 32, 4))
         self.delayDisplay("Test passed")
 
 

@@ -629,7 +629,7 @@ def test_the_ui_binds_every_widget_to_its_parameter_both_ways(module, scene, sel
     assert set(bound) == set(module.NeuralRaycastParameterNode.allParameters)
     volume, _array, _affine = self_test._syntheticVolume("t1")
     edits = {"preset": "high", "device": "vulkan", "gpuMemory": "6G", "seed": 11, "iterations": 900,
-             "shadows": True, "meshSmoothing": 4, "runFolder": tmp_path / "run",
+             "shadows": True, "meshSmoothing": 4, "labelmapOversampling": 3, "runFolder": tmp_path / "run",
              "inputSegmentation": self_test._newSegmentation(volume),
              "outputRender": scene.AddNewNodeByClass("vtkMRMLVectorVolumeNode", "render")}
     for name in ("inputVolume", "inputVolume2", "inputVolume3", "inputVolume4", "probabilityVolume",
@@ -677,3 +677,264 @@ def test_a_worker_trains_into_a_run_folder_and_leaves_the_scene_unchanged(module
     assert outcome.run_folder == str(tmp_path / "run") and (tmp_path / "run" / "model.safetensors").is_file()
     assert any("held-out PSNR" in message for message in reports) and outcome.heldout_psnr > 10
     assert node_ids(scene) == before and logic.run is None
+# --- the learned surfaces as Slicer data: segmentation, tables, live view ------------------------------------
+
+
+class PhantomField:
+    """Stands in for a trained field: the phantom's exact surfaces, each moved out by a third of a millimetre
+    (so the learned surfaces differ a little from the labels, as a trained field's do)."""
+
+    def __init__(self, phantom, names) -> None:
+        self.phantom, self.names = phantom, list(names)
+
+    def distances(self, points: np.ndarray) -> np.ndarray:
+        return np.stack([self.phantom.sdf(name, points) - 0.3 for name in self.names], axis=-1).astype(np.float32)
+
+
+class TracingRenderer:
+    """Stands in for the neural renderer: the phantom's brain sphere-traced on the CPU (white where hit)."""
+
+    def __init__(self, phantom) -> None:
+        self.phantom, self.cameras = phantom, []
+
+    def render(self, camera):
+        from conftest import sphere_trace
+
+        from NeuralRaycastLib.render.image import RenderedImage
+
+        self.cameras.append(camera)
+        depth = sphere_trace(lambda p: self.phantom.sdf("brain", p), np.asarray(camera.position),
+                             camera.ray_directions())
+        alpha = np.isfinite(depth).astype(np.float32)[..., None]
+        rgba = np.concatenate([0.8 * alpha.repeat(3, axis=-1), alpha], axis=-1)
+        return RenderedImage(rgba, np.where(np.isfinite(depth), depth, 0.0).astype(np.float32),
+                             np.zeros(depth.shape + (3,), np.float32))
+
+
+#: The input segments the learned structures are named and coloured after (as studyFromNodes records them).
+INPUT_SEGMENTS = {"whole_tumor": ("Oedema and tumour", (0.1, 0.6, 0.3)),
+                  "tumor_core": ("Core", (0.2, 0.3, 0.9)),
+                  "enhancing_tumor": ("Enhancing rim", (0.7, 0.2, 0.8))}
+
+
+@pytest.fixture(scope="module")
+def phantom_run(tmp_path_factory):
+    """A run of the analytic phantom on a 4 mm grid whose field is the phantom's exact surfaces moved out a
+    little, with a small piece of the whole tumour's label noted as left out."""
+    from conftest import phantom_prepared
+
+    from NeuralRaycastLib.study.drawn_labels import LabelNote
+    from NeuralRaycastLib.study.pieces import Piece
+    from NeuralRaycastLib.train.run_folder import TrainedRun
+
+    phantom, prepared = phantom_prepared(4.0)
+    prepared.label_notes = {"whole_tumor": LabelNote(left_out=[Piece(3, 0.192, (10.0, -20.0, 30.0))])}
+    field = PhantomField(phantom, [structure.name for structure in prepared.structures])
+    return TrainedRun(tmp_path_factory.mktemp("run"), prepared, field, TracingRenderer(phantom), settings=None)
+
+
+@pytest.fixture
+def phantom_logic(module, scene, phantom_run):
+    logic = module.NeuralRaycastLogic()
+    logic.run = phantom_run
+    logic.structureSegments = dict(INPUT_SEGMENTS)
+    return logic
+
+
+def segment_labelmap(segment) -> tuple[np.ndarray, np.ndarray]:
+    """A segment's binary label map as Slicer holds it: (bool I, J, K array, RAS of its voxel centres)."""
+    import slicer
+    import vtk
+    from vtk.util.numpy_support import vtk_to_numpy
+
+    image = segment.GetRepresentation(slicer.vtkSegmentationConverter.GetBinaryLabelmapRepresentationName())
+    extent = image.GetExtent()
+    counts = [extent[1] - extent[0] + 1, extent[3] - extent[2] + 1, extent[5] - extent[4] + 1]
+    values = vtk_to_numpy(image.GetPointData().GetScalars()).reshape(counts[::-1]).transpose(2, 1, 0)
+    matrix = vtk.vtkMatrix4x4()
+    image.GetImageToWorldMatrix(matrix)
+    ijkToRas = slicer.util.arrayFromVTKMatrix(matrix)
+    ijk = np.stack(np.meshgrid(*[np.arange(extent[2 * a], extent[2 * a + 1] + 1) for a in range(3)],
+                               indexing="ij"), axis=-1).reshape(-1, 3)
+    return values == segment.GetLabelValue(), (ijk @ ijkToRas[:3, :3].T + ijkToRas[:3, 3]).reshape(*counts, 3)
+
+
+def test_the_learned_surfaces_become_a_segmentation_with_closed_surfaces_and_fine_label_maps(module, scene,
+                                                                                           phantom_logic, tmp_path):
+    import slicer
+    import vtk
+
+    from NeuralRaycastLib.mesh.surface_distance import signed_distance_to_mesh
+    from NeuralRaycastLib.train.evaluate import dice
+
+    run = phantom_logic.run
+    reference = slicer.util.addVolumeFromArray(np.zeros(run.prepared.study.shape[::-1], np.int16),
+                                               ijkToRAS=run.prepared.affine, name="reference")
+    node = phantom_logic.createSegmentation(oversampling=2, smoothingIterations=10, referenceVolumeNode=reference)
+    segmentation = node.GetSegmentation()
+    meshes = {mesh.name: mesh for mesh in run.meshes(smoothing_iterations=10)}
+    assert segmentation.GetNumberOfSegments() == 4
+    assert segmentation.GetSourceRepresentationName() == "Binary labelmap"  # what Segment Editor edits
+    assert node.GetNodeReference(node.GetReferenceImageGeometryReferenceRole()) is reference
+    fineSpacing = np.linalg.norm(run.prepared.affine[:3, :3], axis=0) / 2
+    for name, mesh in meshes.items():
+        segment = segmentation.GetSegment(name)
+        expectedName, expectedColor = INPUT_SEGMENTS.get(name, ("brain", mesh.color))
+        assert segment.GetName() == expectedName
+        np.testing.assert_allclose(segment.GetColor(), expectedColor, atol=1e-6)
+
+        # the closed surface is the learned mesh, and closed
+        surface = segment.GetRepresentation("Closed surface")
+        assert surface.GetNumberOfPoints() == len(mesh.vertices) and surface.GetNumberOfCells() == len(mesh.faces)
+        edges = vtk.vtkFeatureEdges()
+        edges.SetInputData(surface)
+        edges.BoundaryEdgesOn()
+        edges.NonManifoldEdgesOn()
+        edges.FeatureEdgesOff()
+        edges.ManifoldEdgesOff()
+        edges.Update()
+        assert edges.GetOutput().GetNumberOfCells() == 0, f"the surface of '{name}' is not closed"
+
+        # the label map is on the study's grid split in two, and holds the mesh's interior
+        inside, centres = segment_labelmap(segment)
+        matrix = vtk.vtkMatrix4x4()
+        segment.GetRepresentation("Binary labelmap").GetImageToWorldMatrix(matrix)
+        np.testing.assert_allclose(np.linalg.norm(slicer.util.arrayFromVTKMatrix(matrix)[:3, :3], axis=0),
+                                   fineSpacing)
+        truth = signed_distance_to_mesh(mesh.vertices, mesh.faces, centres.reshape(-1, 3)).reshape(inside.shape) < 0
+        assert truth.any() and dice(inside, truth) >= 0.99, name
+
+    # export to a label map volume (what File > Export and the segment tools read) keeps the finer grid
+    labelmapNode = scene.AddNewNodeByClass("vtkMRMLLabelMapVolumeNode", "exported")
+    assert slicer.vtkSlicerSegmentationsModuleLogic.ExportAllSegmentsToLabelmapNode(node, labelmapNode, 0)
+    np.testing.assert_allclose(labelmapNode.GetSpacing(), fineSpacing)
+    assert set(np.unique(slicer.util.arrayFromVolume(labelmapNode))) == {0, 1, 2, 3, 4}
+
+    # saved as a .seg.nrrd (what a saved scene holds) and read back: the same segments, voxels and colours
+    voxels = {name: int(segment_labelmap(segmentation.GetSegment(name))[0].sum()) for name in meshes}
+    storage = slicer.vtkMRMLSegmentationStorageNode()
+    scene.AddNode(storage)
+    storage.SetFileName(str(tmp_path / "learned.seg.nrrd"))
+    assert storage.WriteData(node)
+    reread = scene.AddNewNodeByClass("vtkMRMLSegmentationNode", "reread")
+    assert storage.ReadData(reread)
+    segments = reread.GetSegmentation()
+    for name in meshes:
+        segment = segments.GetSegment(name)
+        assert segment.GetName() == segmentation.GetSegment(name).GetName()
+        np.testing.assert_allclose(segment.GetColor(), segmentation.GetSegment(name).GetColor(), atol=1e-6)
+        assert int(segment_labelmap(segment)[0].sum()) == voxels[name]
+
+    # made again: the same node, its segments replaced
+    again = phantom_logic.createSegmentation(oversampling=1, smoothingIterations=0)
+    assert again.GetID() == node.GetID() and again.GetSegmentation().GetNumberOfSegments() == 4
+
+
+def test_the_per_structure_table_and_the_pieces_table(module, scene, phantom_logic):
+    from NeuralRaycastLib.train.structure_table import NOT_REACHED, PIECE_COLUMNS, STRUCTURE_COLUMNS
+
+    before = node_ids(scene)
+    structures, pieces = phantom_logic.createResultsTables()
+    assert len(node_ids(scene) - before) == 2
+    table = structures.GetTable()
+    assert [table.GetColumn(i).GetName() for i in range(table.GetNumberOfColumns())] == \
+        [column.title for column in STRUCTURE_COLUMNS]
+    assert structures.GetColumnUnitLabel("Mean surface distance") == "mm"
+    segments = [table.GetValueByName(row, "Segment").ToString() for row in range(table.GetNumberOfRows())]
+    assert segments == ["brain", "Oedema and tumour", "Core", "Enhancing rim"]
+    for row in range(table.GetNumberOfRows()):
+        # surfaces a third of a millimetre out on a 4 mm grid: close, and a little larger than the labels
+        assert 0.85 < table.GetValueByName(row, "Dice").ToDouble() <= 1.0
+        assert 0.0 < table.GetValueByName(row, "Mean surface distance").ToDouble() < 1.0
+        label, learned = (table.GetValueByName(row, title).ToDouble() for title in ("Label volume", "Learned volume"))
+        assert label > 0.0 and learned > 0.0
+        difference = table.GetValueByName(row, "Volume difference").ToDouble()
+        assert difference == pytest.approx(100 * (learned - label) / label)
+        assert table.GetValueByName(row, "Label pieces").ToDouble() >= 1.0
+    assert table.GetValueByName(1, "Small pieces left out").ToDouble() == 1.0
+
+    listed = pieces.GetTable()
+    assert [listed.GetColumn(i).GetName() for i in range(listed.GetNumberOfColumns())] == \
+        [column.title for column in PIECE_COLUMNS]
+    rows = [(listed.GetValueByName(row, "Segment").ToString(), listed.GetValueByName(row, "What").ToString(),
+             listed.GetValueByName(row, "R").ToDouble()) for row in range(listed.GetNumberOfRows())]
+    assert ("Oedema and tumour", "left out (smaller than the minimum piece size)", 10.0) in rows
+    assert not any(what == NOT_REACHED for _segment, what, _r in rows)
+
+    # made again: the same two nodes
+    again = phantom_logic.createResultsTables()
+    assert [node.GetID() for node in again] == [structures.GetID(), pieces.GetID()]
+    assert node_ids(scene) - before == {structures.GetID(), pieces.GetID()}
+
+
+def test_the_live_view_follows_the_3d_views_camera_node_at_the_views_size(module, scene, phantom_logic):
+    import vtk
+
+    window = vtk.vtkRenderWindow()
+    window.SetOffScreenRendering(1)
+    window.SetSize(40, 32)
+    renderer = vtk.vtkRenderer()
+    window.AddRenderer(renderer)
+    cameraNode = scene.AddNewNodeByClass("vtkMRMLCameraNode", "3D view camera")
+    renderer.SetActiveCamera(cameraNode.GetCamera())
+    values = phantom_logic.run.prepared.bounds.mean(axis=0)
+    cameraNode.SetFocalPoint(*values)
+    cameraNode.SetPosition(*(values + (0.0, -600.0, 0.0)))
+    cameraNode.SetViewUp(0.0, 0.0, 1.0)
+    queue = []
+    rendered = phantom_logic.run.renderer.cameras
+    rendered.clear()
+    live = phantom_logic.createLiveView(cameraNode, window, queue.append)
+
+    def settle() -> None:
+        assert len(queue) <= 1, "renders queued up"
+        while queue:
+            queue.pop(0)()
+
+    settle()
+    assert live.layer.pixels()[..., 3].mean() > 0.1  # the brain is in the picture
+    cameraNode.GetCamera().Azimuth(30.0)  # what a mouse drag does to the camera
+    cameraNode.GetCamera().Elevation(10.0)
+    settle()
+    cameraNode.SetPosition(*(values + (600.0, 0.0, 0.0)))  # a script
+    settle()
+    sphere = vtk.vtkSphereSource()
+    sphere.SetCenter(*values)
+    sphere.SetRadius(80.0)
+    mapper = vtk.vtkPolyDataMapper()
+    mapper.SetInputConnection(sphere.GetOutputPort())
+    actor = vtk.vtkActor()
+    actor.SetMapper(mapper)
+    renderer.AddActor(actor)
+    cameraNode.Reset(True, True, True, renderer)  # the view's reset
+    settle()
+    assert len(rendered) == 4 and len({camera.position for camera in rendered}) == 4
+    assert all((camera.width, camera.height) == (40, 32) for camera in rendered)
+    assert live.shown == [(40, 32)] * 4
+    assert live.scheduler.stats.most_waiting == 1
+    live.close()
+
+    phantom_logic.run = None
+    with pytest.raises(RuntimeError, match="No trained model"):
+        phantom_logic.createLiveView(cameraNode, window, queue.append)
+
+
+def test_the_live_view_is_coarser_on_a_software_device(module, scene, phantom_logic, monkeypatch):
+    from types import SimpleNamespace
+
+    import vtk
+
+    window = vtk.vtkRenderWindow()
+    window.SetOffScreenRendering(1)
+    window.SetSize(400, 300)
+    cameraNode = scene.AddNewNodeByClass("vtkMRMLCameraNode", "3D view camera")
+    rendered = phantom_logic.run.renderer.cameras
+    for software, expected in ((True, (96, 72)), (False, (400, 300))):
+        rendered.clear()
+        device = SimpleNamespace(report=SimpleNamespace(software=software))
+        monkeypatch.setattr(phantom_logic.run.renderer, "gpu", device, raising=False)
+        queue = []
+        live = phantom_logic.createLiveView(cameraNode, window, queue.append)
+        queue.pop()()
+        assert [(camera.width, camera.height) for camera in rendered] == [expected]
+        live.close()

@@ -278,6 +278,30 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_frame_rate(args: argparse.Namespace) -> int:
+    """Frames per second of the live view: a trained field rendered from a camera orbiting it, picture by
+    picture through the live view's scheduler, each read back and turned into the bytes the view shows."""
+    from ..render.camera import check_view_size, framing_distance
+    from ..render.live_view import rgba_bytes, time_live_frames
+    from ..train.run_folder import open_run
+
+    width, height = args.size
+    if args.frames < 1:
+        raise ValueError(f"frames must be at least 1 (got {args.frames})")
+    check_view_size(width, height)  # before the run is opened, not after
+    run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+    low, high = run.prepared.bounds
+    distance = framing_distance(float((high - low).max() / 2), 30.0, width, height)
+    result = time_live_frames(lambda camera: rgba_bytes(run.render(camera).rgba), (low + high) / 2, distance,
+                              args.frames, width, height)
+    if args.json:
+        _print_json(result)
+        return 0
+    print(f"{result['frames_per_second']:.2f} frames/s at {width} x {height} ({result['ms_per_frame']:.1f} ms a "
+          f"frame, {args.frames} frames; the first, timed apart, {result['first_frame_s']:.2f} s)")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from ..train.run_folder import export_run
 
@@ -557,6 +581,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--views", type=int, default=8, help="number of orbit views (default 8)")
     p.add_argument("--size", type=int, nargs=2, default=[512, 512], metavar=("W", "H"), help="pixels (512 512)")
     p.set_defaults(run=cmd_render)
+
+    p = sub.add_parser("frame-rate", help="frames per second of the live view: a trained field rendered from an "
+                                          "orbiting camera, as the Slicer module's live view renders it")
+    device_option(p)
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--frames", type=int, default=60, help="frames to time after the first (default 60)")
+    p.add_argument("--size", type=int, nargs=2, default=[1024, 1024], metavar=("W", "H"),
+                   help="pixels (1024 1024)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_frame_rate)
 
     p = sub.add_parser("mesh", help="triangle meshes (marching cubes, RAS mm): a run's learned surfaces or a "
                                     "study's segmentation")
