@@ -254,7 +254,7 @@ def cmd_cohort(args: argparse.Namespace) -> int:
                          max_voxels=args.max_voxels, seed=args.seed, device=args.device, gpu_memory=args.gpu_memory,
                          meshes=tuple(args.meshes or ()), warm_up=not args.no_warmup)
     cluster = Cluster(address, args.cpus, args.gpus, args.studies_per_gpu)
-    result = run_cohort(tasks, args.out, options, cluster, echo=lambda line: print(line, flush=True))
+    result = run_cohort(tasks, args.out, options, cluster, lambda line: print(line, flush=True), describe_error)
     if result.failed:
         raise StudiesFailedError(f"{result.failed} of {result.total} studies failed (their errors are in "
                                  f"{Path(args.out) / 'failed'} and {Path(args.out) / 'summary.html'}); run the same "

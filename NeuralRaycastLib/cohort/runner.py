@@ -144,9 +144,11 @@ class Tracker:
 
 
 def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, cluster: Cluster | None = None,
-               echo: Callable[[str], None] = print) -> CohortResult:
+               echo: Callable[[str], None] = print,
+               describe: Callable[[BaseException], str] | None = None) -> CohortResult:
     """Train every study of ``tasks`` not yet done into ``out`` (see the module docstring); returns the counts.
-    Refuses (CohortBusyError) an output folder another cohort run is writing into."""
+    ``describe`` makes a failed study's one-line message (the command line's). Refuses (CohortBusyError) an
+    output folder another cohort run is writing into."""
     cluster = cluster or Cluster()
     out = Path(out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -168,8 +170,8 @@ def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, clu
         if tracker.skipped:
             echo(f"cohort: {tracker.skipped} of {len(tasks)} studies already done in {out} (skipped)")
         tracker.write()
-        results = (_in_process(pending, out, options, tracker) if cluster.ray_address is None
-                   else _on_ray(pending, out, options, cluster, tracker, echo))
+        results = (_in_process(pending, out, options, tracker, describe) if cluster.ray_address is None
+                   else _on_ray(pending, out, options, cluster, tracker, echo, describe))
         for record in results:
             tracker.finish(record)
         tracker.write()
@@ -181,11 +183,11 @@ def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, clu
     return result
 
 
-def _in_process(pending: list[StudyTask], out: Path, options: FitOptions, tracker: Tracker
-                ) -> Iterator[dict[str, Any]]:
+def _in_process(pending: list[StudyTask], out: Path, options: FitOptions, tracker: Tracker,
+                describe: Callable[[BaseException], str] | None) -> Iterator[dict[str, Any]]:
     for task in pending:
         tracker.running = 1
-        yield run_study(task, str(out), options)
+        yield run_study(task, str(out), options, describe)
 
 
 def import_ray() -> Any:
@@ -208,15 +210,16 @@ def _connect(ray: Any, cluster: Cluster) -> bool:
 
 
 def _on_ray(pending: list[StudyTask], out: Path, options: FitOptions, cluster: Cluster, tracker: Tracker,
-            echo: Callable[[str], None]) -> Iterator[dict[str, Any]]:
+            echo: Callable[[str], None], describe: Callable[[BaseException], str] | None
+            ) -> Iterator[dict[str, Any]]:
     ray = import_ray()
     started = _connect(ray, cluster)
     futures: dict[Any, StudyTask] = {}
     try:
         resources, options, slots = _task_resources(ray, cluster, options, echo)
-        remote = ray.remote(run_study).options(max_retries=RETRIES, **resources)
-        futures = {remote.options(name=f"study {task.name}").remote(task, str(out), options): task
-                   for task in pending}
+        remote = ray.remote(run_study)
+        futures = {remote.options(name=f"study {task.name}", max_retries=RETRIES, **resources)
+                   .remote(task, str(out), options, describe): task for task in pending}
         while futures:
             tracker.running = min(len(futures), slots)
             ready, _ = ray.wait(list(futures), num_returns=1, timeout=POLL_S)

@@ -19,7 +19,7 @@ import shutil
 import socket
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,10 +86,12 @@ def remove_leftovers(out: str | Path, names: set[str]) -> list[Path]:
     return removed
 
 
-def run_study(task: StudyTask, out: str, options: FitOptions) -> dict[str, Any]:
+def run_study(task: StudyTask, out: str, options: FitOptions,
+              describe: Callable[[BaseException], str] | None = None) -> dict[str, Any]:
     """Train ``task``'s study into ``out`` (see the module docstring) and return its record: ``status`` is
-    ``done`` (with its scores and seconds) or ``failed`` (with ``error``, one line). A study already done is not
-    trained again (``reused``). Only an interrupt or the process's end escapes."""
+    ``done`` (with its scores and seconds) or ``failed`` (with ``error``, the one line ``describe`` makes of the
+    exception, as the command line says it). A study already done is not trained again (``reused``). Only an
+    interrupt or the process's end escapes."""
     began = time.time()
     done = finished_record(out, task.name)
     if done is not None:
@@ -97,7 +99,8 @@ def run_study(task: StudyTask, out: str, options: FitOptions) -> dict[str, Any]:
     try:
         record = _train(task, out, options, began)
     except Exception as error:  # the study's own failure: recorded, and the cohort goes on
-        return record_failure(out, task, _one_line(error), traceback.format_exc(), time.time() - began)
+        message = (describe or one_line)(error)
+        return record_failure(out, task, message, traceback.format_exc(), time.time() - began)
     shutil.rmtree(failure_folder(out, task.name), ignore_errors=True)
     return record
 
@@ -111,7 +114,7 @@ def record_failure(out: str | Path, task: StudyTask, message: str, details: str,
         with atomic_folder(folder, lambda path: (path / ERROR).is_file()) as staging:
             write_text(staging / ERROR, strict_json.dumps({**record, "traceback": details}, indent=2) + "\n")
     except OSError as error:  # the record is still returned to the summary
-        record["error"] = f"{message} (its error record could not be written: {_one_line(error)})"
+        record["error"] = f"{message} (its error record could not be written: {one_line(error)})"
     return record
 
 
@@ -188,7 +191,8 @@ def warm_up_once(gpu: Any, study: str, settings: Any) -> None:
     if not needs_warm_up(gpu, prepared, sized):
         return
     with node_lock(Path(gpu.report.shader_cache) / "warm-ups" / "cohort.lock"):
-        ensure_warm(gpu, study, prepared, sized)  # a stamp left by the task that held the lock: nothing to do
+        if needs_warm_up(gpu, prepared, sized):  # not where the task that held the lock before left its stamp
+            ensure_warm(gpu, study, prepared, sized)
 
 
 @contextlib.contextmanager
@@ -215,10 +219,9 @@ def _base_record(task: StudyTask) -> dict[str, Any]:
     return {"name": task.name, "study": task.describe(), "host": socket.gethostname(), "pid": os.getpid()}
 
 
-def _one_line(error: BaseException) -> str:
-    from ..app.cli import describe_error
-
-    return describe_error(error)
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (its type's name where it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _now() -> str:
