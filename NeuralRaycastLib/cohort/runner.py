@@ -217,8 +217,10 @@ def _on_ray(pending: list[StudyTask], out: Path, options: FitOptions, cluster: C
     futures: dict[Any, StudyTask] = {}
     try:
         resources, options, slots = _task_resources(ray, cluster, options, echo)
-        remote = ray.remote(run_study)
-        futures = {remote.options(name=f"study {task.name}", max_retries=RETRIES, **resources)
+        # On a GPU each task gets a fresh worker process (max_calls 1): Ray gives every task its GPU by
+        # CUDA_VISIBLE_DEVICES, which a process that has opened its device already would not follow.
+        remote = ray.remote(max_calls=1 if resources["num_gpus"] else 0, **resources)(run_study)
+        futures = {remote.options(name=f"study {task.name}", max_retries=RETRIES)
                    .remote(task, str(out), options, describe): task for task in pending}
         while futures:
             tracker.running = min(len(futures), slots)
@@ -258,7 +260,8 @@ def _task_resources(ray: Any, cluster: Cluster, options: FitOptions, echo: Calla
         budget = budget_for_share(per_gpu, gpu_bytes)
         options = replace(options, gpu_memory=str(budget))
     share = f" of {format_bytes(budget)} each" if budget is not None else ""
-    echo(f"cohort: {gpus:g} GPUs in the Ray cluster, {per_gpu} studies{share} per GPU")
+    echo(f"cohort: {gpus:g} GPU{'s' if gpus != 1 else ''} in the Ray cluster, {per_gpu} "
+         f"stud{'ies' if per_gpu > 1 else 'y'}{share} per GPU")
     return ({"num_gpus": gpu_fraction(per_gpu), "num_cpus": cluster.cpus_per_study}, options,
             max(1, int(gpus * per_gpu)))
 
