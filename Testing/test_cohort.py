@@ -111,6 +111,50 @@ def test_the_kernels_are_warmed_up_once_per_machine_not_once_per_task(tmp_path, 
     assert len(warmed) == 1
 
 
+def test_a_generated_study_is_written_whole_once_and_read_by_every_later_run(tmp_path):
+    """Pretraining data: a task that names a sample case writes that study under the cohort's generated/ folder."""
+    from NeuralRaycastLib.cohort.study_task import generated_study
+    from NeuralRaycastLib.study.study import load_study
+
+    listing = tmp_path / "generated.csv"
+    listing.write_text("case,seed,spacing\nphantom,3,8\n")
+    (task,) = read_task_list(str(listing))
+    manifest = generated_study(tmp_path / "out", task)
+    assert manifest == tmp_path / "out" / "generated" / "phantom-seed3-spacing8" / "manifest.json"
+    written = manifest.stat().st_mtime_ns
+    assert load_study(manifest).shape == load_study(generated_study(tmp_path / "out", task)).shape
+    assert manifest.stat().st_mtime_ns == written
+    assert sorted(p.name for p in (tmp_path / "out" / "generated").iterdir()) == ["phantom-seed3-spacing8"]
+
+
+def test_a_second_cohort_run_into_the_same_folder_is_refused_while_the_first_runs(tmp_path, capsys):
+    from NeuralRaycastLib.cohort.study_task import node_lock
+
+    _study(tmp_path / "studies" / "a")
+    out = tmp_path / "out"
+    out.mkdir()
+    with node_lock(out / "cohort.lock"):
+        assert main(["cohort", str(tmp_path / "studies"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"neuralraycast cohort: error: {out}: another cohort run is writing into this folder; wait for it to end, "
+        "or choose another --out")
+    assert sorted(p.name for p in out.iterdir()) == ["cohort.lock"]
+
+
+def test_the_summary_page_draws_each_distribution_and_a_row_per_study(tmp_path):
+    from NeuralRaycastLib.cohort.summary import histogram_svg, write_summary
+
+    rows = [{"name": "a", "status": "done", "psnr": 30.0, "dice_mean": 0.9, "seconds": 20.0, "dice": {"brain": 0.9}},
+            {"name": "b", "status": "done", "psnr": 40.0, "dice_mean": 0.8, "seconds": 30.0, "dice": {"brain": 0.8}},
+            {"name": "c", "status": "failed", "error": "c: no such file or folder", "seconds": 0.1}]
+    write_summary(tmp_path, rows, {"total": 3, "done": 2, "failed": 1, "elapsed": 50.0})
+    page = (tmp_path / "summary.html").read_text()
+    assert page.count("<svg") == 3 and "held-out PSNR: 2 studies, 30 to 40 dB" in page
+    assert "<td>c: no such file or folder</td>" in page and "http" not in page.replace("http://www.w3.org", "")
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1].endswith(",0.9")  # dice_brain
+    assert histogram_svg([19.98, 19.98001], "PSNR", "dB").count("<rect") == 1  # one value, one bar
+
+
 @pytest.mark.gpu
 def test_a_cohort_on_a_local_ray_cluster_trains_each_study_once_and_a_broken_one_fails_alone(tmp_path, capsys):
     """Three phantom studies on a CPU Ray cluster, one missing a channel's file: it fails with its one-line message

@@ -81,7 +81,7 @@ def histogram_svg(values: Sequence[Any], title: str, unit: str, bins: int = 12) 
     bars = ""
     if finite:
         low, high = min(finite), max(finite)
-        span = (high - low) or 1.0
+        span = max(high - low, 1e-3 * max(abs(high), 1.0))  # values equal but for rounding share one bar
         counts = [0] * bins
         for value in finite:
             counts[min(bins - 1, int((value - low) / span * bins))] += 1
