@@ -170,7 +170,7 @@ def test_a_cohort_on_a_local_ray_cluster_trains_each_study_once_and_a_broken_one
     kept = missing.rename(tmp_path / missing.name)
     out = tmp_path / "cohort"
     command = ["cohort", str(studies), "--out", str(out), "--preset", "quick", "--iterations", "12", "--views", "4",
-               "--size", "32", "--ray-address", "local"]
+               "--size", "32", "--ray-address", "local", "--cpus-per-study", "2"]  # one worker: one device to open
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         assert main(command) == 2

@@ -253,7 +253,9 @@ def cmd_cohort(args: argparse.Namespace) -> int:
     options = FitOptions(preset=args.preset, iterations=args.iterations, views=args.views, size=args.size,
                          max_voxels=args.max_voxels, seed=args.seed, device=args.device, gpu_memory=args.gpu_memory,
                          meshes=tuple(args.meshes or ()), warm_up=not args.no_warmup)
-    cluster = Cluster(address, args.cpus, args.gpus, args.studies_per_gpu)
+    if args.cpus_per_study <= 0:
+        raise ValueError(f"--cpus-per-study must be above 0 (got {args.cpus_per_study:g})")
+    cluster = Cluster(address, args.cpus, args.gpus, args.studies_per_gpu, args.cpus_per_study)
     result = run_cohort(tasks, args.out, options, cluster, lambda line: print(line, flush=True), describe_error)
     if result.failed:
         raise StudiesFailedError(f"{result.failed} of {result.total} studies failed (their errors are in "
@@ -566,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--studies-per-gpu", type=int, default=None, metavar="N",
                    help="studies sharing a GPU at once (default: as many as --gpu-memory, each study's budget, "
                         "leaves room for; one without it)")
+    p.add_argument("--cpus-per-study", type=float, default=1.0, metavar="N",
+                   help="CPUs each study's task asks Ray for (default 1; on a cluster without GPUs, where a study "
+                        "trains on a software device that uses every core it finds, give all of a node's)")
     warmup_option(p)
     p.set_defaults(run=cmd_cohort)
 
