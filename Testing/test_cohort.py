@@ -23,13 +23,16 @@ def _study(folder: Path) -> Path:
     return folder
 
 
-def test_a_task_list_from_a_folder_csv_json_glob_or_generated_studies(tmp_path):
+def test_a_task_list_from_a_folder_csv_json_glob_or_generated_studies(tmp_path, monkeypatch):
     studies = tmp_path / "studies"
     for name in ("b", "a"):
         _study(studies / name)
     (studies / "notes").mkdir()  # neither manifest nor NIfTI: not a study
     folder = read_task_list(str(studies))
     assert [(t.name, t.study) for t in folder] == [("a", str(studies / "a")), ("b", str(studies / "b"))]
+    monkeypatch.chdir(tmp_path)  # a worker's working folder is not the driver's: every path is absolute
+    assert [t.study for t in read_task_list("studies")] == [str(studies / "a"), str(studies / "b")]
+    assert [t.study for t in read_task_list("studies/[ab]")] == [str(studies / "a"), str(studies / "b")]
 
     listing = tmp_path / "list.csv"
     listing.write_text("study,name\nstudies/a,first\nstudies/b/manifest.json,\n")

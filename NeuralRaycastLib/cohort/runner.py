@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import time
@@ -150,7 +151,7 @@ def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, clu
     ``describe`` makes a failed study's one-line message (the command line's). Refuses (CohortBusyError) an
     output folder another cohort run is writing into."""
     cluster = cluster or Cluster()
-    out = Path(out).expanduser()
+    out = Path(os.path.abspath(Path(out).expanduser()))  # the same path on every worker, whatever its folder
     out.mkdir(parents=True, exist_ok=True)
     with node_lock(out / "cohort.lock", wait=False) as held:
         if not held:

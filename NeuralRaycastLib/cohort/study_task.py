@@ -63,13 +63,11 @@ def failure_folder(out: str | Path, name: str) -> Path:
 
 def finished_record(out: str | Path, name: str) -> dict[str, Any] | None:
     """The record of a study already trained into ``out`` (its folder exists only once complete), else None."""
-    record = study_folder(out, name) / RECORD
     try:
-        return json.loads(record.read_text())
-    except FileNotFoundError:
+        record = json.loads((study_folder(out, name) / RECORD).read_text())
+    except (OSError, ValueError):  # none, or unreadable: trained again, which replaces the folder
         return None
-    except (OSError, ValueError):  # unreadable: trained again, which replaces the folder
-        return None
+    return record if isinstance(record, dict) and record.get("status") == "done" else None
 
 
 def remove_leftovers(out: str | Path, names: set[str]) -> list[Path]:
@@ -99,6 +97,8 @@ def run_study(task: StudyTask, out: str, options: FitOptions,
     try:
         record = _train(task, out, options, began)
     except Exception as error:  # the study's own failure: recorded, and the cohort goes on
+        if (done := finished_record(out, task.name)) is not None:  # another attempt finished it meanwhile
+            return {**done, "reused": True}
         message = (describe or one_line)(error)
         return record_failure(out, task, message, traceback.format_exc(), time.time() - began)
     shutil.rmtree(failure_folder(out, task.name), ignore_errors=True)
@@ -130,7 +130,8 @@ def _train(task: StudyTask, out: str, options: FitOptions, began: float) -> dict
                                       views=options.views, size=options.size, max_voxels=options.max_voxels)
     if options.warm_up:
         warm_up_once(gpu, study, settings)
-    staged = StagedFolder(study_folder(out, task.name))
+    # A folder there without a readable record is no finished study (it was altered): it is replaced.
+    staged = StagedFolder(study_folder(out, task.name), lambda path: finished_record(out, task.name) is None)
     try:
         run = train_study(gpu, study, staged.path, settings, warm_up=options.warm_up)
         metrics = run_metrics(gpu, staged.path, run.prepared, run.field, run.views, run.settings, run.renderer)

@@ -18,6 +18,7 @@ import csv
 import glob
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ def read_task_list(source: str) -> list[StudyTask]:
     """The tasks LIST stands for (see the module docstring), each with a unique, file-safe name."""
     path = Path(source).expanduser()
     if path.is_dir():
-        entries = [{"study": str(p)} for p in sorted(path.iterdir()) if _looks_like_study(p)]
+        entries = [{"study": os.path.abspath(p)} for p in sorted(path.iterdir()) if _looks_like_study(p)]
         if not entries:
             raise TaskListError(f"{path}: no studies in this folder (sub-folders with a manifest.json or NIfTI "
                                 "files); give a folder of study folders, a CSV or JSON list, or a glob")
@@ -63,7 +64,7 @@ def read_task_list(source: str) -> list[StudyTask]:
     elif path.is_file() and path.suffix.lower() == ".json":
         entries = _json_entries(path)
     elif glob.has_magic(source):
-        entries = [{"study": p} for p in sorted(glob.glob(str(path), recursive=True))]
+        entries = [{"study": os.path.abspath(p)} for p in sorted(glob.glob(str(path), recursive=True))]
         if not entries:
             raise TaskListError(f"{source}: the pattern matches nothing; check it (quote it so the shell leaves it "
                                 "to neuralraycast)")
@@ -111,8 +112,9 @@ def _task(entry: Any, base: Path, where: int) -> StudyTask:
     study = entry.get("study", entry.get("path"))
     name = entry.get("name")
     if study is not None:
-        resolved = Path(str(study)).expanduser()
-        resolved = resolved if resolved.is_absolute() else base / resolved
+        # Absolute (a worker's working folder is not this one's), symbolic links kept: a shared mount's path
+        # is the same on every node, where what it resolves to may not be.
+        resolved = Path(os.path.abspath(base / Path(str(study)).expanduser()))
         study = str(resolved)
         name = name or (resolved.parent.name if resolved.suffix == ".json" else resolved.name)
         return StudyTask(_safe(str(name)), study=study)
