@@ -77,6 +77,18 @@ def test_a_task_list_that_cannot_be_read_is_one_line_and_status_2(listing, messa
         read_task_list(str(tmp_path / listing))
 
 
+@pytest.mark.parametrize("option, message", [
+    (["--studies-per-gpu", "0"], "--studies-per-gpu must be at least 1 (got 0)"),
+    (["--cpus-per-study", "0"], "--cpus-per-study must be above 0 (got 0)"),
+    (["--iterations", "0"], "iterations must be at least 1 (got 0)"),
+])
+def test_a_bad_cohort_option_is_one_line_and_status_2_before_any_work(option, message, tmp_path, capsys):
+    _study(tmp_path / "studies" / "a")
+    assert main(["cohort", str(tmp_path / "studies"), "--out", str(tmp_path / "out"), *option]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"neuralraycast cohort: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
 def test_studies_share_a_gpu_as_their_budgets_allow():
     assert studies_per_gpu(None, 80 * GIB) == 1 and studies_per_gpu(4 * GIB, None) == 1
     assert studies_per_gpu(4 * GIB, 80 * GIB) == 15  # 76 GiB past the margin, 5 GiB a study with its process

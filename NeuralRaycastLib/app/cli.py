@@ -248,13 +248,17 @@ def cmd_cohort(args: argparse.Namespace) -> int:
     from ..cohort.tasks import read_task_list
 
     check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
+    if args.cpus_per_study <= 0:
+        raise ValueError(f"--cpus-per-study must be above 0 (got {args.cpus_per_study:g})")
+    for option, value, least in (("--gpus", args.gpus, 0), ("--cpus", args.cpus, 1),
+                                 ("--studies-per-gpu", args.studies_per_gpu, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{option} must be at least {least} (got {value})")
     tasks = read_task_list(args.list)
     address = args.ray_address or (LOCAL if args.gpus is not None or args.cpus is not None else None)
     options = FitOptions(preset=args.preset, iterations=args.iterations, views=args.views, size=args.size,
                          max_voxels=args.max_voxels, seed=args.seed, device=args.device, gpu_memory=args.gpu_memory,
                          meshes=tuple(args.meshes or ()), warm_up=not args.no_warmup)
-    if args.cpus_per_study <= 0:
-        raise ValueError(f"--cpus-per-study must be above 0 (got {args.cpus_per_study:g})")
     cluster = Cluster(address, args.cpus, args.gpus, args.studies_per_gpu, args.cpus_per_study)
     result = run_cohort(tasks, args.out, options, cluster, lambda line: print(line, flush=True), describe_error)
     if result.failed:
