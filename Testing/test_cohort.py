@@ -89,6 +89,18 @@ def test_a_bad_cohort_option_is_one_line_and_status_2_before_any_work(option, me
     assert not (tmp_path / "out").exists()
 
 
+def test_without_ray_a_cohort_on_ray_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as where Ray is not installed
+    _study(tmp_path / "studies" / "a")
+    assert main(["cohort", str(tmp_path / "studies"), "--out", str(tmp_path / "out"), "--gpus", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "neuralraycast cohort: error: Ray is not installed; install it with: pip install 'neuralraycast[cohort]' "
+        "(or pip install 'ray[default]')")
+    assert not (tmp_path / "out").exists()
+
+
 def test_studies_share_a_gpu_as_their_budgets_allow():
     assert studies_per_gpu(None, 80 * GIB) == 1 and studies_per_gpu(4 * GIB, None) == 1
     assert studies_per_gpu(4 * GIB, 80 * GIB) == 15  # 76 GiB past the margin, 5 GiB a study with its process

@@ -151,6 +151,8 @@ def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, clu
     ``describe`` makes a failed study's one-line message (the command line's). Refuses (CohortBusyError) an
     output folder another cohort run is writing into."""
     cluster = cluster or Cluster()
+    if cluster.ray_address is not None:
+        import_ray()  # missing: said before anything is written
     out = Path(os.path.abspath(Path(out).expanduser()))  # the same path on every worker, whatever its folder
     out.mkdir(parents=True, exist_ok=True)
     with node_lock(out / "cohort.lock", wait=False) as held:
