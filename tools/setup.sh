@@ -4,8 +4,9 @@
 # 1. Where no NVIDIA GPU answers, make sure a Vulkan driver that slangpy can use is installed:
 #    Mesa's lavapipe (a CPU Vulkan implementation) >= 23. Debian bookworm ships 22.3, which is too old,
 #    so bookworm-backports is enabled by adding its suite to the existing apt source entry.
-# 2. Create or refresh the virtual environment `.venv` from the pinned `requirements.lock` and
-#    install NeuralRaycastLib into it (editable), so the `neuralraycast` command exists.
+# 2. Create or refresh the virtual environment `.venv` from the pinned `requirements.lock` (Ray included, for
+#    the cohort test's local cluster) and install NeuralRaycastLib into it (editable), so the `neuralraycast`
+#    command exists.
 #
 # Re-running is cheap: each step is skipped when already satisfied.
 set -euo pipefail

@@ -254,6 +254,33 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cohort(args: argparse.Namespace) -> int:
+    """Every study of a list trained into its own folder under --out, here or on a Ray cluster; resumable."""
+    from ..cohort.runner import LOCAL, Cluster, StudiesFailedError, run_cohort
+    from ..cohort.study_task import FitOptions
+    from ..cohort.tasks import read_task_list
+
+    check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
+    if args.cpus_per_study <= 0:
+        raise ValueError(f"--cpus-per-study must be above 0 (got {args.cpus_per_study:g})")
+    for option, value, least in (("--gpus", args.gpus, 0), ("--cpus", args.cpus, 1),
+                                 ("--studies-per-gpu", args.studies_per_gpu, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{option} must be at least {least} (got {value})")
+    tasks = read_task_list(args.list)
+    address = args.ray_address or (LOCAL if args.gpus is not None or args.cpus is not None else None)
+    options = FitOptions(preset=args.preset, iterations=args.iterations, views=args.views, size=args.size,
+                         max_voxels=args.max_voxels, seed=args.seed, device=args.device, gpu_memory=args.gpu_memory,
+                         meshes=tuple(args.meshes or ()), warm_up=not args.no_warmup)
+    cluster = Cluster(address, args.cpus, args.gpus, args.studies_per_gpu, args.cpus_per_study)
+    result = run_cohort(tasks, args.out, options, cluster, lambda line: print(line, flush=True), describe_error)
+    if result.failed:
+        raise StudiesFailedError(f"{result.failed} of {result.total} studies failed (their errors are in "
+                                 f"{Path(args.out) / 'failed'} and {Path(args.out) / 'summary.html'}); run the same "
+                                 "command again to retry them (the studies done are skipped)")
+    return 0
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     """Orbit views of a trained field, written like the reference views (RGBA, depth and normal pictures,
     contact sheet, cameras.json, reference.npz with the float G-buffer)."""
@@ -558,6 +585,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "output (stage, fraction, loss, held-out PSNR; then done or error), and a line 'stop' on "
                         "standard input, or its closing, stops training keeping the state reached")
     p.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("cohort", help="train every study of a list into its own run folder under --out, on this "
+                       "machine or a Ray cluster; run it again to finish an interrupted cohort")
+    device_option(p)
+    p.add_argument("list", metavar="LIST", help="a folder of study folders, a CSV or JSON list of study paths "
+                   "(or of generated studies: a 'case' column), or a quoted glob pattern (docs/cohorts.md)")
+    p.add_argument("--out", required=True, help="cohort folder: studies/<name>/ per study done, failed/<name>/ per "
+                   "study that failed, summary.csv, summary.json, summary.html")
+    preset_option(p, "training preset")
+    p.add_argument("--iterations", type=int, default=None, help="optimisation steps per study (default: the preset's)")
+    p.add_argument("--views", type=int, default=None, help="reference views (default: the preset's)")
+    p.add_argument("--size", type=int, default=None, help="view size in pixels (default: the preset's)")
+    p.add_argument("--max-voxels", type=int, default=None, metavar="N", help="downsample each study to at most N "
+                   "voxels a side (default: the preset's, or what the GPU memory budget holds)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of every study's run")
+    p.add_argument("--meshes", nargs="+", choices=["vtp", "stl", "obj", "ply"], default=None, metavar="FORMAT",
+                   help="also write the learned surfaces' meshes into each study's meshes/ (vtp, stl, obj, ply)")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="run the studies as Ray tasks: auto or ray://host:port (an existing cluster; every node "
+                        "needs neuralraycast and the same paths), or local (a cluster on this machine); default: "
+                        "one after another in this process. Needs: pip install 'neuralraycast[cohort]'")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="GPUs of a local Ray cluster (implies --ray-address local)")
+    p.add_argument("--cpus", type=int, default=None, metavar="N",
+                   help="CPUs of a local Ray cluster (implies --ray-address local)")
+    p.add_argument("--studies-per-gpu", type=int, default=None, metavar="N",
+                   help="studies sharing a GPU at once (default: as many as --gpu-memory, each study's budget, "
+                        "leaves room for; one without it)")
+    p.add_argument("--cpus-per-study", type=float, default=1.0, metavar="N",
+                   help="CPUs each study's task asks Ray for (default 1; on a cluster without GPUs, where a study "
+                        "trains on a software device that uses every core it finds, give all of a node's)")
+    warmup_option(p)
+    p.set_defaults(run=cmd_cohort)
 
     p = sub.add_parser("evaluate", help="score a run: held-out PSNR/SSIM, Dice and surface distances per structure")
     device_option(p)
