@@ -255,30 +255,44 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 
 def cmd_cohort(args: argparse.Namespace) -> int:
-    """Every study of a list trained into its own folder under --out, here or on a Ray cluster; resumable."""
-    from ..cohort.runner import LOCAL, Cluster, StudiesFailedError, run_cohort
+    """Every study of a list trained into its own folder under --out, here (one after another, or on this
+    machine's GPUs without Ray) or on a Ray cluster; resumable."""
+    from ..cohort.runner import Cluster, StudiesFailedError, run_cohort
     from ..cohort.study_task import FitOptions
     from ..cohort.tasks import read_task_list
 
     check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
     if args.cpus_per_study <= 0:
         raise ValueError(f"--cpus-per-study must be above 0 (got {args.cpus_per_study:g})")
-    for option, value, least in (("--gpus", args.gpus, 0), ("--cpus", args.cpus, 1),
+    for option, value, least in (("--gpus", args.gpus, 0) if args.ray_address else
+                                 ("--gpus without --ray-address", args.gpus, 1), ("--cpus", args.cpus, 1),
                                  ("--studies-per-gpu", args.studies_per_gpu, 1)):
-        if value is not None and value < least:
+        if isinstance(value, int) and value < least:
             raise ValueError(f"{option} must be at least {least} (got {value})")
+    if args.cpus is not None and args.ray_address is None:
+        raise ValueError("--cpus sizes a local Ray cluster: add --ray-address local (without Ray, --gpus N runs "
+                         "the studies on this machine's GPUs)")
     tasks = read_task_list(args.list)
-    address = args.ray_address or (LOCAL if args.gpus is not None or args.cpus is not None else None)
     options = FitOptions(preset=args.preset, iterations=args.iterations, views=args.views, size=args.size,
                          max_voxels=args.max_voxels, seed=args.seed, device=args.device, gpu_memory=args.gpu_memory,
                          meshes=tuple(args.meshes or ()), warm_up=not args.no_warmup)
-    cluster = Cluster(address, args.cpus, args.gpus, args.studies_per_gpu, args.cpus_per_study)
+    cluster = Cluster(args.ray_address, args.cpus, args.gpus, args.studies_per_gpu, args.cpus_per_study)
     result = run_cohort(tasks, args.out, options, cluster, lambda line: print(line, flush=True), describe_error)
     if result.failed:
         raise StudiesFailedError(f"{result.failed} of {result.total} studies failed (their errors are in "
                                  f"{Path(args.out) / 'failed'} and {Path(args.out) / 'summary.html'}); run the same "
                                  "command again to retry them (the studies done are skipped)")
     return 0
+
+
+def _gpu_count(text: str) -> int | str:
+    """``--gpus``: a number, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give a number of GPUs or auto (got {text!r})") from None
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -605,11 +619,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None, metavar="ADDRESS",
                    help="run the studies as Ray tasks: auto or ray://host:port (an existing cluster; every node "
                         "needs neuralraycast and the same paths), or local (a cluster on this machine); default: "
-                        "one after another in this process. Needs: pip install 'neuralraycast[cohort]'")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
-                   help="GPUs of a local Ray cluster (implies --ray-address local)")
+                        "on this machine without Ray (see --gpus). Needs: pip install 'neuralraycast[cohort]'")
+    p.add_argument("--gpus", type=_gpu_count, default=None, metavar="N|auto",
+                   help="without --ray-address: train on N GPUs of this machine (auto: all that nvidia-smi lists), "
+                        "a process per study, --studies-per-gpu of them on each GPU at once; no Ray needed. "
+                        "Without --gpus, the studies run one after another in this process. With --ray-address "
+                        "local: the GPUs of that Ray cluster")
     p.add_argument("--cpus", type=int, default=None, metavar="N",
-                   help="CPUs of a local Ray cluster (implies --ray-address local)")
+                   help="CPUs of a local Ray cluster (with --ray-address local)")
     p.add_argument("--studies-per-gpu", type=int, default=None, metavar="N",
                    help="studies sharing a GPU at once (default: as many as --gpu-memory, each study's budget, "
                         "leaves room for; one without it)")

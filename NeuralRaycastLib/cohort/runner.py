@@ -1,7 +1,8 @@
-"""Run a cohort: every study of the list as a task (study_task.py), in this process one after another, or on a
-Ray cluster, each task asking for a share of a GPU sized from the GPU memory budget (or a CPU where the cluster
-has no GPUs). Studies already done are skipped, so running the same command again finishes an interrupted
-cohort; the summary is rewritten as each study finishes.
+"""Run a cohort: every study of the list as a task (study_task.py), in this process one after another, on this
+machine's GPUs without Ray (local_gpus.py: a process per study, several at once), or on a Ray cluster, each
+task asking for a share of a GPU sized from the GPU memory budget (or a CPU where the cluster has no GPUs).
+Studies already done are skipped, so running the same command again finishes an interrupted cohort; the
+summary is rewritten as each study finishes.
 
 Ray (``pip install .[cohort]``) is imported only when asked for: ``ray_address`` is ``auto`` or
 ``ray://host:port`` (an existing cluster; every node needs this package installed and the output folder, and
@@ -11,6 +12,7 @@ the studies, at the same paths, e.g. shared storage), or :data:`LOCAL` (a cluste
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,11 +26,14 @@ from typing import Any
 
 from ..files import write_text
 from ..gpu.memory_budget import GIB, SAFETY_MARGIN, format_bytes, parse_memory
+from .local_gpus import run_on_slots
 from .study_task import FitOptions, finished_record, node_lock, record_failure, remove_leftovers, run_study
 from .summary import format_seconds, progress_line, write_summary
 from .tasks import StudyTask
 
 LOCAL = "local"
+#: ``gpus``: every GPU of this machine (``nvidia-smi -L``, or ``CUDA_VISIBLE_DEVICES`` where set).
+AUTO = "auto"
 #: What a task's process takes on its GPU beyond its budget (its CUDA context and kernels): an estimate, kept
 #: free between the studies sharing a GPU (docs/cohorts.md).
 PROCESS_BYTES = 1 * GIB
@@ -54,12 +59,14 @@ class StudiesFailedError(ValueError):
 
 @dataclass(frozen=True)
 class Cluster:
-    """Where the tasks run: ``ray_address`` None runs them in this process; ``cpus``/``gpus`` size a
-    :data:`LOCAL` cluster; ``studies_per_gpu`` overrides how many share a GPU (else sized from the budget)."""
+    """Where the tasks run. ``ray_address`` None: on this machine, one after another in this process, or, given
+    ``gpus`` (a number or :data:`AUTO`), without Ray on that many GPUs, a process per study (local_gpus.py).
+    ``cpus``/``gpus`` size a :data:`LOCAL` Ray cluster (``gpus`` :data:`AUTO`: as Ray finds them).
+    ``studies_per_gpu`` overrides how many share a GPU (else sized from the budget)."""
 
     ray_address: str | None = None
     cpus: int | None = None
-    gpus: int | None = None
+    gpus: int | str | None = None
     studies_per_gpu: int | None = None
     cpus_per_study: float = 1.0
 
@@ -153,6 +160,9 @@ def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, clu
     cluster = cluster or Cluster()
     if cluster.ray_address is not None:
         import_ray()  # missing: said before anything is written
+    devices = None
+    if cluster.ray_address is None and cluster.gpus is not None:
+        devices, options = local_slots(cluster, options, echo)  # more GPUs than there are: said before any write
     out = Path(os.path.abspath(Path(out).expanduser()))  # the same path on every worker, whatever its folder
     out.mkdir(parents=True, exist_ok=True)
     with node_lock(out / "cohort.lock", wait=False) as held:
@@ -173,10 +183,16 @@ def run_cohort(tasks: list[StudyTask], out: str | Path, options: FitOptions, clu
         if tracker.skipped:
             echo(f"cohort: {tracker.skipped} of {len(tasks)} studies already done in {out} (skipped)")
         tracker.write()
-        results = (_in_process(pending, out, options, tracker, describe) if cluster.ray_address is None
-                   else _on_ray(pending, out, options, cluster, tracker, echo, describe))
-        for record in results:
-            tracker.finish(record)
+        if cluster.ray_address is not None:
+            results = _on_ray(pending, out, options, cluster, tracker, echo, describe)
+        elif devices is not None:
+            results = run_on_slots(pending, out, options, devices, lambda count: setattr(tracker, "running", count),
+                                   describe)
+        else:
+            results = _in_process(pending, out, options, tracker, describe)
+        with contextlib.closing(results):  # an interrupt ends what still runs, at once
+            for record in results:
+                tracker.finish(record)
         tracker.write()
     seconds = time.time() - tracker.start
     result = CohortResult(len(tasks), tracker.count("done"), tracker.skipped, tracker.count("failed"), seconds)
@@ -193,6 +209,69 @@ def _in_process(pending: list[StudyTask], out: Path, options: FitOptions, tracke
         yield run_study(task, str(out), options, describe)
 
 
+def local_slots(cluster: Cluster, options: FitOptions, echo: Callable[[str], None]
+                ) -> tuple[list[str | None], FitOptions]:
+    """The slots of a cohort on this machine's GPUs without Ray: the ``CUDA_VISIBLE_DEVICES`` of each (the
+    GPUs in turn, so that the first studies go to different GPUs; None where no GPU is listed: the device
+    this machine opens), and the options with each study's budget where several share a GPU."""
+    found, source = machine_gpus()
+    plural = "s" if len(found) != 1 else ""
+    if cluster.gpus == AUTO:
+        gpus: list[str | None] = list(found) or [None]
+        where = f"{len(found)} GPU{plural} ({source})" if found else f"no GPU listed ({source}): this machine's device"
+    else:
+        count = int(cluster.gpus or 0)
+        if count < 1:
+            raise ValueError(f"--gpus must be at least 1 without --ray-address (got {count})")
+        if found and count > len(found):
+            raise ValueError(f"--gpus {count}: this machine has {len(found)} GPU{plural} ({source}); give at most "
+                             f"{len(found)}, or --gpus auto")
+        gpus = list(found[:count]) if found else [str(index) for index in range(count)]
+        where = (f"{count} of {len(found)} GPU{plural} ({source})" if found else
+                 f"{count} GPU{'s' if count > 1 else ''} as given (none listed: {source})")
+    per_gpu, options, budget = gpu_share(cluster.studies_per_gpu, options, _smallest_gpu_bytes)
+    devices = [gpu for _ in range(per_gpu) for gpu in gpus]
+    share = f" of {format_bytes(budget)} each" if budget is not None else ""
+    echo(f"cohort: {where}, {per_gpu} stud{'ies' if per_gpu > 1 else 'y'}{share} per GPU: {len(devices)} at once, "
+         "each in a process of its own")
+    return devices, options
+
+
+def machine_gpus() -> tuple[list[str], str]:
+    """This machine's GPUs as ``CUDA_VISIBLE_DEVICES`` values, and where that was read: the variable's own
+    list where it is set (a scheduler's share of the machine), else ``nvidia-smi -L``; empty where neither."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [part.strip() for part in visible.split(",") if part.strip()], "CUDA_VISIBLE_DEVICES"
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return [], "no nvidia-smi"
+    try:
+        text = subprocess.run([tool, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [], "nvidia-smi -L failed"
+    count = sum(line.startswith("GPU ") for line in text.splitlines())
+    return [str(index) for index in range(count)], "nvidia-smi -L"
+
+
+def gpu_share(per_gpu: int | None, options: FitOptions, gpu_bytes: Callable[[], int | None]
+              ) -> tuple[int, FitOptions, int | None]:
+    """How many studies share a GPU (``per_gpu`` where given, else as many as their budgets fit), the options
+    with each study's budget (given several per GPU without one: the GPU's share), and that budget. Calls
+    ``gpu_bytes`` (the GPUs' memory) only where it is needed."""
+    budget = None if options.gpu_memory is None else parse_memory(options.gpu_memory)
+    if per_gpu is None:
+        return (1 if budget is None else studies_per_gpu(budget, gpu_bytes())), options, budget
+    if per_gpu > 1 and budget is None:
+        size = gpu_bytes()
+        if size is None:
+            raise ValueError("--studies-per-gpu: the GPUs' memory cannot be read here (no nvidia-smi); give each "
+                             "study's budget with --gpu-memory as well")
+        budget = budget_for_share(per_gpu, size)
+        options = replace(options, gpu_memory=str(budget))
+    return per_gpu, options, budget
+
+
 def import_ray() -> Any:
     try:
         import ray
@@ -206,7 +285,8 @@ def _connect(ray: Any, cluster: Cluster) -> bool:
     if ray.is_initialized():
         return False
     if cluster.ray_address == LOCAL:
-        ray.init(num_cpus=cluster.cpus, num_gpus=cluster.gpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=cluster.cpus, num_gpus=None if cluster.gpus == AUTO else cluster.gpus,
+                 include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=cluster.ray_address, log_to_driver=False)
     return True
@@ -251,17 +331,7 @@ def _task_resources(ray: Any, cluster: Cluster, options: FitOptions, echo: Calla
         echo(f"cohort: no GPUs in the Ray cluster: {int(cpus // cluster.cpus_per_study)} studies at once on "
              f"{cpus:g} CPUs")
         return {"num_cpus": cluster.cpus_per_study, "num_gpus": 0}, options, max(1, int(cpus // cluster.cpus_per_study))
-    budget = None if options.gpu_memory is None else parse_memory(options.gpu_memory)
-    per_gpu = cluster.studies_per_gpu
-    gpu_bytes = gpu_memory_bytes(ray) if per_gpu is None or budget is None else None
-    if per_gpu is None:
-        per_gpu = studies_per_gpu(budget, gpu_bytes)
-    elif per_gpu > 1 and budget is None:
-        if gpu_bytes is None:
-            raise ValueError("--studies-per-gpu: the GPUs' memory cannot be read here (no nvidia-smi); give each "
-                             "study's budget with --gpu-memory as well")
-        budget = budget_for_share(per_gpu, gpu_bytes)
-        options = replace(options, gpu_memory=str(budget))
+    per_gpu, options, budget = gpu_share(cluster.studies_per_gpu, options, lambda: gpu_memory_bytes(ray))
     share = f" of {format_bytes(budget)} each" if budget is not None else ""
     echo(f"cohort: {gpus:g} GPU{'s' if gpus != 1 else ''} in the Ray cluster, {per_gpu} "
          f"stud{'ies' if per_gpu > 1 else 'y'}{share} per GPU")
