@@ -412,6 +412,27 @@ def test_without_ray_gpus_n_trains_a_study_per_gpu_at_once_each_in_its_own_proce
     assert not (out / "failed" / "crash").exists() and not (out / "failed" / "broken").exists()
 
 
+def test_a_study_process_gets_its_job_whole_from_a_command_run_with_python_m(monkeypatch):
+    """`python -m NeuralRaycastLib.app.cli cohort`: the study's process words a failure with the command line's
+    function, named by its module, not __main__; the task and options arrive as they were."""
+    import sys
+
+    from NeuralRaycastLib.app import cli
+    from NeuralRaycastLib.cohort.study_process import job_argument, read_job
+    from NeuralRaycastLib.cohort.study_task import FitOptions
+    from NeuralRaycastLib.cohort.tasks import StudyTask
+
+    def describe_error(error: BaseException) -> str:
+        return str(error)
+
+    describe_error.__module__, describe_error.__qualname__ = "__main__", "describe_error"
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=SimpleNamespace(name=cli.__name__)))
+    task = StudyTask("x", case="phantom", options=(("seed", 3), ("spacing", "1,1,5")))
+    options = FitOptions(preset="quick", iterations=12, gpu_memory="4G", meshes=("vtp", "stl"), warm_up=False)
+    assert read_job(job_argument(task, "/out", options, describe_error)) == (task, "/out", options,
+                                                                             cli.describe_error)
+
+
 def test_an_interrupted_cohort_without_ray_ends_every_study_process_and_what_it_started(tmp_path, stand_in):
     """Ctrl-C while two studies train: both processes and their helpers end at once, no other study starts, and
     the output folder is free for the next run."""

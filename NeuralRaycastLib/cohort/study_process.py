@@ -42,7 +42,12 @@ def read_job(text: str) -> tuple[StudyTask, str, FitOptions, Callable[[BaseExcep
 
 
 def _name_of(function: Callable[..., Any] | None) -> str | None:
+    """``module:name`` that imports ``function`` in another process (a module run with ``-m`` by its own
+    name, not ``__main__``), or None where nothing would."""
     module, name = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if module == "__main__":
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = getattr(spec, "name", None)
     return None if function is None or module is None or "<" in name else f"{module}:{name}"
 
 
