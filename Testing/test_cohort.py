@@ -134,7 +134,8 @@ def test_without_ray_the_slots_are_the_gpus_listed_in_turn_times_the_studies_per
     assert devices == ["3", "3"]  # two studies of 30 GiB and their processes fit in 80 GB
     monkeypatch.setattr(runner, "machine_gpus", lambda: ([], "no nvidia-smi"))
     devices, _ = runner.local_slots(runner.Cluster(gpus="auto"), FitOptions(), said.append)
-    assert devices == [None] and said[-1].startswith("cohort: no GPU listed (no nvidia-smi): this machine's device")
+    assert devices == [None] and said[-1] == (
+        "cohort: no GPU listed (no nvidia-smi): 1 study at once on this machine's device, each in a process of its own")
 
 
 def test_the_kernels_are_warmed_up_once_per_machine_not_once_per_task(tmp_path, monkeypatch):

@@ -218,7 +218,7 @@ def local_slots(cluster: Cluster, options: FitOptions, echo: Callable[[str], Non
     plural = "s" if len(found) != 1 else ""
     if cluster.gpus == AUTO:
         gpus: list[str | None] = list(found) or [None]
-        where = f"{len(found)} GPU{plural} ({source})" if found else f"no GPU listed ({source}): this machine's device"
+        where = f"{len(found)} GPU{plural} ({source})" if found else None
     else:
         count = int(cluster.gpus or 0)
         if count < 1:
@@ -231,9 +231,10 @@ def local_slots(cluster: Cluster, options: FitOptions, echo: Callable[[str], Non
                  f"{count} GPU{'s' if count > 1 else ''} as given (none listed: {source})")
     per_gpu, options, budget = gpu_share(cluster.studies_per_gpu, options, _smallest_gpu_bytes)
     devices = [gpu for _ in range(per_gpu) for gpu in gpus]
-    share = f" of {format_bytes(budget)} each" if budget is not None else ""
-    echo(f"cohort: {where}, {per_gpu} stud{'ies' if per_gpu > 1 else 'y'}{share} per GPU: {len(devices)} at once, "
-         "each in a process of its own")
+    studies = f"{per_gpu} stud{'ies' if per_gpu > 1 else 'y'}" + (
+        f" of {format_bytes(budget)} each" if budget is not None else "")
+    echo(f"cohort: {where}, {studies} per GPU: {len(devices)} at once, each in a process of its own" if where else
+         f"cohort: no GPU listed ({source}): {studies} at once on this machine's device, each in a process of its own")
     return devices, options
 
 
