@@ -1,4 +1,5 @@
-"""Cohorts: the task list, the GPU shares, the warm-up once per machine, and a cohort on a local Ray cluster."""
+"""Cohorts: the task list, the GPU shares, the warm-up once per machine, a cohort on this machine's GPUs without Ray
+(stand-in study processes), and one on a local Ray cluster."""
 
 from __future__ import annotations
 
