@@ -244,6 +244,13 @@ class FieldLayout:
             tuple(levels), offset, appearance_offset, count, (int(capacity[0]), int(capacity[1])),
         )
 
+    def with_structure_capacity(self, structures: int) -> FieldLayout:
+        """This layout on kernels that hold ``structures`` structures (a warm-up compiles those of a capacity
+        its study does not need)."""
+        if not self.structures <= structures <= MAX_STRUCTURES:
+            raise FieldConfigError(f"kernels for {structures} structures cannot hold {self.structures}")
+        return dataclasses.replace(self, capacity=(int(structures), self.capacity[1]))
+
     @functools.cached_property
     def kernels(self) -> FieldLayout:
         """The layout on the device: the networks at the kernels' capacity (this layout where it is the same)."""

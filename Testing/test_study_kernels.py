@@ -1,0 +1,108 @@
+"""Kernels that do not depend on the study: studies with other numbers of structures (and channels) train on the
+kernels already compiled, with the results of fields of their own sizes.
+
+The field's kernels hold a capacity of structures and appearance inputs (field.py's FieldLayout.kernels); the
+studies here fit the same one, so the second compiles nothing: no Slang module and no kernel built in this
+process while it trains, counted at slangpy's own entry points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import analytic_prepared
+from field_reference import tiny_config
+
+from NeuralRaycastLib.field.field import FieldLayout, NeuralField
+from NeuralRaycastLib.render.reference_views import render_reference_views
+from NeuralRaycastLib.study.sample.phantom import Phantom
+from NeuralRaycastLib.train.evaluate import geometry_metrics
+from NeuralRaycastLib.train.presets import training_schedule
+from NeuralRaycastLib.train.trainer import Trainer
+
+pytestmark = pytest.mark.gpu
+
+SPACING = 2.5  # as test_train's phantom: in one test session the two share their kernels
+
+
+@contextmanager
+def counted_compiles() -> Iterator[dict[str, list]]:
+    """What this process compiles while open: Slang modules from source (the field's, and the code slangpy
+    generates for a call of a new signature), by name, and compute pipelines (a kernel each), by label."""
+    import slangpy as spy
+
+    counts: dict[str, list] = {"modules": [], "pipelines": []}
+    load, build = spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline
+
+    def counted_load(self, *args, **kwargs):
+        counts["modules"].append(str(args[0] if args else kwargs.get("module_name")))
+        return load(self, *args, **kwargs)
+
+    def counted_build(self, *args, **kwargs):
+        counts["pipelines"].append(str(kwargs.get("label")))
+        return build(self, *args, **kwargs)
+
+    spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline = counted_load, counted_build
+    try:
+        yield counts
+    finally:
+        spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline = load, build
+
+
+def phantom_study(names: tuple[str, ...], channels: int):
+    """The analytic phantom with only the structures ``names`` and ``channels`` MRI channels."""
+    phantom = Phantom(brain_tilt_degrees=(0.0, 0.0, 0.0))
+    low, high = phantom.bounds(6.0)
+    sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in names}
+    return analytic_prepared(sdfs, SPACING, low, high, channel_count=channels)
+
+
+def train(gpu, prepared) -> tuple[NeuralField, Trainer]:
+    """A short run through every stage (the SDF fit, the appearance and the joint steps, held-out renders)."""
+    layout = FieldLayout.build(tiny_config(log2_table=14, coarsest_cells=8, finest_cell_mm=SPACING),
+                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
+    field = NeuralField(gpu, layout, seed=1)
+    views = render_reference_views(gpu, prepared, 4, 32, 32, held_out_every=4)
+    config = replace(training_schedule("quick"), appearance_steps=2, joint_steps=2, eval_every=4, patches=4)
+    config = replace(config, geometry=replace(config.geometry, steps=80, batch=1 << 12))
+    trainer = Trainer(gpu, prepared, field, views, config)
+    log = trainer.run()
+    assert not log.cancelled and log.skipped_steps == 0
+    assert any(np.isfinite(row["heldout_psnr"]) for row in log.rows if "heldout_psnr" in row)
+    return field, trainer
+
+
+def unused_weights(field: NeuralField) -> np.ndarray:
+    """The device's parameters in the kernels' places that the study does not use."""
+    unused = np.setdiff1d(np.arange(field.kernels.count), field.layout.kernel_positions)
+    return field.kernel_parameters()[unused]
+
+
+def test_a_study_with_other_structure_and_channel_counts_compiles_nothing_and_trains_its_own_field(gpu):
+    first = phantom_study(("brain", "whole_tumor", "tumor_core"), channels=2)
+    second = phantom_study(("brain",), channels=1)
+    with counted_compiles() as compiled:
+        field, _ = train(gpu, first)
+    fields = {"first": field}
+    with counted_compiles() as compiled:
+        fields["second"], _ = train(gpu, second)
+    assert compiled == {"modules": [], "pipelines": []}, compiled
+
+    for name, prepared in (("first", first), ("second", second)):
+        field = fields[name]
+        count = len(prepared.structures)
+        assert field.kernels.structures == 4 and field.kernels.appearance_inputs == 5
+        assert field.structures == count and field.layout.kernels.count > field.layout.count
+        # The unused places took no gradient all through training: still zero, so nothing of them shows.
+        assert unused_weights(field).size > 0 and not unused_weights(field).any()
+        points = prepared.bounds[0] + np.random.default_rng(0).uniform(size=(64, 3)) * np.ptp(prepared.bounds, axis=0)
+        assert field.distances(points).shape == (64, count)
+        assert field.parameters().shape == (field.layout.count,)
+        geometry = geometry_metrics(field, prepared)
+        assert sorted(geometry) == sorted(s.name for s in prepared.structures)
+        assert geometry["brain"]["dice"] > 0.9, (name, geometry)
+        assert geometry["brain"]["mean_surface_distance_mm"] < SPACING, (name, geometry)
