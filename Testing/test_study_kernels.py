@@ -106,3 +106,32 @@ def test_a_study_with_other_structure_and_channel_counts_compiles_nothing_and_tr
         assert sorted(geometry) == sorted(s.name for s in prepared.structures)
         assert geometry["brain"]["dice"] > 0.9, (name, geometry)
         assert geometry["brain"]["mean_surface_distance_mm"] < SPACING, (name, geometry)
+
+
+def test_the_warm_up_compiles_the_other_capacity_when_asked_and_a_study_with_fewer_structures_needs_none(
+        gpu, phantom_study_dir, tmp_path, monkeypatch):
+    """``neuralraycast warmup --all-capacities``: every part once for the study's own capacity and once for the
+    other, each with its stamp. The stamp's key is the kernels', not the study's: the same study with a
+    structure fewer finds the warm-up done."""
+    from NeuralRaycastLib.gpu.device import STRUCTURE_SLOTS
+    from NeuralRaycastLib.train import warmup
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run_folder import prepare_for_run
+
+    calls = []
+    monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: None)
+    monkeypatch.setattr(warmup, "warm_up_part",
+                        lambda gpu, prepared, views, settings, part, slots=None: calls.append((part, slots)))
+    monkeypatch.setattr(warmup, "warm_up_stamp", lambda gpu, prepared, settings, slots=None: tmp_path / "stamps" / (
+        warmup.kernels_key(gpu, prepared, settings, slots) + ".json"))
+    settings = RunSettings.for_device(gpu, "quick")
+    seconds = warmup.warm_up(gpu, phantom_study_dir, settings, structure_slots=STRUCTURE_SLOTS)
+    assert calls == [(part, None) for part in warmup.PARTS] + [(part, 8) for part in warmup.PARTS]
+    assert [title for title in seconds if title.startswith("8 structures: ")] == [
+        "8 structures: " + title for title in warmup.PARTS.values()]
+    prepared = prepare_for_run(phantom_study_dir, settings)
+    assert len(prepared.structures) == 4
+    stamps = {warmup.warm_up_stamp(gpu, prepared, settings, slots) for slots in (None, 8)}
+    assert len(stamps) == 2 and all(stamp.exists() for stamp in stamps)
+    fewer = replace(prepared, structures=prepared.structures[:3], boundary=prepared.boundary[:3])
+    assert warmup.warm_up_stamp(gpu, fewer, settings) in stamps
