@@ -160,22 +160,24 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     report("reference renderer", 0.1)
     views = tiny_views(gpu, prepared)
     seconds["reference renderer"] = time.perf_counter() - clock
-    own = settings.field_layout(gpu, prepared).capacity[0]
-    capacities = [None] + sorted({s for s in structure_slots if s != own and s >= len(prepared.structures)})
+    capacities: list[int | None] = [None]  # None: the study's own
+    if structure_slots:
+        own = settings.field_layout(gpu, prepared).capacity[0]
+        capacities += sorted({s for s in structure_slots if s != own and s >= len(prepared.structures)})
     for slots in capacities:
-        named = "" if slots is None else f"{slots} structures: "
+        named, other = ("", ()) if slots is None else (f"{slots} structures: ", (slots,))
         part_seconds: dict[str, float] = {}
         if jobs <= 1 and gpu.report.software:
             for index, (part, title) in enumerate(PARTS.items()):
                 report(named + title, 0.2 + 0.8 * index / len(PARTS))
                 clock = time.perf_counter()
-                warm_up_part(gpu, prepared, views, settings, part, slots)
+                warm_up_part(gpu, prepared, views, settings, part, *other)
                 part_seconds[title] = time.perf_counter() - clock
         else:
             part_seconds = _parts_in_processes(study_path, settings, gpu.backend, jobs, report, should_stop, python,
-                                               slots)
+                                               *other)
         seconds.update({named + title: value for title, value in part_seconds.items()})
-        stamp = warm_up_stamp(gpu, prepared, settings, slots)
+        stamp = warm_up_stamp(gpu, prepared, settings, *other)
         stamp.parent.mkdir(parents=True, exist_ok=True)
         write_text(stamp, json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": part_seconds},
                                      indent=1))
