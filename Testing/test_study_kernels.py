@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import analytic_prepared
-from field_reference import tiny_config
+from field_reference import appearance, geometry, tiny_config
 
 from NeuralRaycastLib.field.field import FieldLayout, NeuralField
 from NeuralRaycastLib.render.reference_views import render_reference_views
@@ -23,8 +23,6 @@ from NeuralRaycastLib.study.sample.phantom import Phantom
 from NeuralRaycastLib.train.evaluate import geometry_metrics
 from NeuralRaycastLib.train.presets import training_schedule
 from NeuralRaycastLib.train.trainer import Trainer
-
-pytestmark = pytest.mark.gpu
 
 SPACING = 2.5  # as test_train's phantom: in one test session the two share their kernels
 
@@ -82,6 +80,35 @@ def unused_weights(field: NeuralField) -> np.ndarray:
     return field.kernel_parameters()[unused]
 
 
+@pytest.mark.parametrize(("structures", "channels"), [(1, 1), (3, 2), (4, 4), (6, 3)])
+def test_the_kernels_networks_padded_with_zeros_compute_the_studys_own(structures, channels):
+    """Laid out for the kernels (field.py's pad), the study's parameters give the kernels' networks the study's
+    distances, features and appearance in the study's places, whatever the unused inputs hold; unpad undoes it."""
+    layout = FieldLayout.build(tiny_config(), np.array([[-4.0, 2.0, 1.0], [16.0, 26.0, 17.0]]), structures, channels)
+    kernels = layout.kernels
+    assert kernels.capacity == layout.capacity == (4 if structures <= 4 else 8, 5)
+    assert (kernels.structures, kernels.appearance_inputs) == layout.capacity
+    rng = np.random.default_rng(2)
+    params = layout.initial_parameters(seed=2) + rng.normal(0.0, 0.1, layout.count).astype(np.float32)
+    padded = layout.pad(params)
+    assert padded.shape == (kernels.count,) and np.array_equal(layout.unpad(padded), params)
+    assert np.count_nonzero(padded) == np.count_nonzero(params)
+    points = rng.uniform([-4.0, 2.0, 1.0], [16.0, 26.0, 17.0], (32, 3))
+    distance, feature = geometry(layout, params, points)
+    kernel_distance, kernel_feature = geometry(kernels, padded, points)
+    np.testing.assert_allclose(kernel_distance[:, :structures], distance, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(kernel_distance[:, structures:], 0.0)  # zero weights and biases
+    np.testing.assert_allclose(kernel_feature, feature, rtol=1e-6, atol=1e-6)
+    inputs = rng.uniform(size=(32, layout.appearance_inputs))
+    unused = rng.uniform(size=(32, kernels.appearance_inputs - layout.appearance_inputs))  # zeros on the device
+    values = appearance(kernels, padded, feature, np.concatenate([inputs, unused], axis=1))
+    outputs = structures * (3 + layout.config.network.materials)
+    np.testing.assert_allclose(values[:, :outputs], appearance(layout, params, feature, inputs), rtol=1e-6, atol=1e-6)
+    if structures == 4 and channels == 4:  # the sample's counts: its own kernels, nothing padded
+        assert kernels is layout and np.array_equal(padded, params)
+
+
+@pytest.mark.gpu
 def test_a_study_with_other_structure_and_channel_counts_compiles_nothing_and_trains_its_own_field(gpu):
     first = phantom_study(("brain", "whole_tumor", "tumor_core"), channels=2)
     second = phantom_study(("brain",), channels=1)
@@ -108,6 +135,7 @@ def test_a_study_with_other_structure_and_channel_counts_compiles_nothing_and_tr
         assert geometry["brain"]["mean_surface_distance_mm"] < SPACING, (name, geometry)
 
 
+@pytest.mark.gpu
 def test_the_warm_up_compiles_the_other_capacity_when_asked_and_a_study_with_fewer_structures_needs_none(
         gpu, phantom_study_dir, tmp_path, monkeypatch):
     """``neuralraycast warmup --all-capacities``: every part once for the study's own capacity and once for the
