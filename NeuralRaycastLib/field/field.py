@@ -3,7 +3,9 @@
 All trainable numbers live in one flat fp32 buffer (the master weights), in this order: the hash tables
 of every level, the geometry network, the appearance network. Each range is an Adam parameter group.
 The Slang code is generic over the network sizes; this module compiles it with the sizes of a config
-(one compile per distinct config and device, cached on disk by slangpy).
+(one compile per distinct config and device, cached on disk by slangpy). The kernels hold a capacity of
+structures (4 or 8) and appearance inputs (5) rather than a study's own counts, which they are given at run
+time: studies with other counts share them (FieldLayout.kernels).
 """
 
 from __future__ import annotations
