@@ -35,9 +35,13 @@ STRUCTURES, CHANNELS = 4, 1
 POINTS = 48
 
 
+#: The kernels of the checked field hold exactly its structures and inputs, so the probes take its own sizes.
+CAPACITY = (STRUCTURES, CHANNELS + 1)
+
+
 @pytest.fixture(scope="module")
 def layout() -> FieldLayout:
-    return FieldLayout.build(tiny_config(), BOX, STRUCTURES, CHANNELS)
+    return FieldLayout.build(tiny_config(), BOX, STRUCTURES, CHANNELS, capacity=CAPACITY)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +125,7 @@ def test_hash_encoding_values_and_gradients(gpu, field, layout, params, points, 
     """Both hashes: "x_added" (new fields) and "xor" (model files of format 1 and 2)."""
     if hash_name != layout.config.encoding.hash:
         other = FieldLayout.build(replace(layout.config, encoding=replace(layout.config.encoding, hash=hash_name)),
-                                  BOX, STRUCTURES, CHANNELS)
+                                  BOX, STRUCTURES, CHANNELS, capacity=CAPACITY)
         assert not np.allclose(encode(other, params, points), encode(layout, params, points))
         layout = other
         field = NeuralField(gpu, layout, params, parts=("sdf_fit", "field_checks"), cooperative=False)
@@ -289,7 +293,7 @@ def test_appearance_network_values_and_gradients(field, layout, params):
     np.testing.assert_allclose(d_inputs, np.stack([numeric_f, numeric_i], axis=1), rtol=2e-3, atol=1e-5)
 
 
-def loss_settings(data_scale: float, eikonal_scale: float) -> dict:
+def loss_settings(data_scale: float, eikonal_scale: float, structures: int = STRUCTURES) -> dict:
     import slangpy as spy
 
     return {
@@ -303,6 +307,7 @@ def loss_settings(data_scale: float, eikonal_scale: float) -> dict:
         "dataScale": data_scale,
         "eikonalScale": eikonal_scale,
         "seed": 1,
+        "structures": structures,
     }
 
 
@@ -332,6 +337,49 @@ def test_loss_term_gradients(field, layout, params, points, term):
     gradient = field.gradients().astype(np.float64)
     assert_parameter_gradient(lambda p: point_loss(layout, p, points, targets, eikonal, settings).sum(), params,
                               gradient, step=1e-6 if eikonal else 1e-5)
+
+
+@pytest.fixture(scope="module")
+def fewer(gpu, field) -> tuple[FieldLayout, np.ndarray, NeuralField]:
+    """A study of one structure fewer on the checked field's kernels (they hold one structure more than it has)."""
+    layout = FieldLayout.build(tiny_config(), BOX, STRUCTURES - 1, CHANNELS, capacity=CAPACITY)
+    rng = np.random.default_rng(8)
+    values = layout.initial_parameters(seed=8).astype(np.float64)
+    values[: layout.geometry_offset] = rng.uniform(-1.0, 1.0, layout.geometry_offset)
+    values[layout.geometry_offset :] += rng.normal(0.0, 0.05, layout.count - layout.geometry_offset)
+    values = values.astype(np.float32).astype(np.float64)
+    return layout, values, NeuralField(gpu, layout, values, parts=("sdf_fit", "field_checks"), cooperative=False)
+
+
+@pytest.mark.parametrize("term", ["truncated_l1", "eikonal"])
+def test_a_study_with_fewer_structures_than_its_kernels_hold_trains_as_a_field_of_its_own(field, fewer, points, term):
+    """The kernels' unused structure takes no part: the loss, its gradients and the queried distances are those of
+    the study's own smaller field whatever the unused target holds, and no gradient reaches the unused weights,
+    which stay zero on the device."""
+    layout, params, small = fewer
+    assert small.module is field.module  # one compile serves both studies
+    eikonal = term == "eikonal"
+    settings = loss_settings(0.0 if eikonal else 0.7, 0.3 if eikonal else 0.0, structures=layout.structures)
+    distance = geometry(layout, params, points)[0]
+    targets = distance + np.random.default_rng(11).normal(0.0, 4.0, distance.shape)
+    targets = targets.astype(np.float32).astype(np.float64)
+    rows = [[*map(float, t), -7.0] for t in targets]  # the unused structure's target: far inside, were it read
+
+    values = np.array([small.module.pointLossValue(small.shader_struct(), float3(x), t, eikonal, settings)
+                       for x, t in zip(points, rows, strict=True)])
+    reference = point_loss(layout, params, points, targets, eikonal, settings)
+    np.testing.assert_allclose(values, reference, rtol=1e-3, atol=1e-4 * np.abs(reference).max())
+
+    small.zero_gradients()
+    for x, t in zip(points, rows, strict=True):
+        small.module.pointLossBackward(small.shader_struct(), float3(x), t, eikonal, settings)
+    unused = np.setdiff1d(np.arange(layout.kernels.count), layout.kernel_positions)
+    assert unused.size > 0
+    assert not small.kernel_gradients()[unused].any() and not small.kernel_parameters()[unused].any()
+    assert_parameter_gradient(lambda p: point_loss(layout, p, points, targets, eikonal, settings).sum(), params,
+                              small.gradients().astype(np.float64), step=1e-6 if eikonal else 1e-5)
+    assert small.distances(points).shape == distance.shape
+    np.testing.assert_allclose(small.distances(points), distance, rtol=1e-4, atol=1e-4 * np.abs(distance).max())
 
 
 def test_normals_point_along_the_distance_gradient(field, layout, params, points):

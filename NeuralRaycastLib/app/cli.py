@@ -430,6 +430,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_warmup(args: argparse.Namespace) -> int:
     """Compile the kernels the demo and 'fit' use on this machine, so later runs start at once."""
+    from ..gpu.device import STRUCTURE_SLOTS
     from ..study.sample import cached_sample
     from ..train.presets import RunSettings
     from ..train.warmup import default_jobs, warm_up
@@ -439,7 +440,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     study = args.study or cached_sample("icbm", progress=ConsoleProgress("sample icbm"))
     jobs = args.jobs or default_jobs(gpu)
     seconds = warm_up(gpu, study, settings, ConsoleProgress(f"warm-up ({settings.preset}, {jobs} at once)"),
-                      jobs=jobs)
+                      jobs=jobs, structure_slots=STRUCTURE_SLOTS if args.all_capacities else ())
     for phase, value in seconds.items():
         print(f"{phase:45s} {value:7.1f} s")
     print(f"shader cache: {gpu.report.shader_cache}")
@@ -705,6 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
     device_option(p, memory=False)
     p.add_argument("study", nargs="?", default=None, help="study to warm up for (default: the icbm sample)")
     preset_option(p, "preset to warm up for")
+    p.add_argument("--all-capacities", action="store_true",
+                   help="also compile the kernels for the other number of structures (the kernels hold 1 to 4 "
+                        "or 5 to 8 structures and up to 4 channels; the study's own serve every study that fits "
+                        "them), so that a study with any number of structures compiles nothing")
     p.add_argument("--jobs", type=int, default=0,
                    help="compile the kernels in this many processes at once (default: up to four on a GPU "
                         "machine, the SDF fit, the forward passes and the joint backward's two passes side by "

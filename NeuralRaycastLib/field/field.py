@@ -3,11 +3,15 @@
 All trainable numbers live in one flat fp32 buffer (the master weights), in this order: the hash tables
 of every level, the geometry network, the appearance network. Each range is an Adam parameter group.
 The Slang code is generic over the network sizes; this module compiles it with the sizes of a config
-(one compile per distinct config and device, cached on disk by slangpy).
+(one compile per distinct config and device, cached on disk by slangpy). The kernels hold a capacity of
+structures (4 or 8) and appearance inputs (5) rather than a study's own counts, which they are given at run
+time: studies with other counts share them (FieldLayout.kernels).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -16,7 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu.device import COOPERATIVE_ENV, GpuContext, device_memory, memory_budget, tensor_core_networks
+from ..gpu.device import (
+    COOPERATIVE_ENV,
+    GpuContext,
+    device_memory,
+    memory_budget,
+    structure_slots,
+    tensor_core_networks,
+)
 from ..paths import shader_dir
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
@@ -24,6 +35,9 @@ FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module,
 GROUP_NAMES = ("hash_table", "geometry", "appearance")
 MAX_HIDDEN = 64
 MAX_STRUCTURES = 8
+#: The appearance inputs the kernels hold: up to four MRI channels and P(x). A study with fewer gets zeros in
+#: the others, so every study of one to four channels runs on the same kernels.
+INPUT_CAPACITY = 5
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
@@ -135,6 +149,38 @@ def mlp_parameter_count(inputs: int, hidden: int, outputs: int, hidden_layers: i
     return (inputs * hidden + hidden) + (hidden_layers - 1) * (hidden * hidden + hidden) + (hidden * outputs + outputs)
 
 
+def kernel_capacity(structures: int, appearance_inputs: int) -> tuple[int, int]:
+    """The structures and appearance inputs the kernels of a field with these counts are compiled for: the
+    structure slots that hold them (4 or 8) and :data:`INPUT_CAPACITY` inputs (more where a study has more
+    channels), so studies with other counts share compiled kernels."""
+    return structure_slots(structures), max(appearance_inputs, INPUT_CAPACITY)
+
+
+def mlp_positions(widths: list[int], padded: list[int], units: list[np.ndarray]) -> np.ndarray:
+    """Where each parameter of an MLP of layer ``widths`` lies in the same MLP with ``padded`` widths, unit i of
+    layer boundary b being unit ``units[b][i]`` there (mlp.slang's layout: each layer's weights row-major
+    [out][in], then its biases)."""
+    positions, offset = [], 0
+    for layer in range(len(widths) - 1):
+        inputs, outputs = padded[layer], padded[layer + 1]
+        positions.append(offset + (units[layer + 1][:, None] * inputs + units[layer][None, :]).ravel())
+        positions.append(offset + inputs * outputs + units[layer + 1])
+        offset += inputs * outputs + outputs
+    return np.concatenate(positions)
+
+
+def network_offsets(config: FieldConfig, geometry_offset: int, structures: int, inputs: int) -> tuple[int, int]:
+    """(appearance network's offset, parameter count) of a field with these counts whose networks start at
+    ``geometry_offset``."""
+    net = config.network
+    appearance_offset = geometry_offset + mlp_parameter_count(
+        config.encoding.levels * config.encoding.features, net.hidden, structures + net.geometry_features,
+        net.hidden_layers)
+    count = appearance_offset + mlp_parameter_count(
+        net.geometry_features + inputs, net.appearance_hidden, structures * (3 + net.materials), 1)
+    return appearance_offset, count
+
+
 @dataclass(frozen=True)
 class LevelLayout:
     dims: tuple[int, int, int]
@@ -146,7 +192,13 @@ class LevelLayout:
 
 @dataclass(frozen=True)
 class FieldLayout:
-    """Where every parameter lives, for one config, box, number of structures and of local inputs."""
+    """Where every parameter lives, for one config, box, number of structures and of local inputs.
+
+    The kernels hold ``capacity`` structures and inputs, at least the study's: on the device the networks
+    have that many outputs and inputs (:attr:`kernels`), the unused ones' weights zero and kept there (their
+    outputs are never read, their inputs are zeros: no gradient reaches them), so a study with other counts
+    runs on the same compiled kernels. Model files and :meth:`NeuralField.parameters` hold the study's own
+    layout (this one), which :meth:`pad` and :meth:`unpad` convert."""
 
     config: FieldConfig
     structures: int
@@ -157,17 +209,24 @@ class FieldLayout:
     geometry_offset: int
     appearance_offset: int
     count: int
+    capacity: tuple[int, int] = (0, 0)  # (structures, appearance inputs) of the kernels
 
     @classmethod
-    def build(cls, config: FieldConfig, bounds: np.ndarray, structures: int, channels: int) -> FieldLayout:
+    def build(cls, config: FieldConfig, bounds: np.ndarray, structures: int, channels: int,
+              capacity: tuple[int, int] | None = None) -> FieldLayout:
+        """``capacity``: the structures and inputs the kernels hold (default :func:`kernel_capacity`)."""
         config.check()
         if not 1 <= structures <= MAX_STRUCTURES:
             raise FieldConfigError(f"the field holds 1..{MAX_STRUCTURES} structures (got {structures})")
+        capacity = kernel_capacity(structures, channels + 1) if capacity is None else tuple(capacity)
+        if not (structures <= capacity[0] <= MAX_STRUCTURES and channels + 1 <= capacity[1]):
+            raise FieldConfigError(f"kernels for {capacity[0]} structures and {capacity[1]} inputs cannot hold "
+                                   f"{structures} structures and {channels + 1} inputs")
         bounds = np.asarray(bounds, dtype=np.float64)
         extent = bounds[1] - bounds[0]
         if not np.all(extent > 0):
             raise FieldConfigError(f"empty bounding box {bounds.tolist()}")
-        enc, net = config.encoding, config.network
+        enc = config.encoding
         coarsest = float(extent.max()) / enc.coarsest_cells
         finest = min(enc.finest_cell_mm, coarsest)
         growth = (finest / coarsest) ** (1.0 / (enc.levels - 1)) if enc.levels > 1 else 1.0
@@ -181,18 +240,66 @@ class FieldLayout:
             size = vertices if dense else table
             levels.append(LevelLayout(dims, cell, offset, size, dense))  # type: ignore[arg-type]
             offset += size * enc.features
-        encoded = enc.levels * enc.features
-        geometry_offset = offset
-        appearance_offset = geometry_offset + mlp_parameter_count(
-            encoded, net.hidden, structures + net.geometry_features, net.hidden_layers
-        )
-        count = appearance_offset + mlp_parameter_count(
-            net.geometry_features + channels + 1, net.appearance_hidden, structures * (3 + net.materials), 1
-        )
+        appearance_offset, count = network_offsets(config, offset, structures, channels + 1)
         return cls(
             config, structures, channels + 1, tuple(map(float, bounds[0])), tuple(map(float, extent)),
-            tuple(levels), geometry_offset, appearance_offset, count,
+            tuple(levels), offset, appearance_offset, count, (int(capacity[0]), int(capacity[1])),
         )
+
+    def with_structure_capacity(self, structures: int) -> FieldLayout:
+        """This layout on kernels that hold ``structures`` structures (a warm-up compiles those of a capacity
+        its study does not need)."""
+        if not self.structures <= structures <= MAX_STRUCTURES:
+            raise FieldConfigError(f"kernels for {structures} structures cannot hold {self.structures}")
+        return dataclasses.replace(self, capacity=(int(structures), self.capacity[1]))
+
+    @functools.cached_property
+    def kernels(self) -> FieldLayout:
+        """The layout on the device: the networks at the kernels' capacity (this layout where it is the same)."""
+        structures, inputs = self.capacity
+        if (structures, inputs) == (self.structures, self.appearance_inputs):
+            return self
+        appearance_offset, count = network_offsets(self.config, self.geometry_offset, structures, inputs)
+        return dataclasses.replace(self, structures=structures, appearance_inputs=inputs,
+                                   appearance_offset=appearance_offset, count=count)
+
+    @functools.cached_property
+    def kernel_positions(self) -> np.ndarray:
+        """Where each parameter of this layout lies in :attr:`kernels`: the table and hidden layers in place,
+        the geometry network's features after the capacity's distances, the appearance network's inputs and
+        outputs of the unused places after the study's."""
+        kernels, net = self.kernels, self.config.network
+        if kernels is self:
+            return np.arange(self.count)
+        k, g = self.structures, net.geometry_features
+        hidden = [np.arange(net.hidden)] * net.hidden_layers
+        geometry = mlp_positions(
+            [self.config.encoding.levels * self.config.encoding.features] + [net.hidden] * net.hidden_layers + [k + g],
+            [self.config.encoding.levels * self.config.encoding.features] + [net.hidden] * net.hidden_layers
+            + [kernels.structures + g],
+            [np.arange(self.config.encoding.levels * self.config.encoding.features), *hidden,
+             np.concatenate([np.arange(k), kernels.structures + np.arange(g)])])
+        outputs = k * (3 + net.materials)
+        appearance = mlp_positions(
+            [g + self.appearance_inputs, net.appearance_hidden, outputs],
+            [g + kernels.appearance_inputs, net.appearance_hidden, kernels.structures * (3 + net.materials)],
+            [np.arange(g + self.appearance_inputs), np.arange(net.appearance_hidden), np.arange(outputs)])
+        return np.concatenate([np.arange(self.geometry_offset), self.geometry_offset + geometry,
+                               kernels.appearance_offset + appearance])
+
+    def pad(self, values: np.ndarray) -> np.ndarray:
+        """This layout's parameters (or gradients) laid out as :attr:`kernels`, zeros in the unused places."""
+        values = np.asarray(values, np.float32)
+        if self.kernels is self:
+            return values
+        padded = np.zeros(self.kernels.count, np.float32)
+        padded[self.kernel_positions] = values
+        return padded
+
+    def unpad(self, values: np.ndarray) -> np.ndarray:
+        """:attr:`kernels`' parameters (or gradients) back in this layout."""
+        values = np.asarray(values, np.float32)
+        return values if self.kernels is self else values[self.kernel_positions]
 
     @classmethod
     def for_study(cls, prepared, small: bool = False, voxel_mm: float | None = None) -> FieldLayout:
@@ -294,10 +401,11 @@ _MODULES: dict[tuple[int, str], Any] = {}
 
 def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, cooperative: bool = False,
                  frozen_geometry: bool = False) -> str:
-    """The Slang source of a field module: the sizes as #defines, then the kernel files. ``cooperative``
-    puts the geometry network on tensor cores (for kernels where whole waves evaluate it together);
-    ``frozen_geometry`` as well, its backward passes giving input gradients alone (the renderer's)."""
-    lines = [f"#define {name} {value}" for name, value in layout.defines().items()]
+    """The Slang source of a field module: the sizes of the layout's kernels (its capacity, not the study's
+    counts) as #defines, then the kernel files. ``cooperative`` puts the geometry network on tensor cores (for
+    kernels where whole waves evaluate it together); ``frozen_geometry`` as well, its backward passes giving
+    input gradients alone (the renderer's)."""
+    lines = [f"#define {name} {value}" for name, value in layout.kernels.defines().items()]
     lines.append(f"#define FIELD_COOPERATIVE {FROZEN_GEOMETRY if frozen_geometry else int(cooperative)}")
     for part in parts:
         lines.append((shader_dir() / f"{part}.slang").read_text())
@@ -306,17 +414,20 @@ def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, coop
 
 def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS,
                       cooperative: bool = False, frozen_geometry: bool = False):
-    """Compile (once per process, config and device) the field kernels for this layout's sizes."""
+    """Compile (once per process, config and device) the field kernels for this layout's kernel sizes: layouts
+    that differ only in their structures and inputs within one capacity share them."""
     source = field_source(layout, parts, cooperative, frozen_geometry)
     name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:
-        _MODULES[key] = gpu.load_module_from_source(name, source, layout.structures)
+        _MODULES[key] = gpu.load_module_from_source(name, source, layout.kernels.structures)
     return _MODULES[key]
 
 
 class NeuralField:
-    """A field on the device: its parameters, gradient buffer and kernels."""
+    """A field on the device: its parameters, gradient buffer and kernels. The device holds them in the
+    kernels' layout (``layout.kernels``); :meth:`parameters`, :meth:`set_parameters` and :meth:`gradients` speak
+    the study's (``layout``)."""
 
     def __init__(
         self,
@@ -343,11 +454,12 @@ class NeuralField:
                                    f"{layout.config.network.appearance_hidden})")
         self.cooperative = cooperative
         self.module = load_field_module(gpu, layout, parts)
+        self.kernels = layout.kernels
         values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)
         if values.shape != (layout.count,):
             raise FieldConfigError(f"expected {layout.count} parameters, got {values.shape}")
-        self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
-        self.grads = spy.Tensor.zeros(gpu.device, shape=(layout.gradient_count,), dtype=float)
+        self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(layout.pad(values)))
+        self.grads = spy.Tensor.zeros(gpu.device, shape=(self.kernels.gradient_count,), dtype=float)
         self.active_levels = len(layout.levels)
         self._tiled: dict[str, Any] | None = None  # addresses of the tiled copies (tiled_networks)
         self._tiled_buffers: list[Any] = []
@@ -389,7 +501,7 @@ class NeuralField:
                                    zeros(self.fit_module.geometryGradientLength()),  # copies: sdf_fit.slang
                                    zeros(self.fit_module.appearanceTiledCount()),
                                    zeros(self.fit_module.appearanceTiledCount()),
-                                   zeros(self.layout.count - self.layout.geometry_offset)]
+                                   zeros(self.kernels.count - self.kernels.geometry_offset)]
             address = [buffer.storage.device_address for buffer in self._tiled_buffers]
             self._tiled = {"geometry": {"values": address[0], "grads": address[1]},
                            "appearance": {"values": address[2], "grads": address[3]}, "scratch": address[4]}
@@ -407,7 +519,7 @@ class NeuralField:
         tiled = self.tiled_networks()
         self.fit_module.networksToTiled(
             spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, self.values.storage.device_address,
-            self.layout.geometry_offset, self.layout.appearance_offset,
+            self.kernels.geometry_offset, self.kernels.appearance_offset,
             {"geometry": tiled["geometry"], "appearance": tiled["appearance"]})
         self._tiled_version = self.weights_version
 
@@ -423,30 +535,42 @@ class NeuralField:
         tiled, grid = self.tiled_networks(), spy.grid((CONVERT_THREADS,))
         networks = {"geometry": tiled["geometry"], "appearance": tiled["appearance"]}
         self.fit_module.networkGradientsFromTiled(grid, CONVERT_THREADS, networks, tiled["scratch"],
-                                                  self.grads.storage.device_address, self.layout.geometry_offset,
-                                                  self.layout.appearance_offset, self.layout.count)
+                                                  self.grads.storage.device_address, self.kernels.geometry_offset,
+                                                  self.kernels.appearance_offset, self.kernels.count)
 
     @property
     def structures(self) -> int:
         return self.layout.structures
 
     def parameters(self) -> np.ndarray:
+        """The study's parameters (``layout``: the unused places of the kernels' layout left out)."""
+        return self.layout.unpad(np.asarray(self.values.to_numpy(), dtype=np.float32).reshape(-1))
+
+    def kernel_parameters(self) -> np.ndarray:
+        """The parameters as the device holds them (``kernels``' layout, the unused places included)."""
         return np.asarray(self.values.to_numpy(), dtype=np.float32).reshape(-1)
 
-    def gradients(self) -> np.ndarray:
-        """The parameters' gradients (the hash table's two copies added, as Adam adds them)."""
+    def kernel_gradients(self) -> np.ndarray:
+        """The gradients in the kernels' layout (the hash table's two copies added, as Adam adds them)."""
         raw = np.asarray(self.grads.to_numpy(), dtype=np.float32).reshape(-1)
-        gradients = raw[: self.layout.count].copy()
-        table, shifted = self.layout.geometry_offset, self.layout.shifted_gradients
+        gradients = raw[: self.kernels.count].copy()
+        table, shifted = self.kernels.geometry_offset, self.kernels.shifted_gradients
         gradients[:table] += raw[shifted : shifted + table]
         return gradients
 
+    def gradients(self) -> np.ndarray:
+        """The parameters' gradients in the study's layout (the hash table's two copies added)."""
+        return self.layout.unpad(self.kernel_gradients())
+
     def set_parameters(self, values: np.ndarray) -> None:
-        self.values.copy_from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        values = np.asarray(values, dtype=np.float32)
+        if values.shape != (self.layout.count,):
+            raise FieldConfigError(f"expected {self.layout.count} parameters, got {values.shape}")
+        self.values.copy_from_numpy(np.ascontiguousarray(self.layout.pad(values)))
         self.weights_changed()
 
     def zero_gradients(self) -> None:
-        self.grads.copy_from_numpy(np.zeros(self.layout.gradient_count, np.float32))
+        self.grads.copy_from_numpy(np.zeros(self.kernels.gradient_count, np.float32))
 
     def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
@@ -471,12 +595,13 @@ class NeuralField:
         return {
             "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels,
-                     "shiftedGrads": self.layout.shifted_gradients},
-            "geometryOffset": self.layout.geometry_offset,
+                     "shiftedGrads": self.kernels.shifted_gradients},
+            "geometryOffset": self.kernels.geometry_offset,
             "tiledGeometry": tiled["geometry"],
             "tiledAppearance": tiled["appearance"],
             "geometryNetworkGradients": int(geometry_network_gradients),
-            "appearanceOffset": self.layout.appearance_offset,
+            "structures": self.structures,
+            "appearanceOffset": self.kernels.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,
         }
 

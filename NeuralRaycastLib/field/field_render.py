@@ -44,6 +44,7 @@ class FieldScene:
             raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
                              f"the study gives {inputs.shape[0]}")
         self.field = field
+        # (The kernels read field.kernels.appearance_inputs inputs: those past the study's read as zeros.)
         self._inputs, self.inputs = interleaved_volumes(gpu, inputs, np.linalg.inv(prepared.affine))
 
     @property

@@ -78,7 +78,8 @@ class Adam:
         self.module = gpu.load_module("adam")
         self.m = spy.Tensor.zeros_like(field.values)
         self.v = spy.Tensor.zeros_like(field.values)
-        layout = field.layout
+        # The device's layout: the kernels' unused places get no gradient, so Adam leaves them at zero.
+        layout = field.kernels
         self.buffers = {  # shaders/adam.slang's AdamBuffers: the groups are contiguous in the field's buffer
             "values": field.values.storage.device_address,
             "grads": field.grads.storage.device_address,
@@ -149,9 +150,12 @@ class SdfFitter:
         self.gpu, self.prepared, self.field, self.config = gpu, prepared, field, config
         self._adam: Adam | None = None  # made on the first step: accumulate() alone never needs it
         self._boundary, self.boundary = interleaved_volumes(gpu, prepared.boundary, np.linalg.inv(prepared.affine))
+        slots = field.kernels.structures  # the structures the kernels hold: those past the study's have no band
         voxels, offsets, counts = band_voxels(prepared, config.band_mm)
         self._voxels = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(voxels.reshape(-1)))
-        self.band = {"voxels": self._voxels.storage.device_address, "offset": offsets, "count": counts}
+        unused = [0] * (slots - len(counts))
+        self.band = {"voxels": self._voxels.storage.device_address, "offset": offsets + unused,
+                     "count": counts + unused}
         self.step_index = 0
         # Whole waves of 32 points: the tensor-core network needs every lane, and the Eikonal term is
         # carried by whole waves.
@@ -180,6 +184,7 @@ class SdfFitter:
             "dataScale": 1.0 / (self.batch * layout.structures),
             "eikonalScale": c.eikonal_weight / (self.eikonal_points * layout.structures),
             "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
+            "structures": layout.structures,
         }
 
     def step(self, timings: dict[str, float] | None = None) -> None:

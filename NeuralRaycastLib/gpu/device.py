@@ -124,6 +124,9 @@ class GpuContext:
     backend: str
     report: DeviceReport
     _sessions: dict[int, Any] = field(default_factory=dict, repr=False)
+    #: The loaded modules by (name, slots): a module keeps the kernels built for its calls, so a second run in
+    #: the same process (another study, a second training in Slicer) builds none of them again.
+    _modules: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
     #: The GPU memory the work may take (memory_budget.py; set by open_device and use_memory_budget).
     memory: MemoryBudget | None = None
     #: (free, total) bytes of the GPU when the device opened (CUDA), the device's own budget's basis; None
@@ -132,10 +135,15 @@ class GpuContext:
 
     def load_module(self, name: str, structures: int | None = None) -> Any:
         """Load ``shaders/<name>.slang`` for kernels of ``structures`` structures (None: any number; see
-        :func:`structure_slots`), compiled once per process by slangpy, cached on disk."""
+        :func:`structure_slots`), compiled once per process by slangpy, cached on disk; the same module object
+        for every caller, with the kernels its calls have built."""
         import slangpy as spy
 
-        return spy.Module.load_from_module(self.device, self.session(structures).load_module(f"{name}.slang"))
+        key = (name, structure_slots(structures))
+        if key not in self._modules:
+            self._modules[key] = spy.Module.load_from_module(self.device,
+                                                             self.session(structures).load_module(f"{name}.slang"))
+        return self._modules[key]
 
     def load_module_from_source(self, name: str, source: str, structures: int | None = None) -> Any:
         """A module of generated source (``name`` unique to it), as :meth:`load_module`."""

@@ -25,7 +25,8 @@ def volume_stack(gpu: GpuContext, volumes: np.ndarray, ras_to_ijk: np.ndarray):
 
 def interleaved_volumes(gpu: GpuContext, volumes: np.ndarray, ras_to_ijk: np.ndarray):
     """Upload (V, I, J, K) float32 volumes interleaved, each voxel's V values padded to whole float4s, for
-    ``InterleavedVolumes`` in shaders/volume.slang: (the tensor, which must stay alive; the shader struct)."""
+    ``InterleavedVolumes`` in shaders/volume.slang: (the tensor, which must stay alive; the shader struct). A
+    kernel that reads more volumes (its capacity) reads zeros past these."""
     import slangpy as spy
 
     volumes = np.asarray(volumes, dtype=np.float32)
@@ -36,6 +37,7 @@ def interleaved_volumes(gpu: GpuContext, volumes: np.ndarray, ras_to_ijk: np.nda
     struct = {
         "data": tensor.storage.device_address,
         "dims": spy.int3(*map(int, volumes.shape[1:])),
+        "chunks": interleaved.shape[-1] // 4,
         "rasToIjk": spy.float4x4(np.asarray(ras_to_ijk, dtype=np.float32)),
     }
     return tensor, struct

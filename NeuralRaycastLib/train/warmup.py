@@ -14,8 +14,13 @@ process starts once they have ended (:data:`AFTER`) and finds their kernels cach
 a process of its own even one at a time: the joint backward compiles far more slowly in a process that has
 just compiled the other parts than in a fresh one (BENCHMARKS.md).
 
-``python -m NeuralRaycastLib.train.warmup STUDY PART [--preset P] [--device D]`` is the worker a parallel
-warm-up starts for each part.
+The field's kernels hold a capacity of structures (4 or 8) and appearance inputs rather than a study's own
+counts (field.py's FieldLayout), so a warm-up on one study serves every study whose counts fit the same
+capacity; asked to (``structure_slots``), it also compiles the other capacity on the same study, so that a
+later study with any number of structures compiles nothing.
+
+``python -m NeuralRaycastLib.train.warmup STUDY PART [--preset P] [--device D] [--structure-slots N]`` is the
+worker a parallel warm-up starts for each part.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import IO
 
 from .. import __version__
-from ..field.field import COOPERATIVE_ENV, NeuralField
+from ..field.field import COOPERATIVE_ENV, FieldLayout, NeuralField
 from ..field.sdf_fit import SdfFitter
 from ..files import write_text
 from ..gpu.device import GpuContext, open_device
@@ -73,12 +78,21 @@ def tiny_views(gpu: GpuContext, prepared: PreparedStudy) -> ReferenceViews:
     return render_reference_views(gpu, prepared, 2, 16, 16, held_out_every=2)
 
 
+def run_layout(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
+               structure_slots: int | None = None) -> FieldLayout:
+    """The layout a run of ``settings`` trains on ``prepared``, on kernels of ``structure_slots`` structures
+    where given (None: the run's own capacity)."""
+    layout = settings.field_layout(gpu, prepared)
+    return layout if structure_slots is None else layout.with_structure_capacity(structure_slots)
+
+
 def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews, settings: RunSettings,
-                 part: str) -> None:
-    """Run one step of ``part`` (a key of :data:`PARTS`) as training would, on a fresh field."""
+                 part: str, structure_slots: int | None = None) -> None:
+    """Run one step of ``part`` (a key of :data:`PARTS`) as training would, on a fresh field (on kernels of
+    ``structure_slots`` structures where given)."""
     if part not in PARTS:
         raise ValueError(f"unknown warm-up part '{part}' ({', '.join(PARTS)})")
-    field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+    field = NeuralField(gpu, run_layout(gpu, prepared, settings, structure_slots), seed=settings.seed)
     config = replace(training_schedule(settings.preset, settings.seed).with_total_steps(3), patches=1,
                      shadows=settings.shadows)
     trainer = Trainer(gpu, prepared, field, views, config)
@@ -122,17 +136,21 @@ def default_jobs(gpu: GpuContext) -> int:
 
 
 def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, progress: Progress | None = None,
-            jobs: int = 1, should_stop: ShouldStop | None = None, python: str | None = None) -> dict[str, float]:
+            jobs: int = 1, should_stop: ShouldStop | None = None, python: str | None = None,
+            structure_slots: tuple[int, ...] = ()) -> dict[str, float]:
     """Compile every kernel a run of ``settings`` on this study file uses (reference renderer, SDF fit, both
     backward passes of the renderer, Adam); ``jobs`` > 1 compiles the parts in that many processes at
-    once (each opens the backend ``gpu`` runs on). Kernels are specialised by the number
-    of structures and channels, so a study with other counts compiles its own. On a GPU every part runs in a
+    once (each opens the backend ``gpu`` runs on). The kernels hold a capacity of structures and inputs, not
+    the study's counts: a study whose counts fit the same capacity runs on them. ``structure_slots``: also the
+    kernels of these structure capacities (those that hold the study's structures; STRUCTURE_SLOTS: all), so
+    that a study with any number of structures compiles nothing. On a GPU every part runs in a
     worker process of its own, even one at a time (a part compiled after the others in the same process is
     much slower: see the module docstring); on a software device with ``jobs`` = 1, in this process. Leaves
-    its stamp (:func:`warm_up_stamp`) once done. Returns seconds per phase (the parts' own seconds, and with
-    worker processes the wall time they took together). With worker processes, ``should_stop`` is polled
-    while they run (True: they are killed and :class:`WarmUpCancelled` raised) and ``python`` is the
-    interpreter they run in (default: this one; Slicer's is ``PythonSlicer``)."""
+    a stamp (:func:`warm_up_stamp`) per capacity once done. Returns seconds per phase (the parts' own seconds,
+    and with worker processes the wall time they took together; another capacity's named with its structures).
+    With worker processes, ``should_stop`` is polled while they run (True: they are killed and
+    :class:`WarmUpCancelled` raised) and ``python`` is the interpreter they run in (default: this one;
+    Slicer's is ``PythonSlicer``)."""
     report = progress or (lambda message, fraction: None)
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
@@ -142,29 +160,41 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
     report("reference renderer", 0.1)
     views = tiny_views(gpu, prepared)
     seconds["reference renderer"] = time.perf_counter() - clock
-    if jobs <= 1 and gpu.report.software:
-        for index, (part, title) in enumerate(PARTS.items()):
-            report(title, 0.2 + 0.8 * index / len(PARTS))
-            clock = time.perf_counter()
-            warm_up_part(gpu, prepared, views, settings, part)
-            seconds[title] = time.perf_counter() - clock
-    else:
-        seconds.update(_parts_in_processes(study_path, settings, gpu.backend, jobs, report, should_stop, python))
-    stamp = warm_up_stamp(gpu, prepared, settings)
-    stamp.parent.mkdir(parents=True, exist_ok=True)
-    write_text(stamp, json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": seconds}, indent=1))
+    capacities: list[int | None] = [None]  # None: the study's own
+    if structure_slots:
+        own = settings.field_layout(gpu, prepared).capacity[0]
+        capacities += sorted({s for s in structure_slots if s != own and s >= len(prepared.structures)})
+    for slots in capacities:
+        named, other = ("", ()) if slots is None else (f"{slots} structures: ", (slots,))
+        part_seconds: dict[str, float] = {}
+        if jobs <= 1 and gpu.report.software:
+            for index, (part, title) in enumerate(PARTS.items()):
+                report(named + title, 0.2 + 0.8 * index / len(PARTS))
+                clock = time.perf_counter()
+                warm_up_part(gpu, prepared, views, settings, part, *other)
+                part_seconds[title] = time.perf_counter() - clock
+        else:
+            part_seconds = _parts_in_processes(study_path, settings, gpu.backend, jobs, report, should_stop, python,
+                                               *other)
+        seconds.update({named + title: value for title, value in part_seconds.items()})
+        stamp = warm_up_stamp(gpu, prepared, settings, *other)
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        write_text(stamp, json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": part_seconds},
+                                     indent=1))
     report("done", 1.0)
     return seconds
 
 
-def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> str:
-    """What the kernels of a run depend on, as a hash: the shader sources, the field's sizes for this study
-    (its network sizes and which levels of its hash grid are dense), the preset and shadows, the device and the
-    versions. A warm-up leaves a stamp by this key."""
-    layout = settings.field_layout(gpu, prepared)
+def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
+                structure_slots: int | None = None) -> str:
+    """What the kernels of a run depend on, as a hash: the shader sources, the sizes of the field's kernels for
+    this study (its network sizes at the kernels' capacity, not the study's counts, and which levels of its hash
+    grid are dense), the preset and shadows, the device and the versions. A warm-up leaves a stamp by this key.
+    ``structure_slots``: the key of the kernels of that capacity instead of the run's own."""
+    layout = run_layout(gpu, prepared, settings, structure_slots)
     described = {
         "version": __version__, "slangpy": gpu.report.slangpy_version, "backend": gpu.backend,
-        "adapter": gpu.report.adapter, "defines": layout.defines(), "preset": settings.preset,
+        "adapter": gpu.report.adapter, "defines": layout.kernels.defines(), "preset": settings.preset,
         "shadows": bool(settings.shadows), "cooperative": os.environ.get(COOPERATIVE_ENV, ""),
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
@@ -172,10 +202,12 @@ def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings)
     return digest.hexdigest()[:32]
 
 
-def warm_up_stamp(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings) -> Path:
+def warm_up_stamp(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
+                  structure_slots: int | None = None) -> Path:
     """Where a finished warm-up of these kernels is noted: beside the shader cache it filled, so clearing
     that cache (``neuralraycast cache --clear shaders``) clears the stamps too."""
-    return Path(gpu.report.shader_cache) / "warm-ups" / f"{kernels_key(gpu, prepared, settings)}.json"
+    key = kernels_key(gpu, prepared, settings, structure_slots)
+    return Path(gpu.report.shader_cache) / "warm-ups" / f"{key}.json"
 
 
 def ensure_warm(gpu: GpuContext, study: Study | str | Path, prepared: PreparedStudy, settings: RunSettings,
@@ -251,7 +283,7 @@ def _write_stand_in(gpu: GpuContext, study: Study, prepared: PreparedStudy, sett
 
 def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: str | None, jobs: int,
                         report: Progress, should_stop: ShouldStop | None = None,
-                        python: str | None = None) -> dict[str, float]:
+                        python: str | None = None, structure_slots: int | None = None) -> dict[str, float]:
     """Each part in its own worker process, at most ``jobs`` at once; seconds of each and of them all."""
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -288,6 +320,7 @@ def _parts_in_processes(study_path: str | Path, settings: RunSettings, device: s
                 command += ["--device", device] if device else []
                 command += ["--field-voxel-mm", repr(settings.field_voxel_mm)] if settings.field_voxel_mm else []
                 command += ["--shadows"] if settings.shadows else []
+                command += ["--structure-slots", str(structure_slots)] if structure_slots else []
                 errors = files.enter_context(tempfile.TemporaryFile("w+"))  # a file: a chatty worker never blocks
                 running[part] = (subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, env=environment),
                                  time.perf_counter(), errors)
@@ -318,12 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shadows", action="store_true")
     parser.add_argument("--field-voxel-mm", type=float, default=None,
                         help="size the field for voxels of this size (a stand-in's study's) instead of the study's")
+    parser.add_argument("--structure-slots", type=int, default=None,
+                        help="compile the kernels that hold this many structures instead of the study's own")
     args = parser.parse_args(argv)
     gpu = open_device(args.device)
     settings = RunSettings.for_device(gpu, args.preset, shadows=args.shadows or None,
                                       field_voxel_mm=args.field_voxel_mm)
     prepared = prepare_for_run(args.study, settings)
-    warm_up_part(gpu, prepared, tiny_views(gpu, prepared), settings, args.part)
+    warm_up_part(gpu, prepared, tiny_views(gpu, prepared), settings, args.part, args.structure_slots)
     return 0
 
 
