@@ -162,10 +162,17 @@ def rgba_bytes(rgba: np.ndarray) -> np.ndarray:
     rgba = np.asarray(rgba, np.float32)
     if rgba.ndim != 3 or rgba.shape[2] != 4:
         raise ValueError(f"expected an (H, W, 4) picture, got shape {rgba.shape}")
-    alpha = rgba[..., 3:4]
-    straight = np.where(alpha > 1e-6, rgba[..., :3] / np.maximum(alpha, 1e-6), 0.0)
-    pixels = np.concatenate([straight, alpha], axis=-1)
-    return np.ascontiguousarray(np.round(255.0 * np.clip(pixels, 0.0, 1.0)).astype(np.uint8)[::-1])
+    # A few passes over float32 in place: a frame's conversion must not cost more than its render.
+    height, width = rgba.shape[:2]
+    alpha = rgba[..., 3]
+    scale = np.zeros((height, width), np.float32)
+    np.divide(255.0, alpha, out=scale, where=alpha > 1e-6)
+    pixels = np.empty((height, width, 4), np.uint8)
+    rgb = rgba[..., :3] * scale[..., None]
+    pixels[..., :3] = np.rint(np.clip(rgb, 0.0, 255.0, out=rgb), out=rgb)
+    opacity = alpha * 255.0
+    pixels[..., 3] = np.rint(np.clip(opacity, 0.0, 255.0, out=opacity), out=opacity)
+    return np.ascontiguousarray(pixels[::-1])
 
 
 class ImageLayer:
