@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import gzip
 import json
 import re
 import tempfile
@@ -123,12 +124,13 @@ class WebScene:
 
     scene: np.ndarray        # float32, readScene's order
     parameters: np.ndarray   # float32, the field's
-    inputs: np.ndarray       # float32, interleaved (I, J, K, 4·chunks)
+    inputs: np.ndarray       # float32 (I, J, K, V): the page pads each voxel's V values to whole float4s
     cells: np.ndarray        # int32, the occupancy grid
     nearest: np.ndarray      # float32
     structures: list[dict]   # name and display colour (sRGB 0..255) of each structure
     bounds: np.ndarray       # (2, 3) RAS box of the structures
     max_samples: int
+    input_count: int         # V
 
 
 def web_scene(run) -> WebScene:
@@ -173,16 +175,33 @@ def web_scene(run) -> WebScene:
         *_vector(settings["boxMax"]))
     put(renderer.min_weight, renderer.shade_weight)
     put_int(renderer.max_samples)
-    chunks = -(-inputs.shape[0] // 4)
-    interleaved = np.zeros((*inputs.shape[1:], 4 * chunks), np.float32)
-    interleaved[..., :inputs.shape[0]] = np.moveaxis(inputs, 0, -1)
+    inputs[:, ~read_voxels(prepared.affine, inputs.shape[1:], occupancy)] = 0.0  # never read: they pack to nothing
     nearest = occupancy.nearest if occupancy.nearest is not None else np.zeros(1, np.float32)
     structures = [{"name": s.name, "color": _display_colour(look["color"][k])}
                   for k, s in enumerate(prepared.structures)]
-    return WebScene(np.concatenate(floats), field.parameters(), interleaved.reshape(-1),
+    return WebScene(np.concatenate(floats), field.parameters(), np.moveaxis(inputs, 0, -1).reshape(-1),
                     np.ascontiguousarray(occupancy.cells, np.int32).reshape(-1),
                     np.asarray(nearest, np.float32).reshape(-1), structures,
-                    np.asarray(prepared.bounds, np.float64), renderer.max_samples)
+                    np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0])
+
+
+def read_voxels(affine: np.ndarray, shape: tuple[int, ...], occupancy) -> np.ndarray:
+    """The voxels the kernel's trilinear reads of the local inputs can reach: the appearance network reads them
+    at the middles of shaded segments, which lie in occupied cells (ray_samples.slang), so the voxels of each
+    occupied cell's box in voxel indices and one more on every side."""
+    z, y, x = np.nonzero(occupancy.cells)
+    low = np.asarray(occupancy.origin, np.float64) + occupancy.cell_mm * np.stack([x, y, z], axis=1)
+    corners = np.stack([low + occupancy.cell_mm * np.array([(c >> 0) & 1, (c >> 1) & 1, (c >> 2) & 1], np.float64)
+                        for c in range(8)])  # (8, N, 3) RAS
+    to_ijk = np.linalg.inv(affine)
+    ijk = corners @ to_ijk[:3, :3].T + to_ijk[:3, 3]
+    dims = np.asarray(shape)
+    first = np.clip(np.floor(ijk.min(axis=0)).astype(np.int64) - 1, 0, dims)
+    last = np.clip(np.ceil(ijk.max(axis=0)).astype(np.int64) + 2, 0, dims)
+    needed = np.zeros(shape, bool)
+    for (i0, j0, k0), (i1, j1, k1) in zip(first, last, strict=True):
+        needed[i0:i1, j0:j1, k0:k1] = True
+    return needed
 
 
 def _vector(value) -> tuple[float, ...]:
@@ -195,8 +214,10 @@ def _display_colour(linear) -> list[int]:
     return [int(round(255 * c)) for c in rgb]
 
 
-def _b64(array: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii")
+def _packed(array: np.ndarray) -> str:
+    """An array's bytes gzip-compressed (the browser's DecompressionStream unpacks them), in base64."""
+    data = gzip.compress(np.ascontiguousarray(array).tobytes(), compresslevel=6, mtime=0)
+    return base64.b64encode(data).decode("ascii")
 
 
 def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
@@ -204,11 +225,12 @@ def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
     return {
         "wgsl": wgsl,
         "bindings": wgsl_bindings(wgsl),
-        "scene": _b64(scene.scene.astype(np.float32)),
-        "parameters": _b64(scene.parameters.astype(np.float16)),
-        "inputs": _b64(scene.inputs.astype(np.float16)),
-        "cells": _b64(scene.cells.astype(np.uint8)),
-        "nearest": _b64(scene.nearest.astype(np.float32)),
+        "scene": _packed(scene.scene.astype(np.float32)),
+        "parameters": _packed(scene.parameters.astype(np.float16)),
+        "inputs": _packed(scene.inputs.astype(np.float16)),
+        "inputCount": scene.input_count,
+        "cells": _packed(scene.cells.astype(np.uint8)),
+        "nearest": _packed(scene.nearest.astype(np.float32)),
         "structures": scene.structures,
         "bounds": scene.bounds.tolist(),
         "meshShadows": mesh_shadows,
