@@ -35,6 +35,7 @@ WEB_BUFFERS = ("webScene", "webParameters", "webInputs", "webCells", "webNearest
 #: Every request is refused: scripts and styles are inline, pictures are drawn by the script.
 CONTENT_POLICY = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:"
 VIEW_FLOATS = 16  # web_render.slang's readView
+STYLE_STRUCTURES = 8  # the entries of image_formation.slang's Look, which readScene reads
 
 
 class ShaderCompileError(RuntimeError):
@@ -162,7 +163,9 @@ def web_scene(run) -> WebScene:
     put(1.0 / occupancy.cell_mm, occupancy.reach_mm)
     put_int(int(occupancy.nearest is not None))
     look = renderer.look
-    for k in range(len(look["opticalDepth"])):
+    if len(look["opticalDepth"]) != STYLE_STRUCTURES:
+        raise ValueError(f"a look of {STYLE_STRUCTURES} structures expected, got {len(look['opticalDepth'])}")
+    for k in range(STYLE_STRUCTURES):
         put(*_vector(look["color"][k]), look["opticalDepth"][k])
         put_int(look["channel"][k])
         put(*_vector(look["window"][k]), look["modulation"][k], look["specular"][k])
@@ -258,5 +261,7 @@ def view_floats(camera) -> np.ndarray:
     """A camera (render/camera.py) as the page's view (web_render.slang's readView), every structure shown."""
     right, up, forward = camera.basis()
     values = [*camera.position, *right, *up, *forward, np.tan(np.radians(camera.view_angle) / 2),
-              camera.width, camera.height, 255]
-    return np.asarray(values, np.float32)
+              camera.width, camera.height, (1 << STYLE_STRUCTURES) - 1]
+    view = np.asarray(values, np.float32)
+    assert view.size == VIEW_FLOATS
+    return view
