@@ -87,10 +87,10 @@ class Browser:
     """Headless Chromium with one page, driven over the DevTools protocol; every network request the page
     makes is recorded (``requests``)."""
 
-    def __init__(self, chromium: str, timeout: float = 120.0) -> None:
+    def __init__(self, chromium: str, timeout: float = 120.0, flags: tuple[str, ...] = CHROMIUM_FLAGS) -> None:
         self.profile = tempfile.mkdtemp(prefix="chromium-profile-")
         self.timeout = timeout
-        self.process = subprocess.Popen([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
+        self.process = subprocess.Popen([chromium, *flags, f"--user-data-dir={self.profile}",
                                          "--remote-debugging-port=0", "about:blank"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file = Path(self.profile) / "DevToolsActivePort"
