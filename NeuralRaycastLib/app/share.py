@@ -19,13 +19,16 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..field.field import FieldLayout, field_source
 from ..gpu.device import structure_slots
 from ..paths import shader_dir
+
+if TYPE_CHECKING:
+    from ..train.run_folder import TrainedRun
 
 #: The kernel files of the page's module, after the field's sizes (field.py's field_source).
 WEB_PARTS = ("field_render", "web_render")
@@ -134,55 +137,80 @@ class WebScene:
     input_count: int         # V
 
 
-def web_scene(run) -> WebScene:
-    """The arrays of a trained run (run_folder.TrainedRun) as the page's kernel reads them."""
-    renderer, field, prepared = run.renderer, run.field, run.prepared
-    layout = field.layout
-    floats: list[np.ndarray] = []
+class SceneWriter:
+    """Web_render.slang's scene constants in readScene's order, as float32 (integers as their bits)."""
 
-    def put(*values) -> None:
-        floats.append(np.asarray(values, np.float32).reshape(-1))
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
 
-    def put_int(*values) -> None:
-        floats.append(_int_bits(values).reshape(-1))
+    def put(self, *values: float) -> None:
+        self.parts.append(np.asarray(values, np.float32).reshape(-1))
 
-    for level in layout.levels:
-        put_int(*level.dims)
-        put(1.0 / level.cell_mm)
-        put_int(level.offset, level.size)
-    put(*layout.origin)
-    put_int(field.active_levels, layout.geometry_offset, layout.appearance_offset)
-    put(layout.config.network.distance_scale_mm)
+    def put_int(self, *values: int) -> None:
+        self.parts.append(_int_bits(values).reshape(-1))
+
+    def field(self, field) -> None:
+        layout = field.layout
+        for level in layout.levels:
+            self.put_int(*level.dims)
+            self.put(1.0 / level.cell_mm)
+            self.put_int(level.offset, level.size)
+        self.put(*layout.origin)
+        self.put_int(field.active_levels, layout.geometry_offset, layout.appearance_offset)
+        self.put(layout.config.network.distance_scale_mm)
+
+    def volumes(self, shape: tuple[int, ...], affine: np.ndarray) -> None:
+        self.put_int(*shape)
+        self.put(*np.linalg.inv(affine).reshape(-1))
+
+    def occupancy(self, occupancy) -> None:
+        z, y, x = occupancy.cells.shape
+        self.put_int(x, y, z)
+        self.put(*occupancy.origin)
+        self.put(1.0 / occupancy.cell_mm, occupancy.reach_mm)
+        self.put_int(int(occupancy.nearest is not None))
+
+    def look(self, look: dict) -> None:
+        if len(look["opticalDepth"]) != STYLE_STRUCTURES:
+            raise ValueError(f"a look of {STYLE_STRUCTURES} structures expected, got {len(look['opticalDepth'])}")
+        for k in range(STYLE_STRUCTURES):
+            self.put(*_vector(look["color"][k]), look["opticalDepth"][k])
+            self.put_int(look["channel"][k])
+            self.put(*_vector(look["window"][k]), look["modulation"][k], look["specular"][k])
+
+    def lighting(self, lighting: dict) -> None:
+        self.put(lighting["ambient"], lighting["headlight"], lighting["key"], *_vector(lighting["keyDirection"]),
+                 lighting["shininess"])
+        self.put_int(lighting.get("shadows", 0))
+
+    def march(self, renderer) -> None:
+        settings = renderer.settings
+        self.put(settings["epsilon"], settings["step"], settings["shadowStep"], *_vector(settings["boxMin"]),
+                 *_vector(settings["boxMax"]))
+        self.put(renderer.min_weight, renderer.shade_weight)
+        self.put_int(renderer.max_samples)
+
+    def values(self) -> np.ndarray:
+        return np.concatenate(self.parts)
+
+
+def web_scene(run: TrainedRun) -> WebScene:
+    """The arrays of a trained run as the page's kernel reads them."""
+    renderer, prepared = run.renderer, run.prepared
     inputs = np.concatenate([prepared.channels, prepared.probability[None]], axis=0).astype(np.float32)
-    put_int(*inputs.shape[1:])
-    put(*np.linalg.inv(prepared.affine).reshape(-1))
+    writer = SceneWriter()
+    writer.field(run.field)
+    writer.volumes(inputs.shape[1:], prepared.affine)
+    writer.occupancy(renderer.occupancy)
+    writer.look(renderer.look)
+    writer.lighting(renderer.shading["lighting"])
+    writer.march(renderer)
     occupancy = renderer.occupancy
-    z, y, x = occupancy.cells.shape
-    put_int(x, y, z)
-    put(*occupancy.origin)
-    put(1.0 / occupancy.cell_mm, occupancy.reach_mm)
-    put_int(int(occupancy.nearest is not None))
-    look = renderer.look
-    if len(look["opticalDepth"]) != STYLE_STRUCTURES:
-        raise ValueError(f"a look of {STYLE_STRUCTURES} structures expected, got {len(look['opticalDepth'])}")
-    for k in range(STYLE_STRUCTURES):
-        put(*_vector(look["color"][k]), look["opticalDepth"][k])
-        put_int(look["channel"][k])
-        put(*_vector(look["window"][k]), look["modulation"][k], look["specular"][k])
-    lighting = renderer.shading["lighting"]
-    put(lighting["ambient"], lighting["headlight"], lighting["key"], *_vector(lighting["keyDirection"]),
-        lighting["shininess"])
-    put_int(lighting.get("shadows", 0))
-    settings = renderer.settings
-    put(settings["epsilon"], settings["step"], settings["shadowStep"], *_vector(settings["boxMin"]),
-        *_vector(settings["boxMax"]))
-    put(renderer.min_weight, renderer.shade_weight)
-    put_int(renderer.max_samples)
     inputs[:, ~read_voxels(prepared.affine, inputs.shape[1:], occupancy)] = 0.0  # never read: they pack to nothing
     nearest = occupancy.nearest if occupancy.nearest is not None else np.zeros(1, np.float32)
-    structures = [{"name": s.name, "color": _display_colour(look["color"][k])}
+    structures = [{"name": s.name, "color": _display_colour(renderer.look["color"][k])}
                   for k, s in enumerate(prepared.structures)]
-    return WebScene(np.concatenate(floats), field.parameters(), np.moveaxis(inputs, 0, -1).reshape(-1),
+    return WebScene(writer.values(), run.field.parameters(), np.moveaxis(inputs, 0, -1).reshape(-1),
                     np.ascontiguousarray(occupancy.cells, np.int32).reshape(-1),
                     np.asarray(nearest, np.float32).reshape(-1), structures,
                     np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0])
@@ -240,7 +268,7 @@ def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
     }
 
 
-def write_page(run, out: str | Path) -> Path:
+def write_page(run: TrainedRun, out: str | Path) -> Path:
     """Write the page of a trained run to ``out`` (one self-contained HTML file); returns its path."""
     layout = run.field.layout
     wgsl = compile_wgsl(web_source(layout), layout.structures)
