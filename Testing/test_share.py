@@ -43,6 +43,7 @@ def test_shared_page_renders_the_desktop_picture_without_network_requests(tmp_pa
     assert str(page) in capsys.readouterr().err
 
     trained = open_run(gpu, run)
+    assert trained.prepared.study.name not in html  # nor the study's name
     camera = orbit_cameras(trained.prepared.bounds, 3, 64, 64)[1]
     desktop = trained.render(camera).rgba
     assert desktop[..., 3].max() > 0.2  # something is in view
