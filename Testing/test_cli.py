@@ -13,7 +13,7 @@ from NeuralRaycastLib.app.cli import build_parser, main
 
 
 @pytest.mark.parametrize("command", ["info", "cache", "sample", "prepare", "render-reference", "fit", "render",
-                                     "mesh", "bench", "warmup", "demo"])
+                                     "mesh", "share", "bench", "warmup", "demo"])
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

@@ -4,7 +4,9 @@
 # 1. Where no NVIDIA GPU answers, make sure a Vulkan driver that slangpy can use is installed:
 #    Mesa's lavapipe (a CPU Vulkan implementation) >= 23. Debian bookworm ships 22.3, which is too old,
 #    so bookworm-backports is enabled by adding its suite to the existing apt source entry.
-# 2. Create or refresh the virtual environment `.venv` from the pinned `requirements.lock` (Ray included, for
+# 2. Make sure Chromium is installed (Debian's `chromium`): the test of `neuralraycast share` opens the page in
+#    it, headless, with WebGPU on SwiftShader (the CPU). Where it cannot be installed that test is skipped.
+# 3. Create or refresh the virtual environment `.venv` from the pinned `requirements.lock` (Ray included, for
 #    the cohort test's local cluster) and install NeuralRaycastLib into it (editable), so the `neuralraycast`
 #    command exists.
 #
@@ -68,6 +70,21 @@ ensure_vulkan_driver() {
     log "installed mesa-vulkan-drivers $(mesa_version)"
 }
 
+ensure_chromium() {
+    local name
+    for name in chromium chromium-browser google-chrome; do
+        if command -v "$name" >/dev/null; then log "browser for the page test present ($name)"; return; fi
+    done
+    if ! command -v apt-get >/dev/null; then
+        log "not a Debian system: install Chromium yourself to run the page test (it is skipped without it)"
+        return
+    fi
+    log "installing chromium (for the page test)"
+    if ! { as_root apt-get update -qq && DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq chromium >/dev/null; }; then
+        log "could not install chromium: the page test will be skipped"
+    fi
+}
+
 ensure_venv() {
     local lock="$ROOT/requirements.lock" stamp="$VENV/.neuralraycast-lock"
     local want; want="$(cat "$lock" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
@@ -84,5 +101,6 @@ ensure_venv() {
 }
 
 ensure_vulkan_driver
+ensure_chromium
 ensure_venv
 log "ready: $VENV/bin/neuralraycast"

@@ -355,6 +355,23 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_share(args: argparse.Namespace) -> int:
+    """One HTML page that renders the trained field live in a browser (WebGPU), with no network request."""
+    from ..train.run_folder import open_run
+    from .share import write_page
+
+    out = Path(args.out)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"{out}: the page's file name must end in .html")
+    if out.exists() and not args.overwrite:
+        raise ValueError(f"{out} exists: choose another file name or pass --overwrite")
+    run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+    page = write_page(run, out)
+    shadows = " (without the desktop's mesh shadows)" if run.renderer.mesh_shadows is not None else ""
+    print(f"{page}: {page.stat().st_size / 1e6:.1f} MB; open it in a browser with WebGPU{shadows}")
+    return 0
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train.evaluate import shown
     from ..train.run_folder import evaluate_run
@@ -650,6 +667,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["float16", "float32"], default="float16",
                    help="how the parameters are stored (default float16)")
     p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("share", help="write one HTML page that renders a trained field live in a web browser "
+                                     "(WebGPU; no network requests, no patient identifiers)")
+    device_option(p)
+    p.add_argument("run_folder", metavar="RUN", help="run folder written by 'fit'")
+    p.add_argument("--out", required=True, help="the page to write (.html)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing page of that name")
+    p.set_defaults(run=cmd_share)
 
     p = sub.add_parser("render", help="render orbit views of a trained field (RGBA, depth, normals)")
     device_option(p)

@@ -26,6 +26,7 @@ from ..train.presets import AUTO, RunSettings, check_run_values, get_preset
 from ..train.run import train_study
 from ..train.run_folder import run_metrics
 from .report import save_comparison, save_gif, write_report
+from .share import write_page
 
 
 def turntable_cameras(bounds: np.ndarray, frames: int, size: int) -> list:
@@ -95,6 +96,9 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
     save_gif(frames, out / "turntable.gif")
     progress("done", 1.0)
     timings["held-out renders and turntable"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    write_page(run, out / "live.html")  # the report's live view
+    timings["live view page"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
     meshes = []
@@ -119,8 +123,8 @@ def run_demo(out: str | Path, device: str | None = None, case: str = "icbm", spa
         "study": f"{case} sample, {'x'.join(map(str, run.prepared.study.shape))} voxels",
         "metrics": metrics, "log_rows": run.log.rows, "timings": timings, "meshes": meshes,
         "preset_note": note,
-        "pictures": {"held_out": held_out, "turntable": "turntable.gif", "depth": "gbuffer_depth.png",
-                     "normal": "gbuffer_normal.png"},
+        "pictures": {"held_out": held_out, "turntable": "turntable.gif", "live": "live.html",
+                     "depth": "gbuffer_depth.png", "normal": "gbuffer_normal.png"},
         "versions": {"SlicerNeuralRaycast": __version__, "slangpy": slangpy.__version__,
                      "Python": platform.python_version(), "device": gpu.report.adapter, "backend": gpu.backend},
     })

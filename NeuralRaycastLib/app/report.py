@@ -86,6 +86,33 @@ def _table(rows: list[list[Any]], header: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _live_view(page: str | None) -> str:
+    """The shared page (app/share.py) in a frame where the browser offers WebGPU; elsewhere a message saying so,
+    above the turntable that stands in for it."""
+    if not page:
+        return ""
+    name = html.escape(page)
+    return f"""<h2>Live view (the trained field rendered by this browser)</h2>
+<div id="live-view" hidden>
+<iframe src="{name}" title="live view" style="width:100%;height:560px;border:0"></iframe>
+<p>Drag to turn, right-drag or shift-drag to pan, wheel or pinch to zoom; <a href="{name}">{name}</a> opens it
+alone.</p>
+</div>
+<p id="live-missing" class="note">This browser does not offer WebGPU, so the live view cannot run here: the turntable
+below shows the trained field instead. Open <a href="{name}">{name}</a> in a browser with WebGPU (a recent Chrome or
+Edge, for example) to turn it by hand.</p>
+<script>
+(function () {{
+  if (!navigator.gpu) return;
+  navigator.gpu.requestAdapter().then(function (adapter) {{
+    if (!adapter) return;
+    document.getElementById("live-view").hidden = false;
+    document.getElementById("live-missing").hidden = true;
+  }}, function () {{}});
+}})();
+</script>"""
+
+
 def write_report(folder: Path, context: dict[str, Any]) -> Path:
     """``context``: metrics, log rows, timings, device, versions, pictures (paths relative to ``folder``),
     meshes (name, triangles, file)."""
@@ -134,6 +161,7 @@ trained with the <b>{html.escape(metrics["preset"])}</b> preset in {metrics["tra
 {html.escape(str(metrics["device"]))} ({html.escape(metrics["backend"])}); model {metrics["model_bytes"] / 1e6:.2f} MB.
 {html.escape(context.get("preset_note", ""))}</p>
 <h2>Reference and neural renders (held-out views)</h2>{comparisons}
+{_live_view(context["pictures"].get("live"))}
 <h2>Turntable (neural render)</h2><img src="{html.escape(context["pictures"]["turntable"])}">
 <h2>G-buffer (neural render)</h2>
 <figure><img src="{html.escape(context["pictures"]["depth"])}"><img src="{html.escape(context["pictures"]["normal"])}">

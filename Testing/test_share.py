@@ -1,0 +1,95 @@
+"""`neuralraycast share`: the page renders the trained field in a browser (headless Chromium, WebGPU on
+SwiftShader) as the desktop renderer does, and makes no network request."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from headless_browser import Browser, find_chromium
+
+from NeuralRaycastLib.app.cli import main
+
+pytestmark = pytest.mark.gpu
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10.0 * np.log10(1.0 / mse)
+
+
+def test_shared_page_renders_the_desktop_picture_without_network_requests(tmp_path, capsys, gpu):
+    from NeuralRaycastLib.app.share import view_floats
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.train.run_folder import open_run
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no chromium on this machine (tools/setup.sh installs Debian's package)")
+    # The phantom run test_cli trains (the same kernels, from the shader cache).
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    run = tmp_path / "run"
+    assert main(["fit", manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
+                 "--out", str(run)]) == 0
+    page = tmp_path / "page.html"
+    assert main(["share", str(run), "--out", str(page)]) == 0
+    assert str(page) in capsys.readouterr().out
+    html = page.read_text()
+    assert "default-src 'none'" in html and str(tmp_path) not in html  # no request allowed; no path of the study
+    assert main(["share", str(run), "--out", str(page)]) == 2  # never over an existing page unless told
+    assert str(page) in capsys.readouterr().err
+
+    trained = open_run(gpu, run)
+    assert trained.prepared.study.name not in html  # nor the study's name
+    camera = orbit_cameras(trained.prepared.bounds, 3, 64, 64)[1]
+    desktop = trained.render(camera).rgba
+    assert desktop[..., 3].max() > 0.2  # something is in view
+    browser = Browser(chromium, timeout=600)
+    try:
+        browser.open(page.as_uri() + "#test")  # renderForTest alone renders
+        ready = browser.evaluate("window.pageReady.catch(e => e.message)")
+        assert ready == "ready", browser.evaluate("window.gpuErrors")
+        pixels = browser.evaluate(f"window.renderForTest({json.dumps(view_floats(camera).tolist())})")
+        requests = list(browser.requests)
+    finally:
+        browser.close()
+    web = np.asarray(pixels, np.float32).reshape(64, 64, 4)
+    assert psnr(np.clip(web[..., :3], 0, 1), np.clip(desktop[..., :3], 0, 1)) >= 40.0
+    assert psnr(web[..., 3], desktop[..., 3]) >= 40.0
+    assert [url.split("#")[0] for url in requests] == [page.as_uri()]  # the page itself, nothing else
+
+
+def test_the_report_shows_the_live_view_where_webgpu_is_and_says_so_elsewhere(tmp_path):
+    """The demo's report frames live.html where the browser has a WebGPU adapter; without one it says so
+    above the turntable GIF, which stays."""
+    from headless_browser import CHROMIUM_FLAGS
+
+    from NeuralRaycastLib.app.report import write_report
+
+    chromium = find_chromium()
+    if chromium is None:
+        pytest.skip("no chromium on this machine (tools/setup.sh installs Debian's package)")
+    (tmp_path / "live.html").write_text("<!doctype html><title>live</title>")
+    metrics = {"dice": {}, "heldout_psnr": 30.0, "heldout_ssim": 0.9, "image_size": 32, "preset": "quick",
+               "train_seconds": 1.0, "device": "d", "backend": "vulkan", "model_bytes": 1}
+    report = write_report(tmp_path, {
+        "study": "s", "metrics": metrics, "log_rows": [], "timings": {}, "meshes": [], "versions": {},
+        "pictures": {"held_out": [], "turntable": "turntable.gif", "live": "live.html", "depth": "d.png",
+                     "normal": "n.png"}})
+    shown = "[!document.getElementById('live-view').hidden, !document.getElementById('live-missing').hidden, " \
+            "!!document.querySelector('img[src=\"turntable.gif\"]')]"
+    without_webgpu = tuple(f for f in CHROMIUM_FLAGS if "webgpu" not in f.lower() and "Vulkan" not in f)
+    for flags, expected in ((without_webgpu, [False, True, True]), (CHROMIUM_FLAGS, [True, False, True])):
+        browser = Browser(chromium, flags=flags)
+        try:
+            browser.open(report.as_uri())
+            deadline = time.time() + 60
+            while browser.evaluate(shown) != expected and time.time() < deadline:
+                time.sleep(0.2)  # the adapter is asked for after the page loads
+            assert browser.evaluate(shown) == expected, flags
+        finally:
+            browser.close()
+    assert "does not offer WebGPU" in report.read_text()
