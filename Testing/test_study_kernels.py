@@ -1,9 +1,10 @@
-"""Kernels that do not depend on the study: studies with other numbers of structures (and channels) train on the
-kernels already compiled, with the results of fields of their own sizes.
+"""Kernels that do not depend on the study: studies with other numbers of structures (and channels), another box
+and other voxels train on the kernels already compiled, with the results of fields of their own sizes.
 
-The field's kernels hold a capacity of structures and appearance inputs (field.py's FieldLayout.kernels); the
-studies here fit the same one, so the second compiles nothing: no Slang module and no kernel built in this
-process while it trains, counted at slangpy's own entry points.
+The field's kernels hold a capacity of structures and appearance inputs (field.py's FieldLayout.kernels) and are
+told which levels of the hash grid are dense; the studies here fit the same capacity, so the second compiles
+nothing: no Slang module and no kernel built in this process while it trains, counted at slangpy's own entry
+points.
 """
 
 from __future__ import annotations
@@ -51,19 +52,24 @@ def counted_compiles() -> Iterator[dict[str, list]]:
         spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline = load, build
 
 
-def phantom_study(names: tuple[str, ...], channels: int):
-    """The analytic phantom with only the structures ``names`` and ``channels`` MRI channels."""
+def phantom_study(names: tuple[str, ...], channels: int, spacing: float = SPACING, margin: float = 6.0):
+    """The analytic phantom with only the structures ``names`` and ``channels`` MRI channels, sampled every
+    ``spacing`` mm in its bounds grown by ``margin`` mm."""
     phantom = Phantom(brain_tilt_degrees=(0.0, 0.0, 0.0))
-    low, high = phantom.bounds(6.0)
+    low, high = phantom.bounds(margin)
     sdfs = {name: (lambda p, name=name: phantom.sdf(name, p)) for name in names}
-    return analytic_prepared(sdfs, SPACING, low, high, channel_count=channels)
+    return analytic_prepared(sdfs, spacing, low, high, channel_count=channels)
+
+
+def study_layout(prepared) -> FieldLayout:
+    """The tests' small field over the study's box, its finest cells the study's voxels (as field_config_for)."""
+    return FieldLayout.build(tiny_config(log2_table=14, coarsest_cells=8, finest_cell_mm=float(prepared.spacing.min())),
+                             prepared.bounds, len(prepared.structures), len(prepared.channel_names))
 
 
 def train(gpu, prepared) -> tuple[NeuralField, Trainer]:
     """A short run through every stage (the SDF fit, the appearance and the joint steps, held-out renders)."""
-    layout = FieldLayout.build(tiny_config(log2_table=14, coarsest_cells=8, finest_cell_mm=SPACING),
-                               prepared.bounds, len(prepared.structures), len(prepared.channel_names))
-    field = NeuralField(gpu, layout, seed=1)
+    field = NeuralField(gpu, study_layout(prepared), seed=1)
     views = render_reference_views(gpu, prepared, 4, 32, 32, held_out_every=4)
     config = replace(training_schedule("quick"), appearance_steps=2, joint_steps=2, eval_every=4, patches=4)
     config = replace(config, geometry=replace(config.geometry, steps=80, batch=1 << 12))
@@ -108,10 +114,32 @@ def test_the_kernels_networks_padded_with_zeros_compute_the_studys_own(structure
         assert kernels is layout and np.array_equal(padded, params)
 
 
+@pytest.mark.parametrize("hash_name", ["x_added", "xor"])
+def test_studies_whose_box_and_voxels_make_other_levels_dense_share_one_kernel_source(hash_name):
+    """The standard field over boxes of BraTS, clinical and small studies with voxels of 0.5 to 3 mm: from 8 to
+    all 16 levels dense, one kernel source (one compile) for each structure capacity."""
+    from NeuralRaycastLib.field.field import field_config_for, field_source
+
+    for structures in (3, 6):
+        layouts = []
+        for box in ((240.0, 240.0, 155.0), (256.0, 256.0, 168.0), (128.0, 128.0, 128.0)):
+            for voxel_mm in (0.5, 1.0, 3.0):
+                config = field_config_for(voxel_mm)
+                config = replace(config, encoding=replace(config.encoding, hash=hash_name))
+                layouts.append(FieldLayout.build(config, np.array([(0.0, 0.0, 0.0), box]), structures, 4))
+        assert {layout.dense_levels for layout in layouts} == {8, 9, 10, 12, 16}
+        assert len({field_source(layout) for layout in layouts}) == 1
+
+
 @pytest.mark.gpu
-def test_a_study_with_other_structure_and_channel_counts_compiles_nothing_and_trains_its_own_field(gpu):
+def test_a_study_with_other_counts_box_and_voxels_compiles_nothing_and_trains_its_own_field(gpu):
+    """The second study has other structure and channel counts, and a box and voxels that make another number of
+    the hash grid's levels dense: it trains on the first's kernels."""
     first = phantom_study(("brain", "whole_tumor", "tumor_core"), channels=2)
-    second = phantom_study(("brain",), channels=1)
+    second = phantom_study(("brain",), channels=1, spacing=3.0, margin=3.0)
+    layouts = [study_layout(prepared) for prepared in (first, second)]
+    assert layouts[0].dense_levels != layouts[1].dense_levels, [layout.dense_levels for layout in layouts]
+    assert layouts[0].kernels.defines() == layouts[1].kernels.defines()
     with counted_compiles() as compiled:
         field, _ = train(gpu, first)
     fields = {"first": field}
@@ -132,7 +160,7 @@ def test_a_study_with_other_structure_and_channel_counts_compiles_nothing_and_tr
         geometry = geometry_metrics(field, prepared)
         assert sorted(geometry) == sorted(s.name for s in prepared.structures)
         assert geometry["brain"]["dice"] > 0.9, (name, geometry)
-        assert geometry["brain"]["mean_surface_distance_mm"] < SPACING, (name, geometry)
+        assert geometry["brain"]["mean_surface_distance_mm"] < prepared.spacing.min(), (name, geometry)
 
 
 @pytest.mark.gpu

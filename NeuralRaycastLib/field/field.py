@@ -42,7 +42,8 @@ CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
 # How a hashed level finds a vertex's entry (EncodingConfig.hash), and the value of each in
-# shaders/hash_encoding.slang (FIELD_HASHING; LEVEL_DENSE = 1 there for the dense levels).
+# shaders/hash_encoding.slang (FIELD_HASHING). Which levels are dense is no define but a value the kernels are
+# given (the grid's denseLevels), since it follows the study's box and voxels.
 HASHES = ("x_added", "xor")
 LEVEL_HASHED, LEVEL_HASHED_XOR = 0, 2
 
@@ -328,7 +329,8 @@ class FieldLayout:
 
     @property
     def dense_levels(self) -> int:
-        """How many levels, the coarsest, are indexed densely (the others are hashed)."""
+        """How many levels, the coarsest, are indexed densely (the others are hashed): the kernels' grid is told
+        at run time (``denseLevels``), so it is no part of :meth:`defines`."""
         dense = [level.dense for level in self.levels]
         count = dense.index(False) if False in dense else len(dense)
         if any(dense[count:]):  # levels grow finer, so a dense level never follows a hashed one
@@ -347,7 +349,6 @@ class FieldLayout:
             "FIELD_APPEARANCE_INPUTS": self.appearance_inputs,
             "FIELD_APPEARANCE_HIDDEN": net.appearance_hidden,
             "FIELD_MATERIALS": net.materials,
-            "FIELD_DENSE_LEVELS": self.dense_levels,
             "FIELD_HASHING": LEVEL_HASHED_XOR if enc.hash == "xor" else LEVEL_HASHED,
             "FIELD_ENCODED": enc.levels * enc.features,
             "FIELD_GEOMETRY_OUTPUTS": self.structures + net.geometry_features,
@@ -595,7 +596,7 @@ class NeuralField:
         return {
             "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels,
-                     "shiftedGrads": self.kernels.shifted_gradients},
+                     "denseLevels": self.layout.dense_levels, "shiftedGrads": self.kernels.shifted_gradients},
             "geometryOffset": self.kernels.geometry_offset,
             "tiledGeometry": tiled["geometry"],
             "tiledAppearance": tiled["appearance"],

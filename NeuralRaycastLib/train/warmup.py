@@ -188,8 +188,8 @@ def warm_up(gpu: GpuContext, study_path: str | Path, settings: RunSettings, prog
 def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
                 structure_slots: int | None = None) -> str:
     """What the kernels of a run depend on, as a hash: the shader sources, the sizes of the field's kernels for
-    this study (its network sizes at the kernels' capacity, not the study's counts, and which levels of its hash
-    grid are dense), the preset and shadows, the device and the versions. A warm-up leaves a stamp by this key.
+    this study (its network sizes at the kernels' capacity, not the study's counts, box or voxels), the preset
+    and shadows, the device and the versions. A warm-up leaves a stamp by this key.
     ``structure_slots``: the key of the kernels of that capacity instead of the run's own."""
     layout = run_layout(gpu, prepared, settings, structure_slots)
     described = {
