@@ -156,11 +156,14 @@ class SceneWriter:
             self.put(1.0 / level.cell_mm)
             self.put_int(level.offset, level.size)
         self.put(*layout.origin)
-        self.put_int(field.active_levels, layout.geometry_offset, layout.appearance_offset)
+        # The kernel holds the field's capacity (field.py's FieldLayout.kernels): its offsets, the study's count.
+        kernels = layout.kernels
+        self.put_int(field.active_levels, layout.dense_levels, kernels.geometry_offset, kernels.appearance_offset,
+                     layout.structures)
         self.put(layout.config.network.distance_scale_mm)
 
-    def volumes(self, shape: tuple[int, ...], affine: np.ndarray) -> None:
-        self.put_int(*shape)
+    def volumes(self, shape: tuple[int, ...], affine: np.ndarray, count: int) -> None:
+        self.put_int(*shape, (count + 3) // 4)  # a voxel's float4s: the page pads its values to whole ones
         self.put(*np.linalg.inv(affine).reshape(-1))
 
     def occupancy(self, occupancy) -> None:
@@ -200,7 +203,7 @@ def web_scene(run: TrainedRun) -> WebScene:
     inputs = np.concatenate([prepared.channels, prepared.probability[None]], axis=0).astype(np.float32)
     writer = SceneWriter()
     writer.field(run.field)
-    writer.volumes(inputs.shape[1:], prepared.affine)
+    writer.volumes(inputs.shape[1:], prepared.affine, inputs.shape[0])
     writer.occupancy(renderer.occupancy)
     writer.look(renderer.look)
     writer.lighting(renderer.shading["lighting"])
@@ -210,7 +213,8 @@ def web_scene(run: TrainedRun) -> WebScene:
     nearest = occupancy.nearest if occupancy.nearest is not None else np.zeros(1, np.float32)
     structures = [{"name": s.name, "color": _display_colour(renderer.look["color"][k])}
                   for k, s in enumerate(prepared.structures)]
-    return WebScene(writer.values(), run.field.parameters(), np.moveaxis(inputs, 0, -1).reshape(-1),
+    parameters = run.field.layout.pad(run.field.parameters())  # as the kernel holds them: its capacity's layout
+    return WebScene(writer.values(), parameters, np.moveaxis(inputs, 0, -1).reshape(-1),
                     np.ascontiguousarray(occupancy.cells, np.int32).reshape(-1),
                     np.asarray(nearest, np.float32).reshape(-1), structures,
                     np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0])
