@@ -178,6 +178,13 @@ def test_the_warm_up_compiles_the_other_capacity_when_asked_and_a_study_with_few
     monkeypatch.setattr(warmup, "tiny_views", lambda gpu, prepared: None)
     monkeypatch.setattr(warmup, "warm_up_part",
                         lambda gpu, prepared, views, settings, part, slots=None: calls.append((part, slots)))
+
+    def in_processes(study_path, settings, backend, jobs, report, should_stop, python, slots=None):
+        """On a GPU the parts run in worker processes of their own: each is asked for, as in this process."""
+        calls.extend((part, slots) for part in warmup.PARTS)
+        return {title: 0.0 for title in warmup.PARTS.values()}
+
+    monkeypatch.setattr(warmup, "_parts_in_processes", in_processes)
     monkeypatch.setattr(warmup, "warm_up_stamp", lambda gpu, prepared, settings, slots=None: tmp_path / "stamps" / (
         warmup.kernels_key(gpu, prepared, settings, slots) + ".json"))
     settings = RunSettings.for_device(gpu, "quick")
