@@ -16,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_DIR = ROOT / "NeuralRaycast"
 LIB_DIR = ROOT / "NeuralRaycastLib"
+#: What the library ships: its modules and the share page's template (NeuralRaycastLib/app/share_page.html).
+LIB_SUFFIXES = (".py", ".html")
 #: What the module's folder holds besides the installed files: its build scripts.
 BUILD_FILES = {"CMakeLists.txt", "LibFiles.cmake"}
 
@@ -71,9 +73,9 @@ def installed(tmp_path_factory) -> Path:
     return work / "install" / "lib" / "Slicer" / "qt-scripted-modules"
 
 
-def installed_lib_files(installed: Path) -> list[str]:
+def installed_lib_files(installed: Path, suffix: str = "") -> list[str]:
     return sorted(name.removeprefix("NeuralRaycastLib/") for name in files_under(installed)
-                  if name.startswith("NeuralRaycastLib/"))
+                  if name.startswith("NeuralRaycastLib/") and name.endswith(suffix))
 
 
 def test_the_module_installs_every_file_of_its_folder_and_lists_none_that_is_gone():
@@ -86,7 +88,7 @@ def test_the_module_installs_every_file_of_its_folder_and_lists_none_that_is_gon
 def test_cmake_installs_the_module_its_resources_the_library_and_the_shaders_and_nothing_else(installed):
     expected = ({"NeuralRaycast.py"} | {f"Resources/{name}" for name in files_under(MODULE_DIR / "Resources")}
                 | {f"NeuralRaycastLib/{name}" for name in files_under(LIB_DIR)
-                   if name.endswith(".py") and not name.startswith("bench/")}
+                   if name.endswith(LIB_SUFFIXES) and not name.startswith("bench/")}
                 | {f"shaders/{path.name}" for path in (ROOT / "shaders").glob("*.slang")})
     assert sorted(files_under(installed) - expected) == [], "installed, but not a file of the module"
     assert sorted(expected - files_under(installed)) == [], "a file of the module, not installed"
@@ -94,11 +96,11 @@ def test_cmake_installs_the_module_its_resources_the_library_and_the_shaders_and
 
 def test_the_library_is_installed_whole_without_its_measurement_code(installed):
     lib = installed_lib_files(installed)
-    python_files = {name for name in files_under(LIB_DIR) if name.endswith(".py")}
+    shipped = {name for name in files_under(LIB_DIR) if name.endswith(LIB_SUFFIXES)}
     assert [name for name in lib if name.startswith("bench/")] == []
-    assert set(lib) == {name for name in python_files if not name.startswith("bench/")}
-    data = sorted(name for name in files_under(LIB_DIR) - python_files if not name.startswith("bench/"))
-    assert data == [], "files the library has that are not Python, which the install leaves out"
+    assert set(lib) == {name for name in shipped if not name.startswith("bench/")}
+    data = sorted(name for name in files_under(LIB_DIR) - shipped if not name.startswith("bench/"))
+    assert data == [], "files the library has that the install leaves out"
 
 
 def _imported_modules(path: Path, package: str) -> list[tuple[str, str]]:
@@ -129,7 +131,7 @@ def _imported_modules(path: Path, package: str) -> list[tuple[str, str]]:
 def test_no_installed_file_imports_the_measurement_code(installed):
     """The command line's bench command reaches it only where it is present (HAS_BENCH); nothing else does."""
     users = []
-    for name in installed_lib_files(installed):
+    for name in installed_lib_files(installed, ".py"):
         path = installed / "NeuralRaycastLib" / name
         package = "NeuralRaycastLib." + ".".join(Path(name).with_suffix("").parts)
         if path.name != "__init__.py":
@@ -147,7 +149,7 @@ def test_the_installed_layout_imports_and_runs_without_the_measurement_code(inst
     """The files CMake installs, as in Slicer's qt-scripted-modules folder: every module imports, and the
     command line works and does not offer bench."""
     modules = installed
-    names = installed_lib_files(installed)
+    names = installed_lib_files(installed, ".py")
     imports = sorted("NeuralRaycastLib." + ".".join(Path(name).with_suffix("").parts).removesuffix(".__init__")
                      for name in names)
     script = (

@@ -495,7 +495,10 @@ def test_inputs_are_checked_before_the_gpu_is_opened(module, scene, monkeypatch)
     reported as such."""
     import sys
 
+    import NeuralRaycastLib.gpu.device as device
+
     monkeypatch.setitem(sys.modules, "slangpy", None)  # importing it fails
+    monkeypatch.setattr(device, "_CONTEXTS", {})  # no device an earlier test of this process opened
     logic = module.NeuralRaycastLogic()
     with pytest.raises(ValueError, match="No input volume"):
         logic.train([], None)
