@@ -1453,8 +1453,9 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     # -- live view ------------------------------------------------------------------------------------
 
     def liveRender(self, camera) -> np.ndarray:
-        """The trained field from ``camera`` as a premultiplied RGBA picture (H, W, 4), for the live view."""
-        return self._requireRun().render(camera).rgba
+        """The trained field from ``camera`` as the live view shows it: straight-alpha bytes (H, W, 4), the rows
+        from the bottom, made on the device."""
+        return self._requireRun().renderer.render_picture(camera)
 
     def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0,
                        maxSide: int | None = None):

@@ -334,6 +334,21 @@ def test_a_view_rendered_in_bands_is_the_g_buffer_of_its_rays_sums(gpu):
                                rtol=1e-5, atol=1e-4)
 
 
+def test_the_picture_made_on_the_device_is_the_views_straight_alpha_bytes_bottom_row_first(gpu):
+    """render_picture (the live view's) packs on the device what rgba_bytes makes of render()'s colour plane."""
+    from NeuralRaycastLib.render.live_view import rgba_bytes
+
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    expected = rgba_bytes(renderer.render(camera).rgba)
+    picture = renderer.render_picture(camera)
+    assert picture.shape == (24, 32, 4) and picture.dtype == np.uint8
+    assert (expected[..., 3] == 0).any() and (expected[..., 3] > 0).any()  # background and covered pixels
+    assert not np.array_equal(expected, expected[::-1])  # so the rows' order is tested too
+    assert np.abs(picture.astype(int) - expected.astype(int)).max() <= 1  # rounding of the division apart
+    assert (picture != expected).mean() < 0.01
+
+
 def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkeypatch):
     """A view renders in bands whose sample buffers fit BAND_BYTES (the same picture as in one band), and a
     rendering batch holds no gradient buffers until a backward pass asks for them, then only for its rays."""

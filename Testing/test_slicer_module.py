@@ -713,6 +713,11 @@ class TracingRenderer:
         return RenderedImage(rgba, np.where(np.isfinite(depth), depth, 0.0).astype(np.float32),
                              np.zeros(depth.shape + (3,), np.float32))
 
+    def render_picture(self, camera):
+        from NeuralRaycastLib.render.live_view import rgba_bytes
+
+        return rgba_bytes(self.render(camera).rgba)  # as the renderer's picture: bytes, the rows from the bottom
+
 
 #: The input segments the learned structures are named and coloured after (as studyFromNodes records them).
 INPUT_SEGMENTS = {"whole_tumor": ("Oedema and tumour", (0.1, 0.6, 0.3)),

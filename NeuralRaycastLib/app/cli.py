@@ -323,7 +323,7 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
     """Frames per second of the live view: a trained field rendered from a camera orbiting it, picture by
     picture through the live view's scheduler, each read back and turned into the bytes the view shows."""
     from ..render.camera import check_view_size, framing_distance
-    from ..render.live_view import rgba_bytes, time_live_frames
+    from ..render.live_view import time_live_frames
     from ..train.run_folder import open_run
 
     width, height = args.size
@@ -333,8 +333,7 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
     run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
     low, high = run.prepared.bounds
     distance = framing_distance(float((high - low).max() / 2), 30.0, width, height)
-    result = time_live_frames(lambda camera: rgba_bytes(run.render(camera).rgba), (low + high) / 2, distance,
-                              args.frames, width, height)
+    result = time_live_frames(run.renderer.render_picture, (low + high) / 2, distance, args.frames, width, height)
     if args.json:
         _print_json(result)
         return 0

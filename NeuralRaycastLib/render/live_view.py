@@ -199,10 +199,11 @@ class ImageLayer:
         render_window.AddRenderer(self.renderer)
 
     def show(self, rgba: np.ndarray) -> None:
-        """Show a premultiplied float RGBA picture (H, W, 4), row 0 at the top."""
+        """Show a picture: premultiplied float RGBA (H, W, 4), row 0 at the top, or the bytes
+        :func:`rgba_bytes` (and the renderer's ``render_picture``) make of one."""
         from vtk.util.numpy_support import numpy_to_vtk
 
-        pixels = rgba_bytes(rgba)
+        pixels = rgba if rgba.dtype == np.uint8 else rgba_bytes(rgba)
         height, width = pixels.shape[:2]
         self.image.SetDimensions(width, height, 1)
         self.image.SetSpacing(1.0, 1.0, 1.0)

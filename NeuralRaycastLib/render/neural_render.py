@@ -93,6 +93,7 @@ class DiffRenderer:
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._frame: Any = None  # a whole view's sums on the device (render)
         self._planes: Any = None  # and its G-buffer
+        self._picture: Any = None  # and its picture as bytes (render_picture)
         self._band_counts: Any = None  # each band's list counts, read with the frame (render)
         self._read_back = ReadBack(gpu)
         self.mesh_shadows = None
@@ -338,6 +339,28 @@ class DiffRenderer:
         G-buffer is made from them (shaders/composite.slang's finishPixel); one read-back per view. The host
         never waits for a band's list counts (:meth:`forward` ``counted=False``); where a band listed more
         shaded segments than it had room for, the view renders again, counted (and later views have the room)."""
+        return image_from_planes(self._frame_planes(camera, rays_per_pass, timings), camera.height, camera.width)
+
+    def render_picture(self, camera: Camera) -> np.ndarray:
+        """One view as a screen shows it: (H, W, 4) straight-alpha bytes, the rows from the bottom (as VTK
+        images start). Made on the device from the G-buffer (shaders/composite.slang's packPicture), so only a
+        quarter of the colour plane's bytes is read back and nothing is converted on the host (the live view)."""
+        import slangpy as spy
+
+        self._frame_planes(camera, read=False)
+        pixels = camera.height * camera.width
+        if self._picture is None or self._picture.shape[0] != pixels:
+            self._picture = None
+            with device_memory(f"a {camera.width} × {camera.height} picture"):
+                self._picture = spy.Tensor.zeros(self.gpu.device, shape=(pixels,), dtype="float")  # a word a pixel
+        self.composite_module.packPicture(spy.grid((pixels,)), camera.width, camera.height,
+                                          self._planes.storage.device_address, self._picture.storage.device_address)
+        return self._read_back.read(self._picture).view(np.uint8).reshape(camera.height, camera.width, 4)
+
+    def _frame_planes(self, camera: Camera, rays_per_pass: int | None = None,
+                      timings: dict[str, float] | None = None, read: bool = True) -> np.ndarray | None:
+        """Render the view's G-buffer planes on the device (again, counted, where a band was crowded); read back
+        unless not ``read``."""
         import slangpy as spy
 
         pixels = camera.height * camera.width
@@ -349,13 +372,13 @@ class DiffRenderer:
         if self._band_counts is None or self._band_counts.shape[0] < camera.height * 3:
             # each band's list counts (a band has a row at least)
             self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
-        planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False)
+        planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False, read=read)
         if crowded:
-            planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True)
-        return image_from_planes(planes, camera.height, camera.width)
+            planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True, read=read)
+        return planes
 
     def _render_frame(self, camera: Camera, rays_per_pass: int | None, timings: dict[str, float] | None,
-                      counted: bool) -> tuple[np.ndarray, bool]:
+                      counted: bool, read: bool = True) -> tuple[np.ndarray | None, bool]:
         """The view's G-buffer planes, read back, and whether some band listed more shaded segments than it had
         room for (not ``counted``: each band's list counts are copied aside on the device and read with the
         frame; the last band's batch then has its ``lists``)."""
@@ -374,7 +397,7 @@ class DiffRenderer:
         self.composite_module.finishPixel(spy.grid((pixels,)), pixels, self._frame.storage.device_address,
                                           self._planes.storage.device_address)
         clock.lap("G-buffer")
-        planes = self._read_back.read(self._planes)
+        planes = self._read_back.read(self._planes) if read else None
         clock.lap("read-back")
         if counted:
             return planes, False
