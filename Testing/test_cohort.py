@@ -392,7 +392,7 @@ def test_without_ray_gpus_n_trains_a_study_per_gpu_at_once_each_in_its_own_proce
     assert all(_ended(entry["helper"]) for entry in seen.values())  # the crashed one's helper too
 
     crash = json.loads((out / "failed" / "crash" / "error.json").read_text())
-    assert crash["error"] == ("its process ended unexpectedly (killed by SIGKILL); its last words: GPU fault: "
+    assert crash["error"] == ("its process ended unexpectedly (signal SIGKILL); its last words: GPU fault: "
                               "device lost; run the cohort again to train it")
     assert "GPU fault: device lost" in crash["traceback"]
     assert f"cohort: crash FAILED: {crash['error']}" in captured.out

@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from ..processes import describe_exit, kill_tree, own_group
 
 #: The line on a worker's standard input that asks it to stop.
 STOP = "stop"
@@ -135,15 +135,6 @@ class Outcome:
         return self.run_folder is not None
 
 
-def _describe_status(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit status {returncode}"
-
-
 class WorkerProcess:
     """A worker process whose standard output is the JSON stream above.
 
@@ -166,14 +157,9 @@ class WorkerProcess:
         self.outcome: Outcome | None = None
 
     def start(self) -> None:
-        kwargs: dict = {}
-        if os.name == "nt":
-            kwargs["creationflags"] = subprocess.CREATE_NEW_PROCESS_GROUP | getattr(subprocess, "CREATE_NO_WINDOW", 0)
-        else:
-            kwargs["start_new_session"] = True
         self.process = subprocess.Popen(
             self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
-            cwd=self.cwd, text=True, encoding="utf-8", errors="replace", bufsize=1, **kwargs)
+            cwd=self.cwd, text=True, encoding="utf-8", errors="replace", bufsize=1, **own_group())
         self._readers = [threading.Thread(target=self._read_stdout, daemon=True, name="worker-stdout"),
                          threading.Thread(target=self._read_stderr, daemon=True, name="worker-stderr")]
         for reader in self._readers:
@@ -221,11 +207,7 @@ class WorkerProcess:
         if self.process is None or self.process.poll() is not None:
             return
         self._killed = True
-        if os.name == "nt":
-            subprocess.run(["taskkill", "/F", "/T", "/PID", str(self.process.pid)], capture_output=True, check=False)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+        kill_tree(self.process)
         self.process.wait()
 
     def poll(self) -> tuple[list[Progress], Outcome | None]:
@@ -289,5 +271,5 @@ class WorkerProcess:
             return Outcome("cancelled", f"{self.name} stopped before training; nothing was saved", None, returncode)
         last = self._stderr[-1].strip() if self._stderr else ""
         detail = f"; its last words: {last}" if last else ""
-        return Outcome("crashed", f"{self.name} ended unexpectedly ({_describe_status(returncode)}); nothing was "
+        return Outcome("crashed", f"{self.name} ended unexpectedly ({describe_exit(returncode)}); nothing was "
                        f"saved and the scene is unchanged{detail}", None, returncode)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ..processes import describe_exit, kill_tree, own_group
 from .study_process import MODULE, job_argument
 from .study_task import FitOptions, finished_record, one_line, record_failure
 from .tasks import StudyTask
@@ -61,13 +61,11 @@ class Children:
     def start(self, command: Sequence[str], env: dict[str, str], output: IO[bytes], errors: IO[bytes]
               ) -> subprocess.Popen | None:
         """Start a study's process in a group of its own; None once stopping."""
-        group: dict[str, Any] = ({"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP} if os.name == "nt"
-                                 else {"start_new_session": True})
         with self.lock:
             if self.stopping:
                 return None
             process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=output, stderr=errors,
-                                       env=env, **group)
+                                       env=env, **own_group())
             self.live.add(process)
             return process
 
@@ -82,7 +80,7 @@ class Children:
         with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
         with self.lock:
-            _kill_tree(process)
+            kill_tree(process)
             self.live.discard(process)
         return process.wait()
 
@@ -90,17 +88,7 @@ class Children:
         with self.lock:
             self.stopping = True
             for process in self.live:
-                _kill_tree(process)
-
-
-def _kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL the process's group (POSIX), or end its tree (Windows); nothing where it has ended."""
-    if os.name == "nt":
-        if process.poll() is None:
-            subprocess.run(["taskkill", "/F", "/T", "/PID", str(process.pid)], capture_output=True, check=False)
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+                kill_tree(process)
 
 
 def run_on_slots(pending: list[StudyTask], out: Path, options: FitOptions, devices: Sequence[str | None],
@@ -177,7 +165,7 @@ def train_in_process(task: StudyTask, out: Path, options: FitOptions, device: st
         said = _text(errors).splitlines()
         last = next((line.strip() for line in reversed(said) if line.strip()), "")
         words = f"; its last words: {last[:300]}" if last else ""
-        return record_failure(out, task, f"its process ended unexpectedly ({describe_status(status)}){words}; run "
+        return record_failure(out, task, f"its process ended unexpectedly ({describe_exit(status)}){words}; run "
                               "the cohort again to train it", "\n".join(said[-KEPT_LINES:]), time.time() - began)
 
 
@@ -196,11 +184,3 @@ def _record(text: str) -> dict[str, Any] | None:
     return None
 
 
-def describe_status(status: int) -> str:
-    """``killed by SIGKILL``, ``exit status 1``."""
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exit status {status}"
