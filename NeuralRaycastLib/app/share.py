@@ -255,14 +255,28 @@ def _packed(array: np.ndarray) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+def quantised_inputs(inputs: np.ndarray, count: int) -> dict[str, Any]:
+    """The local inputs (each voxel's ``count`` values in turn) as one byte each, over each input's own range
+    (``inputRanges``: low and high, the page maps byte b back to low + b / 255 · (high − low)). They are
+    normalised intensities read trilinearly: a 256th of their range is far below what the appearance
+    network's colours resolve, and the page holds half the bytes of float16."""
+    values = np.asarray(inputs, np.float32).reshape(-1, count)
+    low, high = values.min(axis=0), values.max(axis=0)
+    span = np.where(high > low, high - low, 1.0)
+    quantised = np.rint((values - low) / span * 255.0).astype(np.uint8)
+    return {"inputs": _packed(quantised), "inputRanges": [[float(lo), float(hi)] for lo, hi in zip(low, high,
+                                                                                                   strict=True)]}
+
+
 def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
-    """The page's model: the WGSL, its bindings, the arrays (float16 where they are large), the structures."""
+    """The page's model: the WGSL, its bindings, the arrays (float16 or bytes where they are large), the
+    structures."""
     return {
         "wgsl": wgsl,
         "bindings": wgsl_bindings(wgsl),
         "scene": _packed(scene.scene.astype(np.float32)),
         "parameters": _packed(scene.parameters.astype(np.float16)),
-        "inputs": _packed(scene.inputs.astype(np.float16)),
+        **quantised_inputs(scene.inputs, scene.input_count),
         "inputCount": scene.input_count,
         "cells": _packed(scene.cells.astype(np.uint8)),
         "nearest": _packed(scene.nearest.astype(np.float32)),
