@@ -321,7 +321,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_frame_rate(args: argparse.Namespace) -> int:
     """Frames per second of the live view: a trained field rendered from a camera orbiting it, picture by
-    picture through the live view's scheduler, each read back and turned into the bytes the view shows."""
+    picture through the live view's scheduler, each made into the bytes the view shows and read back."""
     from ..render.camera import check_view_size, framing_distance
     from ..render.live_view import time_live_frames
     from ..train.run_folder import open_run
