@@ -115,6 +115,20 @@ def sphere_trace(sdf, origin, directions, t_max=2000.0, iterations=400):
     return np.where(done & (t < t_max), t, np.inf)
 
 
+def sphere_actor(radius: float, centre=(0.0, 0.0, 0.0)):
+    """A VTK actor of a sphere: something for a test's 3D view to show."""
+    import vtk
+
+    sphere = vtk.vtkSphereSource()
+    sphere.SetCenter(*centre)
+    sphere.SetRadius(radius)
+    mapper = vtk.vtkPolyDataMapper()
+    mapper.SetInputConnection(sphere.GetOutputPort())
+    actor = vtk.vtkActor()
+    actor.SetMapper(mapper)
+    return actor
+
+
 def phantom_prepared(spacing: float, channel_count: int = 1):
     """The analytic phantom, exact boundary maps on a grid of ``spacing`` mm around its brain: (phantom, prepared)."""
     from NeuralRaycastLib.study.sample.phantom import Phantom

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import sphere_actor
 
 from NeuralRaycastLib.render.camera import Camera
 from NeuralRaycastLib.render.live_view import (
@@ -125,13 +126,7 @@ def view():
     window.SetSize(64, 48)
     renderer = vtk.vtkRenderer()
     window.AddRenderer(renderer)
-    sphere = vtk.vtkSphereSource()
-    sphere.SetRadius(60.0)
-    mapper = vtk.vtkPolyDataMapper()
-    mapper.SetInputConnection(sphere.GetOutputPort())
-    actor = vtk.vtkActor()
-    actor.SetMapper(mapper)
-    renderer.AddActor(actor)
+    renderer.AddActor(sphere_actor(60.0))
     camera_node = slicer.vtkMRMLCameraNode()
     renderer.SetActiveCamera(camera_node.GetCamera())
     interactor = vtk.vtkRenderWindowInteractor()

@@ -906,14 +906,9 @@ def test_the_live_view_follows_the_3d_views_camera_node_at_the_views_size(module
     settle()
     cameraNode.SetPosition(*(values + (600.0, 0.0, 0.0)))  # a script
     settle()
-    sphere = vtk.vtkSphereSource()
-    sphere.SetCenter(*values)
-    sphere.SetRadius(80.0)
-    mapper = vtk.vtkPolyDataMapper()
-    mapper.SetInputConnection(sphere.GetOutputPort())
-    actor = vtk.vtkActor()
-    actor.SetMapper(mapper)
-    renderer.AddActor(actor)
+    from conftest import sphere_actor
+
+    renderer.AddActor(sphere_actor(80.0, values))
     cameraNode.Reset(True, True, True, renderer)  # the view's reset
     settle()
     assert len(rendered) == 4 and len({camera.position for camera in rendered}) == 4
