@@ -53,8 +53,7 @@ WHEEL_PLATFORMS = (
     WheelPlatform("Linux", "x86_64", "manylinux_2_34_x86_64", "Linux x86-64",
                   (CUDA_DEVICES, VULKAN_DEVICES, LAVAPIPE)),
     WheelPlatform("Linux", "aarch64", "manylinux_2_34_aarch64", "Linux aarch64",
-                  (VULKAN_DEVICES, LAVAPIPE),
-                  note="CUDA is tried first there too, but has not been run on such a machine"),
+                  (CUDA_DEVICES, VULKAN_DEVICES, LAVAPIPE), note="not yet run on such a machine"),
     WheelPlatform("Darwin", "arm64", "macosx_26_0_arm64", "macOS 26 or newer on Apple silicon", (),
                   note=METAL_NOT_USED),
 )
