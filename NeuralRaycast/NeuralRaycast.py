@@ -1287,13 +1287,19 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         folder = str(runFolder or "")
         if folder in ("", "."):
             raise ValueError("No model folder given: train a model (Train) or load one (Load model) first")
-        if self.run is not None and os.path.isdir(folder) and os.path.samefile(folder, self.run.folder):
-            run = self.run
-        else:
-            run = self._openSharedRun(folder, device, gpuMemory)
+        run = self.run if self._isLoadedRun(folder) else self._openSharedRun(folder, device, gpuMemory)
         page = write_page(run, out)
         logging.info(f"Web page of the model in {folder} written to {page} ({page.stat().st_size / 1e6:.1f} MB)")
         return page
+
+    def _isLoadedRun(self, folder: str) -> bool:
+        """Whether ``folder`` is the loaded model's (which may have been moved or deleted since it was loaded)."""
+        if self.run is None:
+            return False
+        loaded = str(self.run.folder)
+        if os.path.abspath(folder) == os.path.abspath(loaded):
+            return True
+        return os.path.isdir(folder) and os.path.isdir(loaded) and os.path.samefile(folder, loaded)
 
     def _openSharedRun(self, folder: str, device: str, gpuMemory: str):
         """A run folder that is not the loaded model, on the study file its run records."""
@@ -1871,6 +1877,10 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
 
             # A live view picture of a camera: premultiplied RGBA at the camera's size.
             self.assertEqual(logic.liveRender(logic.cameraFromNode(cameraNode, (32, 24))).shape, (24, 32, 4))
+
+            # The trained model as a web page (Share as web page): the loaded model, whose study is the scene's.
+            page = logic.sharePage(run.folder, os.path.join(folder, "page.html"))
+            self.assertIn("default-src 'none'", page.read_text(encoding="utf-8"))
         self.delayDisplay("Test passed")
 
 
