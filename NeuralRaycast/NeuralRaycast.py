@@ -638,8 +638,10 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if not path:
             return
         with slicer.util.tryWithErrorDisplay(_("Failed to write the web page."), waitCursor=True):
-            page = self.logic.sharePage(run.folder, path, overwrite=confirmed, device=self._parameterNode.device,
-                                        gpuMemory=self._parameterNode.gpuMemory)
+            parameters = self._parameterNode  # None once the scene closed: the loaded model needs no device
+            page = self.logic.sharePage(run.folder, path, overwrite=confirmed,
+                                        device=parameters.device if parameters else "auto",
+                                        gpuMemory=parameters.gpuMemory if parameters else "")
             message = _("Web page written: {path} ({megabytes} MB); open it in a browser with WebGPU").format(
                 path=page, megabytes=f"{page.stat().st_size / 1e6:.1f}")
             self.ui.resultsText.setPlainText("\n".join(filter(None, [self.ui.resultsText.plainText, message])))
@@ -725,9 +727,10 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         """What this platform gets (a line for the log); raises UnsupportedPlatformError naming the platform and
         what is supported where slangpy has no wheel or no ``device`` is known to open. Needs nothing installed:
         the widget calls it before offering to install the packages."""
+        from NeuralRaycastLib.gpu.device import requested_backend
         from NeuralRaycastLib.gpu.platforms import check_platform
 
-        return check_platform(device).describe()
+        return check_platform(requested_backend(device)).describe()  # auto: NEURALRAYCAST_DEVICE where set
 
     @staticmethod
     def requirementsPath() -> str:

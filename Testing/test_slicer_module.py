@@ -1033,6 +1033,30 @@ def test_the_share_button_needs_a_trained_model_and_no_run_going_and_writes_wher
     assert (tmp_path / "kept.html").read_text() == "the user's page" and page_writes == []
 
 
+@pytest.mark.gpu
+def test_share_writes_the_page_of_a_trained_run(module, scene, tmp_path, capsys):
+    """The Logic writes the real page (the share command's) of a run trained as test_share.py trains it (the same
+    kernels): self-contained, no request allowed, nothing of the study's paths; an existing page is kept."""
+    from NeuralRaycastLib.app.cli import main
+
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    run = tmp_path / "run"
+    assert main(["fit", manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
+                 "--out", str(run)]) == 0
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    page = logic.sharePage(run, tmp_path / "shared" / "page.html")
+    assert page == tmp_path / "shared" / "page.html"
+    html = page.read_text()
+    assert html.startswith("<!") and "default-src 'none'" in html and '"wgsl"' in html
+    assert str(tmp_path) not in html
+    with pytest.raises(ValueError, match=re.escape(f"{page} exists")):
+        logic.sharePage(run, page)
+    assert page.read_text() == html
+    assert node_ids(scene) == before and logic.run is None  # the scene and the loaded model as they were
+
+
 # --- platforms: refused before anything is installed ----------------------------------------------------------------
 
 
@@ -1061,11 +1085,18 @@ def test_an_unsupported_platform_is_refused_before_anything_is_installed(module,
         assert named in str(raised.value) and "Windows x64, Linux x86-64 and Linux aarch64" in str(raised.value)
         assert asked == []  # no question, no constraints file, no install
 
-    # a supported platform goes on to ask
+    # a supported platform goes on to ask; so does a Mac where the device is set to vulkan (the module's setting,
+    # or NEURALRAYCAST_DEVICE behind auto), to try a Vulkan driver over Metal
     monkeypatch.setattr(platforms, "this_platform",
                         lambda: platforms.Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 36))))
     module.installDependencies(logic, "auto")
     assert len(asked) == 3
+    monkeypatch.setattr(platforms, "this_platform",
+                        lambda: platforms.Platform("Darwin", "arm64", (3, 12), macos=(26, 0)))
+    module.installDependencies(logic, "vulkan")
+    monkeypatch.setenv("NEURALRAYCAST_DEVICE", "vulkan")
+    module.installDependencies(logic, "auto")
+    assert len(asked) == 9
 
 
 def test_the_modules_help_says_what_each_platform_gets(module, monkeypatch):
