@@ -110,3 +110,24 @@ def test_without_slangpy_an_unsupported_platform_says_installing_would_not_help(
                                                                      libc=("glibc", (2, 36))))
     with pytest.raises(device.GpuUnavailableError, match="slangpy is not installed"):
         device.open_device("auto")
+
+
+def test_where_no_device_opens_the_message_names_the_platform(monkeypatch):
+    import NeuralRaycastLib.gpu.device as device
+
+    def fails(backend):
+        raise RuntimeError(f"no {backend} here")
+
+    monkeypatch.setattr(device, "_CONTEXTS", {})
+    monkeypatch.setattr(device, "_open", fails)
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
+                                                                     libc=("glibc", (2, 36))))
+    with pytest.raises(device.GpuUnavailableError) as raised:
+        device.open_device("auto")
+    assert str(raised.value).startswith("no GPU device works on Linux x86_64, glibc 2.36, CPython 3.12 (cuda: no "
+                                        "cuda here; vulkan: no vulkan here). Install one of:")
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Darwin", "arm64", (3, 12), macos=(26, 0)))
+    with pytest.raises(device.GpuUnavailableError) as raised:
+        device.open_device("cuda")
+    assert "no GPU device works on macOS arm64, macOS 26.0, CPython 3.12 (cuda: no cuda here). macOS arm64" in \
+        str(raised.value) and "never Metal" in str(raised.value)
