@@ -68,6 +68,14 @@ def _libraryVersion() -> str:
     return NeuralRaycastLib.__version__
 
 
+def _platformsText() -> str:
+    """What each platform gets, from the library's table (the command line's ``info`` reads the same)."""
+    _ensureLibrary()
+    from NeuralRaycastLib.gpu.platforms import platforms_summary
+
+    return platforms_summary()
+
+
 class GridMismatchError(ValueError):
     """A volume is not on the reference volume's grid (it can be resampled onto it after asking)."""
 
@@ -107,10 +115,13 @@ class NeuralRaycast(ScriptedLoadableModule):
 Fits a neural signed-distance and appearance field to a brain MRI study (one or more co-registered
 channels plus a tumour segmentation) and renders it with a differentiable Slang raycaster.
 Select the reference volume, any further channels on the same grid and the segmentation, choose a
-preset and press Apply. Missing Python packages are installed on first use, after asking.
+preset and press Train. Missing Python packages are installed on first use, after asking; on a platform
+where slangpy has no wheel, or no device is known to open, the module says so before installing anything.
+After a training, Share as web page writes one HTML file that renders the model live in a browser (WebGPU).
+<p>{platforms}</p>
 See the <a href="{url}">project documentation</a> for details. Version {version}.
 """
-        ).format(url=README_URL, version=_libraryVersion())
+        ).format(url=README_URL, version=_libraryVersion(), platforms=_platformsText())
         # Sample data is registered once the Sample Data module exists.
         slicer.app.connect("startupCompleted()", registerSampleData)
         self.parent.acknowledgementText = _(
@@ -159,15 +170,18 @@ def _loadSampleWithErrorDisplay():
         segmentation.CreateClosedSurfaceRepresentation()
 
 
-def installDependencies(logic: "NeuralRaycastLogic") -> None:
+def installDependencies(logic: "NeuralRaycastLogic", device: str = "auto") -> None:
     """Install the missing packages of ``Resources/requirements.txt`` after asking (the widget's part: the
-    Logic opens no dialogs), keeping Slicer's numpy and scipy at their installed versions.
+    Logic opens no dialogs), keeping Slicer's numpy and scipy at their installed versions. A platform where
+    slangpy has no wheel, or no ``device`` is known to open, is refused first (UnsupportedPlatformError naming
+    it and what is supported), before anything is installed.
 
     Uses ``slicer.packaging.pip_ensure`` (Slicer 5.12 and later), else ``slicer.util.pip_install`` after a
     confirmation. Raises RuntimeError if the user declines. Called when the packages are needed (Apply).
     """
     import tempfile
 
+    logic.checkPlatform(device)
     constraints = logic.writePipConstraints(os.path.join(tempfile.gettempdir(), MODULE_NAME))
     try:
         import slicer.packaging as packaging
@@ -292,6 +306,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.clearCacheButton.connect("clicked(bool)", self.onClearCacheButton)
         self.ui.segmentationButton.connect("clicked(bool)", self.onSegmentationButton)
         self.ui.liveViewButton.connect("toggled(bool)", self.onLiveViewToggled)
+        self.ui.shareButton.connect("clicked(bool)", self.onShareButton)
         self._resetProgress()
 
         import qt
@@ -388,6 +403,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.modelsButton.enabled = trained
         self.ui.segmentationButton.enabled = trained
         self.ui.liveViewButton.enabled = trained
+        self.ui.shareButton.enabled = trained
 
     def _resetProgress(self) -> None:
         self.ui.progressBar.setRange(0, 100)
@@ -419,6 +435,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if running:  # the live view shows the last model; a new one replaces it when the run is done
             self.ui.liveViewButton.checked = False
         self.ui.liveViewButton.enabled = not running and self.logic.run is not None
+        self.ui.shareButton.enabled = not running and self.logic.run is not None
         if running:
             self.ui.applyButton.text = _("Cancel")
             self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")
@@ -435,7 +452,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._resetProgress()
         self.ui.resultsText.setPlainText("")
         with slicer.util.tryWithErrorDisplay(_("Training could not start."), waitCursor=True):
-            installDependencies(self.logic)
+            installDependencies(self.logic, parameters.device)
             resample = self._askToResample()
             if resample is None:
                 return
@@ -549,7 +566,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def onLoadButton(self) -> None:
         parameters = self._parameterNode
         with slicer.util.tryWithErrorDisplay(_("Failed to load the model."), waitCursor=True):
-            installDependencies(self.logic)
+            installDependencies(self.logic, parameters.device)
             resample = self._askToResample()
             if resample is None:
                 return
@@ -612,6 +629,39 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             live, self._liveView = self._liveView, None
             live.close()
 
+    def onShareButton(self) -> None:
+        """Write the trained model as a web page, to a file the user names; the page's path in the results."""
+        run = self.logic.run
+        if run is None or self._running:
+            return
+        path, confirmed = self._askPagePath(str(run.folder))
+        if not path:
+            return
+        with slicer.util.tryWithErrorDisplay(_("Failed to write the web page."), waitCursor=True):
+            parameters = self._parameterNode  # None once the scene closed: the loaded model needs no device
+            page = self.logic.sharePage(run.folder, path, overwrite=confirmed,
+                                        device=parameters.device if parameters else "auto",
+                                        gpuMemory=parameters.gpuMemory if parameters else "")
+            message = _("Web page written: {path} ({megabytes} MB); open it in a browser with WebGPU").format(
+                path=page, megabytes=f"{page.stat().st_size / 1e6:.1f}")
+            self.ui.resultsText.setPlainText("\n".join(filter(None, [self.ui.resultsText.plainText, message])))
+            slicer.util.showStatusMessage(message)
+
+    @staticmethod
+    def _askPagePath(runFolder: str) -> tuple[str, bool]:
+        """The page's file name from a save dialog (empty if cancelled), ``.html`` added where missing, and
+        whether the dialog confirmed replacing that very file."""
+        import qt
+
+        folder = pathlib.Path(runFolder)
+        chosen = qt.QFileDialog.getSaveFileName(slicer.util.mainWindow(), _("Share as web page"),
+                                                str(folder.parent / f"{folder.name}.html"),
+                                                _("Web page (*.html)"))
+        if not chosen:
+            return "", False
+        path = chosen if chosen.lower().endswith((".html", ".htm")) else f"{chosen}.html"
+        return path, path == chosen
+
     def onClearCacheButton(self) -> None:
         with slicer.util.tryWithErrorDisplay(_("Failed to clear the cached data."), waitCursor=True):
             installDependencies(self.logic)
@@ -671,6 +721,16 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         return clear_cache(list(DATA_CACHE_FOLDERS))
 
     # -- dependencies ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def checkPlatform(device: str = "auto") -> str:
+        """What this platform gets (a line for the log); raises UnsupportedPlatformError naming the platform and
+        what is supported where slangpy has no wheel or no ``device`` is known to open. Needs nothing installed:
+        the widget calls it before offering to install the packages."""
+        from NeuralRaycastLib.gpu.device import requested_backend
+        from NeuralRaycastLib.gpu.platforms import check_platform
+
+        return check_platform(requested_backend(device)).describe()  # auto: NEURALRAYCAST_DEVICE where set
 
     @staticmethod
     def requirementsPath() -> str:
@@ -1213,6 +1273,52 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         prepared = prepare_for_run(study, settings)
         self.run = load_run(self.gpuContext(device, gpuMemory), folder, prepared)
         return self.run
+
+    def sharePage(self, runFolder, path, overwrite: bool = False, device: str = "auto", gpuMemory: str = ""):
+        """Write a trained run as one self-contained web page that renders it live in a browser with WebGPU (what
+        ``neuralraycast share`` writes: no network requests, no names, dates or paths of the study); returns the
+        page's path.
+
+        The loaded model is shared where ``runFolder`` is its folder (a run trained in the module: its study
+        lives in the scene); another folder is opened on the study file its run records. The path is checked
+        before any work: it must end in .html, and a page already there is kept unless ``overwrite``.
+        Raises ValueError naming the path or the folder and what to do.
+        """
+        from NeuralRaycastLib.app.share import check_page_path, write_page
+
+        out = check_page_path(path, overwrite, "confirm replacing it")
+        folder = str(runFolder or "")
+        if folder in ("", "."):
+            raise ValueError("No model folder given: train a model (Train) or load one (Load model) first")
+        run = self.run if self._isLoadedRun(folder) else self._openSharedRun(folder, device, gpuMemory)
+        page = write_page(run, out)
+        logging.info(f"Web page of the model in {folder} written to {page} ({page.stat().st_size / 1e6:.1f} MB)")
+        return page
+
+    def _isLoadedRun(self, folder: str) -> bool:
+        """Whether ``folder`` is the loaded model's (which may have been moved or deleted since it was loaded)."""
+        if self.run is None:
+            return False
+        loaded = str(self.run.folder)
+        if os.path.abspath(folder) == os.path.abspath(loaded):
+            return True
+        return os.path.isdir(folder) and os.path.isdir(loaded) and os.path.samefile(folder, loaded)
+
+    def _openSharedRun(self, folder: str, device: str, gpuMemory: str):
+        """A run folder that is not the loaded model, on the study file its run records."""
+        import json
+
+        from NeuralRaycastLib.train.run_folder import open_run
+
+        if not os.path.isfile(os.path.join(folder, "run.json")):
+            raise ValueError(f"Model folder '{folder}' holds no trained model (no run.json); train one (Train) or "
+                             "select the folder of one")
+        with open(os.path.join(folder, "run.json"), encoding="utf-8") as file:
+            study = json.load(file).get("study")  # the run's own checks follow in open_run
+        if not study or not os.path.exists(str(study)):
+            raise ValueError(f"Model folder '{folder}' was trained on a study that is no longer on disk: load its "
+                             "study into the scene, select the folder, press Load model, then share it")
+        return open_run(self.gpuContext(device, gpuMemory), folder)
 
     def _requireRun(self):
         if self.run is None:
@@ -1774,6 +1880,10 @@ class NeuralRaycastTest(ScriptedLoadableModuleTest):
 
             # A live view picture of a camera: premultiplied RGBA at the camera's size.
             self.assertEqual(logic.liveRender(logic.cameraFromNode(cameraNode, (32, 24))).shape, (24, 32, 4))
+
+            # The trained model as a web page (Share as web page): the loaded model, whose study is the scene's.
+            page = logic.sharePage(run.folder, os.path.join(folder, "page.html"))
+            self.assertIn("default-src 'none'", page.read_text(encoding="utf-8"))
         self.delayDisplay("Test passed")
 
 

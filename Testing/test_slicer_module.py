@@ -941,3 +941,173 @@ def test_the_live_view_is_coarser_on_a_software_device(module, scene, phantom_lo
         queue.pop()()
         assert [(camera.width, camera.height) for camera in rendered] == [expected]
         live.close()
+
+
+# --- sharing a trained model as a web page ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def page_writes(monkeypatch):
+    """What write_page was asked to write: (run, path); each writes a small stand-in page (the page itself is
+    checked in test_share.py and by the GPU test below)."""
+    import NeuralRaycastLib.app.share as share
+
+    written = []
+
+    def write_page(run, out):
+        written.append((run, pathlib.Path(out)))
+        pathlib.Path(out).write_text("<!doctype html><title>page</title>")
+        return pathlib.Path(out)
+
+    monkeypatch.setattr(share, "write_page", write_page)
+    return written
+
+
+def test_share_refuses_a_bad_name_an_existing_page_and_a_folder_without_a_model_before_any_work(
+        module, scene, phantom_logic, page_writes, tmp_path, monkeypatch):
+    import json
+
+    def no_device(*args, **kwargs):
+        raise AssertionError("the GPU was opened")
+
+    monkeypatch.setattr(module.NeuralRaycastLogic, "gpuContext", staticmethod(no_device))
+    folder = phantom_logic.run.folder
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'page.txt'}: the page's file name must end in .html")):
+        phantom_logic.sharePage(folder, tmp_path / "page.txt")
+    existing = tmp_path / "existing.html"
+    existing.write_text("the user's page")
+    with pytest.raises(ValueError, match=re.escape(f"{existing} exists: choose another file name or confirm "
+                                                   "replacing it")):
+        phantom_logic.sharePage(folder, existing)
+    assert existing.read_text() == "the user's page" and page_writes == []
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    with pytest.raises(ValueError, match=f"Model folder '{re.escape(str(empty))}' holds no trained model"):
+        phantom_logic.sharePage(empty, tmp_path / "page.html")
+    gone = tmp_path / "study-gone"
+    gone.mkdir()
+    (gone / "run.json").write_text(json.dumps({"study": str(tmp_path / "deleted" / "manifest.json")}))
+    with pytest.raises(ValueError, match="no longer on disk: load its study into the scene.*Load model"):
+        phantom_logic.sharePage(gone, tmp_path / "page.html")
+    assert page_writes == [] and not (tmp_path / "page.html").exists()
+
+    # the loaded model (trained in the module: its study is the scene's) is the one shared, with no device opened
+    assert phantom_logic.sharePage(folder, tmp_path / "page.html") == tmp_path / "page.html"
+    assert page_writes == [(phantom_logic.run, tmp_path / "page.html")]
+    assert phantom_logic.sharePage(folder, existing, overwrite=True) == existing  # a confirmed replacement
+
+
+def test_the_share_button_needs_a_trained_model_and_no_run_going_and_writes_where_the_user_says(
+        widget, phantom_run, page_writes, tmp_path, monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import slicer
+
+    widget._checkCanApply()
+    assert not widget.ui.shareButton.enabled  # no trained model yet
+    widget.logic.run = phantom_run
+    widget._checkCanApply()
+    assert widget.ui.shareButton.enabled
+    widget._setRunning(True)
+    assert not widget.ui.shareButton.enabled  # a run is going
+    widget._setRunning(False)
+    assert widget.ui.shareButton.enabled
+
+    monkeypatch.setitem(sys.modules, "qt", SimpleNamespace(Qt=SimpleNamespace(WaitCursor=3)))
+    monkeypatch.setattr(slicer.app, "setOverrideCursor", lambda cursor: None, raising=False)
+    monkeypatch.setattr(slicer.app, "restoreOverrideCursor", lambda: None, raising=False)
+    answers = [("", False), (str(tmp_path / "shared.html"), True)]
+    monkeypatch.setattr(widget, "_askPagePath", lambda folder: answers.pop(0))
+    widget.onShareButton()  # the save dialog cancelled: nothing written
+    assert page_writes == []
+    widget.onShareButton()
+    assert page_writes == [(phantom_run, tmp_path / "shared.html")]
+    assert f"Web page written: {tmp_path / 'shared.html'}" in widget.ui.resultsText.plainText
+
+    page_writes.clear()
+    (tmp_path / "kept.html").write_text("the user's page")
+    monkeypatch.setattr(widget, "_askPagePath", lambda folder: (str(tmp_path / "kept.html"), False))
+    with pytest.raises(ValueError, match="kept.html exists"):  # shown by tryWithErrorDisplay in Slicer
+        widget.onShareButton()
+    assert (tmp_path / "kept.html").read_text() == "the user's page" and page_writes == []
+
+
+@pytest.mark.gpu
+def test_share_writes_the_page_of_a_trained_run(module, scene, tmp_path, capsys):
+    """The Logic writes the real page (the share command's) of a run trained as test_share.py trains it (the same
+    kernels): self-contained, no request allowed, nothing of the study's paths; an existing page is kept."""
+    from NeuralRaycastLib.app.cli import main
+
+    assert main(["sample", str(tmp_path / "s"), "--case", "phantom", "--spacing", "4"]) == 0
+    manifest = capsys.readouterr().out.strip()
+    run = tmp_path / "run"
+    assert main(["fit", manifest, "--preset", "quick", "--iterations", "12", "--views", "4", "--size", "32",
+                 "--out", str(run)]) == 0
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    page = logic.sharePage(run, tmp_path / "shared" / "page.html")
+    assert page == tmp_path / "shared" / "page.html"
+    html = page.read_text()
+    assert html.startswith("<!") and "default-src 'none'" in html and '"wgsl"' in html
+    assert str(tmp_path) not in html
+    with pytest.raises(ValueError, match=re.escape(f"{page} exists")):
+        logic.sharePage(run, page)
+    assert page.read_text() == html
+    assert node_ids(scene) == before and logic.run is None  # the scene and the loaded model as they were
+
+
+# --- platforms: refused before anything is installed ----------------------------------------------------------------
+
+
+def test_an_unsupported_platform_is_refused_before_anything_is_installed(module, monkeypatch, tmp_path):
+    import slicer
+
+    from NeuralRaycastLib.gpu import platforms
+
+    asked = []
+    monkeypatch.setattr(slicer.util, "confirmOkCancelDisplay", lambda *args, **kwargs: asked.append(args) or True)
+    monkeypatch.setattr(slicer.util, "pip_install", lambda *args, **kwargs: asked.append(args))
+    monkeypatch.setattr(module.NeuralRaycastLogic, "writePipConstraints",
+                        staticmethod(lambda folder: asked.append(folder) or str(tmp_path / "constraints.txt")))
+    logic = module.NeuralRaycastLogic()
+    monkeypatch.setattr(logic, "missingRequirements", lambda: ["slangpy==0.43.1"])
+    for here, device, named in (
+            (platforms.Platform("Windows", "ARM64", (3, 12)), "auto", "Windows arm64, CPython 3.12: slangpy 0.43.1 "
+                                                                      "has no wheel for Windows on arm64"),
+            (platforms.Platform("Darwin", "arm64", (3, 12), macos=(26, 0)), "auto", "macOS arm64, macOS 26.0, CPython "
+                                                                                    "3.12: slangpy installs, but"),
+            (platforms.Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 28))), "vulkan",
+             "slangpy's Linux wheels need glibc 2.34 or newer")):
+        monkeypatch.setattr(platforms, "this_platform", lambda here=here: here)
+        with pytest.raises(platforms.UnsupportedPlatformError) as raised:
+            module.installDependencies(logic, device)
+        assert named in str(raised.value) and "Windows x64, Linux x86-64 and Linux aarch64" in str(raised.value)
+        assert asked == []  # no question, no constraints file, no install
+
+    # a supported platform goes on to ask; so does a Mac where the device is set to vulkan (the module's setting,
+    # or NEURALRAYCAST_DEVICE behind auto), to try a Vulkan driver over Metal
+    monkeypatch.setattr(platforms, "this_platform",
+                        lambda: platforms.Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 36))))
+    module.installDependencies(logic, "auto")
+    assert len(asked) == 3
+    monkeypatch.setattr(platforms, "this_platform",
+                        lambda: platforms.Platform("Darwin", "arm64", (3, 12), macos=(26, 0)))
+    module.installDependencies(logic, "vulkan")
+    monkeypatch.setenv("NEURALRAYCAST_DEVICE", "vulkan")
+    module.installDependencies(logic, "auto")
+    assert len(asked) == 9
+
+
+def test_the_modules_help_says_what_each_platform_gets(module, monkeypatch):
+    from types import SimpleNamespace
+
+    import slicer
+
+    from NeuralRaycastLib.gpu.platforms import platforms_summary
+
+    parent = SimpleNamespace()
+    monkeypatch.setattr(slicer.app, "connect", lambda *args: None, raising=False)
+    module.NeuralRaycast(parent)
+    assert platforms_summary() in parent.helpText
+    assert "never Metal" in parent.helpText and "tensor-core" in parent.helpText

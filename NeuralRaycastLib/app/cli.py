@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .. import __version__, strict_json
 from ..files import WriteError
-from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device
+from ..gpu.device import CHOICES, DEVICE_ENV, GpuMemoryError, GpuUnavailableError, open_device, requested_backend
 from ..gpu.memory_budget import GPU_MEMORY_ENV, LOWER, parse_memory
+from ..gpu.platforms import UnsupportedPlatformError, check_platform
 from ..outputs import check_output
 from ..paths import CACHE_FOLDERS
 from ..progress import Cancelled, ConsoleProgress
@@ -31,7 +32,7 @@ from ..train.trainer import TrainingError
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2. The file system's and the
 #: memory's (a full disk, a read-only folder, too large a study) are among them.
 USER_ERRORS = (StudyError, GpuUnavailableError, GpuMemoryError, SampleDataError, OSError, MemoryError, ValueError,
-               TrainingError)
+               TrainingError, UnsupportedPlatformError)
 
 #: Whether the measurement code (NeuralRaycastLib/bench, left out of the Slicer extension) is here: the
 #: ``bench`` command is offered only then.
@@ -126,11 +127,15 @@ def _device(args: argparse.Namespace):
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    # The platform first: where slangpy has no wheel (or no device is known to open) say so and what is supported,
+    # as the Slicer module does before it installs anything.
+    support = check_platform(requested_backend(args.device))
     gpu = _device(args)
     if args.json:
         _print_json({**gpu.report.as_dict(), "memory_budget_bytes": gpu.memory.bytes,
-                     "memory_budget_source": gpu.memory.source})
+                     "memory_budget_source": gpu.memory.source, "platform": support.describe()})
     else:
+        print(f"platform           {support.describe()}")
         print(gpu.report.as_text())
         print(f"memory budget      {gpu.memory.describe()}")
     return 0
@@ -357,13 +362,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_share(args: argparse.Namespace) -> int:
     """One HTML page that renders the trained field live in a browser (WebGPU), with no network request."""
     from ..train.run_folder import open_run
-    from .share import write_page
+    from .share import check_page_path, write_page
 
-    out = Path(args.out)
-    if out.suffix.lower() not in (".html", ".htm"):
-        raise ValueError(f"{out}: the page's file name must end in .html")
-    if out.exists() and not args.overwrite:
-        raise ValueError(f"{out} exists: choose another file name or pass --overwrite")
+    out = check_page_path(args.out, args.overwrite)
     run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
     page = write_page(run, out)
     shadows = " (without the desktop's mesh shadows)" if run.renderer.mesh_shadows is not None else ""

@@ -286,6 +286,21 @@ def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
     }
 
 
+def check_page_path(out: str | Path, overwrite: bool = False, replace_hint: str = "pass --overwrite") -> Path:
+    """The page's path, checked before any work: a browser opens it by its ``.html`` name, and a page already
+    there is kept unless replacing it was asked for (the command line's ``--overwrite``, a save dialog's
+    confirmation; ``replace_hint`` says how, in the caller's words). Raises ValueError naming the path and what
+    to do."""
+    out = Path(out)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"{out}: the page's file name must end in .html")
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder: give the page's file name (ending in .html)")
+    if out.exists() and not overwrite:
+        raise ValueError(f"{out} exists: choose another file name or {replace_hint}")
+    return out
+
+
 def write_page(run: TrainedRun, out: str | Path) -> Path:
     """Write the page of a trained run to ``out`` (one self-contained HTML file); returns its path."""
     layout = run.field.layout

@@ -469,9 +469,14 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
         context = _CONTEXTS[wanted]
         use_memory_budget(context, gpu_memory)
         return context
+    from .platforms import platform_support, this_platform
+
+    here = platform_support(this_platform(), wanted)
     try:
         import_slangpy()
     except ImportError as error:
+        if not here.wheel:  # installing would not help: say so, and what is supported
+            raise GpuUnavailableError(f"slangpy cannot be installed on {here.reason}") from error
         raise GpuUnavailableError(
             f"slangpy is not installed ({error}); run `make demo` or `pip install slangpy==0.43.1`"
         ) from error
@@ -499,7 +504,9 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
         use_memory_budget(context, gpu_memory)
         return context
     reasons = "; ".join(f"{name}: {why}" for name, why in tried.items())
-    raise GpuUnavailableError(f"no GPU device works ({reasons}). {INSTALL_HINT}")
+    supported = "" if here.runs else f" {here.reason}."
+    raise GpuUnavailableError(f"no GPU device works on {here.platform.describe()} ({reasons}).{supported} "
+                              f"{INSTALL_HINT}")
 
 
 class PassClock:

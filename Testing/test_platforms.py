@@ -1,0 +1,133 @@
+"""The platform table: where slangpy has a wheel and a device is known to open, and the one line that refuses
+the others (the Slicer module before it installs anything, ``neuralraycast info``, a failed device open)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+from NeuralRaycastLib.gpu import platforms
+from NeuralRaycastLib.gpu.platforms import Platform, UnsupportedPlatformError, check_platform, platform_support
+
+SUPPORTED = "Windows x64, Linux x86-64 and Linux aarch64 (Linux: glibc 2.34 or newer), with CPython 3.9 to 3.14"
+
+#: Each platform slangpy 0.43.1 has a wheel for, as the interpreter there reports itself, and that wheel's tag.
+WHEELS = [
+    (Platform("Windows", "AMD64", (3, 12)), "win_amd64"),
+    (Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 35))), "manylinux_2_34_x86_64"),
+    (Platform("Linux", "aarch64", (3, 12), libc=("glibc", (2, 39))), "manylinux_2_34_aarch64"),
+    (Platform("Darwin", "arm64", (3, 12), macos=(26, 0)), "macosx_26_0_arm64"),
+]
+
+
+@pytest.mark.parametrize(("here", "tag"), WHEELS)
+def test_each_platform_with_a_wheel_finds_its_tag(here, tag):
+    assert platform_support(here, "vulkan").wheel.tag == tag
+
+
+@pytest.mark.parametrize(("here", "why"), [
+    (Platform("Windows", "ARM64", (3, 12)), "Windows arm64, CPython 3.12: slangpy 0.43.1 has no wheel for Windows "
+                                            "on arm64"),
+    (Platform("Darwin", "x86_64", (3, 12), macos=(15, 4)), "macOS x86_64, macOS 15.4, CPython 3.12: slangpy 0.43.1 "
+                                                           "has no wheel for macOS on x86_64"),
+    (Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 31))), "Linux x86_64, glibc 2.31, CPython 3.12: "
+                                                                    "slangpy's Linux wheels need glibc 2.34 or newer "
+                                                                    "(this system has 2.31)"),
+    (Platform("Linux", "x86_64", (3, 12), libc=("musl", (1, 2))), "slangpy's Linux wheels need glibc (this "
+                                                                  "system's C library is musl)"),
+    (Platform("Linux", "x86_64", (3, 8), libc=("glibc", (2, 36))), "slangpy 0.43.1 has no wheel for Python 3.8"),
+    (Platform("Linux", "x86_64", (3, 15), libc=("glibc", (2, 36))), "slangpy 0.43.1 has no wheel for Python 3.15"),
+    (Platform("Linux", "x86_64", (3, 12), "PyPy", ("glibc", (2, 36))), "slangpy's wheels are for CPython, not PyPy"),
+    (Platform("Darwin", "arm64", (3, 12), macos=(15, 6)), "slangpy's macOS wheels need macOS 26.0 or newer"),
+])
+def test_a_platform_without_a_wheel_is_refused_naming_it_and_what_is_supported(here, why):
+    support = platform_support(here)
+    assert not support.runs and support.wheel is None
+    assert why in support.reason
+    assert support.reason.endswith(SUPPORTED)
+    with pytest.raises(UnsupportedPlatformError, match="^" + re.escape(here.describe())):
+        check_platform(here=here)
+
+
+def test_a_mac_installs_slangpy_but_no_device_is_known_to_open_unless_vulkan_is_asked_for():
+    """slangpy has a wheel for macOS 26 on Apple silicon, but NeuralRaycast opens CUDA or Vulkan, never Metal:
+    the module refuses there unless the device is set to vulkan (a Vulkan driver over Metal, untried)."""
+    mac = Platform("Darwin", "arm64", (3, 12), macos=(26, 1))
+    for device in ("auto", "cuda"):
+        support = platform_support(mac, device)
+        assert not support.runs and support.wheel.tag == "macosx_26_0_arm64"
+        assert support.reason.startswith("macOS arm64, macOS 26.1, CPython 3.12: slangpy installs, but NeuralRaycast "
+                                         "opens CUDA or Vulkan devices only, never Metal")
+    assert platform_support(mac, "vulkan").runs
+
+
+def test_what_each_platform_gets():
+    """CUDA gets the tensor-core networks, Vulkan (GPUs and lavapipe) the per-thread ones; lavapipe is listed
+    where Mesa's Linux drivers are."""
+    linux = platform_support(Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 36)))).describe()
+    assert linux.startswith("Linux x86_64, glibc 2.36, CPython 3.12: slangpy 0.43.1 wheel manylinux_2_34_x86_64; "
+                            "devices tried: CUDA on NVIDIA GPUs (tensor-core networks from compute capability 8.0")
+    assert "else Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks); else Mesa's lavapipe" in linux
+    windows = platform_support(Platform("Windows", "AMD64", (3, 12))).describe()
+    assert "CUDA on NVIDIA GPUs" in windows and "lavapipe" not in windows
+    summary = platforms.platforms_summary()
+    assert summary.startswith(f"NeuralRaycast runs where slangpy 0.43.1 has a wheel and a device opens: {SUPPORTED}.")
+    assert "never Metal" in summary
+
+
+def test_this_interpreter_is_read_as_the_wheel_tags_read_it():
+    here = platforms.this_platform()
+    assert here.python == tuple(sys.version_info[:2])
+    if sys.platform.startswith("linux"):
+        assert here.system == "Linux" and here.libc is not None and here.libc[0] == "glibc"
+
+
+def test_info_refuses_an_unsupported_platform_in_one_line(monkeypatch, capsys):
+    from NeuralRaycastLib.app.cli import main
+
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Windows", "ARM64", (3, 12)))
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "Windows arm64, CPython 3.12: slangpy 0.43.1 has no wheel for Windows on arm64" in err
+    assert err.endswith(SUPPORTED)
+
+
+def test_without_slangpy_an_unsupported_platform_says_installing_would_not_help(monkeypatch):
+    import NeuralRaycastLib.gpu.device as device
+
+    monkeypatch.setitem(sys.modules, "slangpy", None)  # importing it fails
+    monkeypatch.setattr(device, "_CONTEXTS", {})
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
+                                                                     libc=("glibc", (2, 28))))
+    with pytest.raises(device.GpuUnavailableError) as raised:
+        device.open_device("auto")
+    assert str(raised.value).startswith("slangpy cannot be installed on Linux x86_64, glibc 2.28, CPython 3.12: "
+                                        "slangpy's Linux wheels need glibc 2.34 or newer")
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
+                                                                     libc=("glibc", (2, 36))))
+    with pytest.raises(device.GpuUnavailableError, match="slangpy is not installed"):
+        device.open_device("auto")
+
+
+def test_where_no_device_opens_the_message_names_the_platform(monkeypatch):
+    import NeuralRaycastLib.gpu.device as device
+
+    def fails(backend):
+        raise RuntimeError(f"no {backend} here")
+
+    monkeypatch.setattr(device, "_CONTEXTS", {})
+    monkeypatch.setattr(device, "_open", fails)
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
+                                                                     libc=("glibc", (2, 36))))
+    with pytest.raises(device.GpuUnavailableError) as raised:
+        device.open_device("auto")
+    assert str(raised.value).startswith("no GPU device works on Linux x86_64, glibc 2.36, CPython 3.12 (cuda: no "
+                                        "cuda here; vulkan: no vulkan here). Install one of:")
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Darwin", "arm64", (3, 12), macos=(26, 0)))
+    with pytest.raises(device.GpuUnavailableError) as raised:
+        device.open_device("cuda")
+    assert "no GPU device works on macOS arm64, macOS 26.0, CPython 3.12 (cuda: no cuda here). macOS arm64" in \
+        str(raised.value) and "never Metal" in str(raised.value)
