@@ -108,7 +108,8 @@ def test_a_ragged_thick_sliced_label_gets_a_smooth_surface_near_the_exact_one_wi
 def test_a_field_fitted_to_ragged_thick_sliced_labels_keeps_their_volume_near_the_exact_surface(gpu):
     """Stage 1 on the phantom drawn ragged on 1.5 × 1.5 × 5 mm slices: each tumour structure's learned surface
     agrees with its labels (Dice), holds their volume, and lies at least twice as close to the exact surface as
-    the label map's marching cubes with Slicer's smoothing."""
+    the label map's marching cubes with Slicer's smoothing. Its Dice is set against the exact surface's own
+    (the ceiling) and its volume against the voxels of the label's pieces kept in the surface."""
     from field_reference import tiny_config
 
     from NeuralRaycastLib.field.field import FieldLayout, NeuralField
@@ -137,7 +138,9 @@ def test_a_field_fitted_to_ragged_thick_sliced_labels_keeps_their_volume_near_th
         slicer_style = np.abs(Phantom().sdf(structure.name, smooth_surface(vertices, faces, 20, 0.01))).mean()
         assert m["exact_mean_distance_mm"] * 2.0 <= slicer_style, (structure.name, m, slicer_style)
         assert m["dice"] >= 0.85, (structure.name, m)  # voxel Dice against the ragged 5 mm label itself
-        assert abs(m["volume_difference_percent"]) <= 6.0, (structure.name, m)  # specks left out: 1-3.5 %
+        # ... which the exact surface itself scores only 0.90-0.94 against: the learned Dice is most of that
+        assert m["dice_of_ceiling"] >= 0.95, (structure.name, m)
+        assert abs(m["volume_difference_percent"]) <= 1.0, (structure.name, m)  # the kept pieces' voxel volume
 
 
 
