@@ -194,6 +194,15 @@ def test_a_drawn_labels_surface_holds_its_kept_voxels_volume_and_the_left_out_vo
         assert abs(m["volume_difference_percent"]) <= 1.0, (structure.name, m)
         assert m["volume_level_mm"] != 0.0
         assert m["dice"] >= 0.8, (structure.name, m)
+    # the meshes a run writes (mesh, the demo, the Slicer module) are of the same levelled surfaces
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.train.run_folder import TrainedRun
+
+    meshes = TrainedRun.meshes(SimpleNamespace(field=BoundaryField(prepared), prepared=prepared))  # type: ignore
+    for mesh in meshes[1:]:
+        kept_ml = metrics[mesh.name]["label_volume_ml"]
+        assert mesh.enclosed_volume() / 1000.0 == pytest.approx(kept_ml, rel=0.01), mesh.name
 
 
 def test_the_exact_surface_is_scored_against_a_ragged_label_as_the_learned_one_is(thick_prepared):
