@@ -21,6 +21,8 @@ Geometry, per structure k:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..field.field import NeuralField
@@ -123,9 +125,11 @@ def shown(value: float | None, spec: str) -> str:
 
 
 def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, dict[str, float | None]]:
-    """Per structure name: ``dice``, ``mean_surface_distance_mm``, ``hd95_mm``. The distances are None
-    (missing) where the learned surface or the segmentation's has no vertices: there is no distance between
-    a surface and nothing, and a number there would read as a result."""
+    """Per structure name: ``dice``, ``mean_surface_distance_mm``, ``hd95_mm``, the volumes (:func:`volumes`),
+    ``volume_level_mm`` (:func:`volume_levels`), the pieces (:func:`pieces`) and, on the phantom, the distances
+    to the exact surface and the ceilings (:func:`ceilings`). The distances are None (missing) where the learned
+    surface or the segmentation's has no vertices: there is no distance between a surface and nothing, and a
+    number there would read as a result."""
     learned, levels = learned_surfaces(field, prepared)
     results: dict[str, dict[str, float | None]] = {}
     for k, structure in enumerate(prepared.structures):
@@ -147,8 +151,8 @@ def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, d
     return results
 
 
-def surface_figures(sdf: np.ndarray, distances, truth: np.ndarray, kept: np.ndarray, boundary: np.ndarray,
-                    affine: np.ndarray) -> dict[str, float | None]:
+def surface_figures(sdf: np.ndarray, distances: Callable[[np.ndarray], np.ndarray], truth: np.ndarray,
+                    kept: np.ndarray, boundary: np.ndarray, affine: np.ndarray) -> dict[str, float | None]:
     """``dice`` of {``sdf`` < 0} against the label ``truth``, the surface distances both ways between its zero
     level and the label's boundary map's (``distances``: the same field at RAS points, off the grid), and the
     volumes (:func:`volumes`, against the ``kept`` label)."""
