@@ -108,7 +108,8 @@ def test_a_ragged_thick_sliced_label_gets_a_smooth_surface_near_the_exact_one_wi
 def test_a_field_fitted_to_ragged_thick_sliced_labels_keeps_their_volume_near_the_exact_surface(gpu):
     """Stage 1 on the phantom drawn ragged on 1.5 × 1.5 × 5 mm slices: each tumour structure's learned surface
     agrees with its labels (Dice), holds their volume, and lies at least twice as close to the exact surface as
-    the label map's marching cubes with Slicer's smoothing."""
+    the label map's marching cubes with Slicer's smoothing. Its Dice is set against the exact surface's own
+    (the ceiling) and its volume against the voxels of the label's pieces kept in the surface."""
     from field_reference import tiny_config
 
     from NeuralRaycastLib.field.field import FieldLayout, NeuralField
@@ -137,5 +138,102 @@ def test_a_field_fitted_to_ragged_thick_sliced_labels_keeps_their_volume_near_th
         slicer_style = np.abs(Phantom().sdf(structure.name, smooth_surface(vertices, faces, 20, 0.01))).mean()
         assert m["exact_mean_distance_mm"] * 2.0 <= slicer_style, (structure.name, m, slicer_style)
         assert m["dice"] >= 0.85, (structure.name, m)  # voxel Dice against the ragged 5 mm label itself
-        assert abs(m["volume_difference_percent"]) <= 6.0, (structure.name, m)  # specks left out: 1-3.5 %
+        # ... which the exact surface itself scores only 0.90-0.94 against: the learned Dice is most of that
+        assert m["dice_of_ceiling"] >= 0.95, (structure.name, m)
+        assert abs(m["volume_difference_percent"]) <= 1.0, (structure.name, m)  # the kept pieces' voxel volume
 
+
+
+class BoundaryField:
+    """A prepared study's own boundary maps, read as a trained field would be (trilinear at RAS points): what a
+    fit that learned them exactly would give, with no training."""
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+
+    def distances(self, points: np.ndarray) -> np.ndarray:
+        from NeuralRaycastLib.grid import sample_at
+
+        return np.stack([sample_at(b, self.prepared.affine, points) for b in self.prepared.boundary], axis=-1)
+
+
+@pytest.fixture(scope="module")
+def thick_prepared():
+    """The phantom drawn ragged on 1.5 × 1.5 × 5 mm slices, prepared (its boundary maps), exact surfaces known."""
+    from NeuralRaycastLib.study.preprocess import prepare
+    from NeuralRaycastLib.study.structures import BRATS_STRUCTURES
+    from NeuralRaycastLib.study.study import Study
+
+    channels, labels, affine = render_phantom(Phantom(), spacing=THICK, seed=0)
+    drawn = draw_like_people(labels, THICK, style_named("ragged"), seed=0)
+    brain = Phantom().sdf("brain", voxel_centres(affine, labels.shape)) < 0
+    study = Study("phantom", {"t1": channels["t1"]}, affine, labels=drawn, brain_mask=brain,
+                  structures=dict(BRATS_STRUCTURES), exact_surfaces="phantom")
+    return prepare(study, use_cache=False)
+
+
+def test_a_drawn_labels_surface_holds_its_kept_voxels_volume_and_the_left_out_volume_is_said(thick_prepared):
+    """On 5 mm slices the mesh of a smoothed label cuts the caps between slices and falls short of the label's
+    volume; evaluate takes each drawn label's surface at the level that holds the volume of the label's kept
+    pieces (voxels × voxel volume) within 1 %, says the volume of the small pieces left out, and leaves the brain
+    (not a drawn label) at its zero level."""
+    from NeuralRaycastLib.grid import voxel_ml
+    from NeuralRaycastLib.study.preprocess import structure_mask
+    from NeuralRaycastLib.train.evaluate import geometry_metrics
+
+    prepared = thick_prepared
+    metrics = geometry_metrics(BoundaryField(prepared), prepared)
+    assert metrics["brain"]["volume_level_mm"] == 0.0
+    for structure in prepared.structures[1:]:
+        m, note = metrics[structure.name], prepared.label_notes[structure.name]
+        assert note.drawn and note.left_out
+        label = structure_mask(structure, prepared.study.labels, None)
+        left_out = sum(piece.voxels for piece in note.left_out)
+        assert m["label_volume_ml"] == pytest.approx((label.sum() - left_out) * voxel_ml(prepared.affine), rel=1e-9)
+        assert m["left_out_volume_ml"] == pytest.approx(left_out * voxel_ml(prepared.affine), rel=1e-9)
+        assert abs(m["volume_difference_percent"]) <= 1.0, (structure.name, m)
+        assert m["volume_level_mm"] != 0.0
+        assert m["dice"] >= 0.8, (structure.name, m)
+    # the meshes a run writes (mesh, the demo, the Slicer module) are of the same levelled surfaces
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.train.run_folder import TrainedRun
+
+    meshes = TrainedRun.meshes(SimpleNamespace(field=BoundaryField(prepared), prepared=prepared))  # type: ignore
+    for mesh in meshes[1:]:
+        kept_ml = metrics[mesh.name]["label_volume_ml"]
+        assert mesh.enclosed_volume() / 1000.0 == pytest.approx(kept_ml, rel=0.01), mesh.name
+
+
+def test_the_exact_surface_is_scored_against_a_ragged_label_as_the_learned_one_is(thick_prepared):
+    """Where the exact surfaces are known, evaluate says what the exact surface itself scores against the ragged
+    label (its ceiling: well below 0.97 on these labels, so no faithful surface reaches 0.97), the learned Dice as
+    a fraction of it, and the exact surface's volume against the label's."""
+    from NeuralRaycastLib.train.evaluate import dice, geometry_metrics, kept_label
+
+    prepared = thick_prepared
+    learned = geometry_metrics(BoundaryField(prepared), prepared)
+    points = voxel_centres(prepared.affine, prepared.study.shape)
+    phantom = Phantom()
+    spheres = {"whole_tumor": phantom.whole_radius**3, "tumor_core": phantom.core_radius**3,
+               "enhancing_tumor": phantom.core_radius**3 - phantom.necrotic_radius**3}
+    for structure in prepared.structures[1:]:
+        m, name = learned[structure.name], structure.name
+        label = np.isin(prepared.study.labels, structure.labels)
+        ceiling = dice(phantom.sdf(name, points) < 0, label)
+        assert m["ceiling_dice"] == pytest.approx(ceiling, abs=1e-12) and ceiling < 0.97, (name, ceiling)
+        assert m["dice_of_ceiling"] == pytest.approx(m["dice"] / ceiling, rel=1e-12)
+        assert 0.0 < m["ceiling_hd95_mm"] < 5.0  # the label's ragged boundary, within a slice of the exact one
+        exact_ml = 4.0 / 3.0 * np.pi * spheres[name] / 1000.0
+        kept_ml = m["label_volume_ml"]
+        assert kept_ml == pytest.approx(kept_label(structure, prepared).sum() * 1.5 * 1.5 * 5.0 / 1000.0)
+        # the exact surface's mesh on 5 mm slices cuts its caps: a little below the analytic volume
+        assert m["ceiling_volume_difference_percent"] == pytest.approx(100.0 * (exact_ml / kept_ml - 1.0), abs=4.0)
+    assert "ceiling_dice" not in geometry_metrics(BoundaryField(prepared), _without_exact(prepared))["whole_tumor"]
+
+
+def _without_exact(prepared):
+    """``prepared`` whose study does not know its exact surfaces (any study but the phantom)."""
+    import dataclasses
+
+    return dataclasses.replace(prepared, study=dataclasses.replace(prepared.study, exact_surfaces=None))

@@ -484,6 +484,32 @@ def test_evaluate_shows_a_missing_distance_as_a_dash_and_null(tmp_path, monkeypa
     assert json.loads(capsys.readouterr().out, parse_constant=reject_constant)["hd95_mm"]["tumor_core"] is None
 
 
+def test_evaluate_says_the_exact_surfaces_ceiling_and_the_volume_left_out(tmp_path, monkeypatch, capsys):
+    """On the phantom, each structure's line of what the exact surface itself scores against the label and the
+    learned Dice as a fraction of it; and the volume of the small pieces left out of the label's volume."""
+    from NeuralRaycastLib.train import run_folder
+
+    metrics = {"heldout_psnr": 31.25, "heldout_ssim": 0.9, "dice": {"tumor_core": 0.88},
+               "mean_surface_distance_mm": {"tumor_core": 0.2}, "hd95_mm": {"tumor_core": 0.3},
+               "label_volume_ml": {"tumor_core": 9.13}, "learned_volume_ml": {"tumor_core": 9.14},
+               "left_out_volume_ml": {"tumor_core": 0.326}, "volume_difference_percent": {"tumor_core": 0.1},
+               "label_pieces": {"tumor_core": 10}, "pieces_kept": {"tumor_core": 1},
+               "pieces_dropped": {"tumor_core": []},
+               "exact_mean_distance_mm": {"tumor_core": 0.52}, "exact_hd95_mm": {"tumor_core": 1.18},
+               "ceiling_dice": {"tumor_core": 0.9006}, "dice_of_ceiling": {"tumor_core": 0.9771},
+               "ceiling_hd95_mm": {"tumor_core": 1.16}, "ceiling_volume_difference_percent": {"tumor_core": -2.45}}
+    monkeypatch.setattr(cli, "open_device", lambda device: fake_gpu())
+    monkeypatch.setattr(run_folder, "evaluate_run", lambda gpu, folder, progress: metrics)
+    assert main(["evaluate", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("  tumor_core       Dice 0.901 (the learned 0.977 of it), HD95 1.16 mm, volume -2.5%\n" in out)
+    assert "tumor_core 0.326 ml left out" in out
+    del metrics["ceiling_dice"], metrics["left_out_volume_ml"]  # any study but the phantom; runs evaluated before
+    assert main(["evaluate", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "exact surfaces themselves" not in out and "left out" not in out
+
+
 def test_scoring_without_a_held_out_view_is_refused():
     from NeuralRaycastLib.train.trainer import score_views
 

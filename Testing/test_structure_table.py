@@ -21,7 +21,8 @@ METRICS = {
     "whole_tumor": {"dice": 0.93, "mean_surface_distance_mm": 0.4, "hd95_mm": 1.1, "label_volume_ml": 20.0,
                     "learned_volume_ml": 19.0, "volume_difference_percent": -5.0, "label_pieces": 3,
                     "pieces_kept": 2, "pieces_dropped": [{"voxels": 4, "volume_ml": 0.004,
-                                                          "centre_ras": [1.0, 2.0, 3.0]}]},
+                                                          "centre_ras": [1.0, 2.0, 3.0]}],
+                    "left_out_volume_ml": 0.011, "volume_level_mm": 0.07, "ceiling_dice": 0.945},
     "tumor_core": {"dice": 0.0, "mean_surface_distance_mm": None, "hd95_mm": None, "label_volume_ml": 0.5,
                    "learned_volume_ml": 0.0, "volume_difference_percent": -100.0, "label_pieces": 1,
                    "pieces_kept": 0, "pieces_dropped": []},
@@ -40,6 +41,9 @@ def test_one_row_per_structure_named_after_its_segment_with_every_column():
     assert (whole["dice"], whole["volume_difference_percent"], whole["pieces_kept"]) == (0.93, -5.0, 2.0)
     assert (whole["pieces_not_reached"], whole["pieces_left_out"], whole["holes_filled"]) == (1.0, 2.0, 1.0)
     assert whole["drawn"] == "yes" and core["drawn"] == "no"
+    # the volume left out of the label's, the level that holds it, the exact surface's own Dice (the phantom)
+    assert (whole["left_out_volume_ml"], whole["volume_level_mm"], whole["ceiling_dice"]) == (0.011, 0.07, 0.945)
+    assert math.isnan(core["ceiling_dice"])  # where the exact surface is not known: no figure
     # no learned surface: no distance (NaN, not a number that would read as a result)
     assert math.isnan(core["mean_surface_distance_mm"]) and math.isnan(core["hd95_mm"])
 

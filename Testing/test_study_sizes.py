@@ -286,6 +286,14 @@ def test_a_finer_grid_is_used_where_cubic_voxels_would_lose_a_structure():
     assert np.any(small.labels == 3)
 
 
+def test_a_downsampled_phantom_keeps_its_exact_surfaces():
+    """The quick preset's coarser grid holds the same surfaces in the same place: evaluate still measures the
+    learned surfaces against the exact ones (it measured nothing on the quick preset when this was lost)."""
+    study = _thin_slab_study((192, 192, 20), np.array([0.5, 0.5, 3.0]), (slice(80, 110), slice(80, 110), 10))
+    study.exact_surfaces = "phantom"
+    assert downsample_study(study, 96).exact_surfaces == "phantom"
+
+
 def test_a_structure_that_would_vanish_is_named_with_its_size_and_what_to_do(tmp_path, capsys, monkeypatch):
     """A thin tumour core (a necrotic sheet) that no block centre lands in: ``fit --preset quick`` refuses it
     naming the label file, the structure, its size and what to do, before the device is used or anything is

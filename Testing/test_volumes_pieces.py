@@ -61,3 +61,18 @@ def test_pieces_touching_at_a_corner_are_one_piece():
     truth = np.zeros((10, 10, 10), bool)
     truth[2, 2, 2] = truth[3, 3, 3] = True  # 26-connected: one piece, as a drawn blob would be
     assert pieces(truth, np.zeros_like(truth), affine)["label_pieces"] == 1
+
+
+def test_the_level_that_holds_a_volume_is_found_on_a_thick_sliced_grid():
+    """A sphere's distance on 1 × 1 × 2 mm voxels: the level whose mesh encloses what the mesh of the sphere
+    0.4 mm larger encloses is 0.4 mm (bisection to 10⁻⁴ of the volume); a volume out of a voxel's reach is not
+    chased (0)."""
+    from NeuralRaycastLib.train.evaluate import enclosed_ml, extract_surface, level_for_volume
+
+    ras, affine = grid()
+    radius = np.linalg.norm(ras, axis=-1)
+    target = enclosed_ml(*extract_surface(radius - 10.4, affine))
+    assert level_for_volume(radius - 10.0, affine, target) == pytest.approx(0.4, abs=0.005)
+    assert level_for_volume(radius - 10.0, affine, enclosed_ml(*extract_surface(radius - 9.7, affine))) == \
+        pytest.approx(-0.3, abs=0.005)
+    assert level_for_volume(radius - 10.0, affine, 2.0 * target) == 0.0

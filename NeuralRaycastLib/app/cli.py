@@ -396,6 +396,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if exact:
         print("to the exact surfaces the labels were drawn from: " + ", ".join(
             f"{name} {mean:.2f} mm (HD95 {hd95:.2f})" for name, (mean, hd95) in exact.items()))
+    ceiling = {name: value for name, value in metrics.get("ceiling_dice", {}).items() if value is not None}
+    if ceiling:
+        print("the exact surfaces themselves against the labels (the most a faithful surface scores):")
+        for name, value in ceiling.items():
+            print(f"  {name:16s} Dice {value:.3f} (the learned {shown(metrics['dice_of_ceiling'][name], '.3f')} of "
+                  f"it), HD95 {shown(metrics['ceiling_hd95_mm'][name], '.2f')} mm, volume "
+                  f"{shown(metrics['ceiling_volume_difference_percent'][name], '+.1f')}%")
+    left_out = {name: value for name, value in metrics.get("left_out_volume_ml", {}).items() if value}
+    if left_out:
+        print("label volume without the small pieces left out of the surface: " + ", ".join(
+            f"{name} {value:.3f} ml left out" for name, value in left_out.items()))
     for name, dropped in metrics["pieces_dropped"].items():
         for piece in dropped:
             print(f"{name}: a piece of {piece['voxels']} voxels ({piece['volume_ml']:.3f} ml) at RAS "

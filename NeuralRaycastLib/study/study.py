@@ -648,4 +648,5 @@ def _downsampled(study: Study, factors: Sequence[int]) -> Study:
         structures=dict(study.structures),
         sources={**study.sources, "grid": f"downsampled by {'×'.join(str(f) for f in factors)}"},
         colors=dict(study.colors),
+        exact_surfaces=study.exact_surfaces,  # the same surfaces in the same place, on any grid
     )
