@@ -22,10 +22,11 @@ def assert_compiles(failures) -> None:
 
 @pytest.mark.parametrize("target", ["spirv", "cuda", "metal"])
 def test_every_kernel_compiles_for_the_target(target):
-    """The modules loaded by name, and the field module (on CUDA also its two tensor-core variants)."""
+    """The modules loaded by name, and the field modules: a software device's and a GPU's (on CUDA also its two
+    tensor-core variants)."""
     failures = shader_targets.compile_named_modules(target)
-    for cooperative in (0, 1, 2) if target == "cuda" else (0,):
-        failures += shader_targets.compile_field_module(target, cooperative)
+    for variant in shader_targets.field_variants(target):
+        failures += shader_targets.compile_field_module(target, variant)
     assert_compiles(failures)
 
 
@@ -42,7 +43,7 @@ def test_every_kernel_python_calls_is_compiled():
     called = set()
     for path in (ROOT / "NeuralRaycastLib").rglob("*.py"):
         text = path.read_text()
-        called |= set(re.findall(r"module\.([a-z]\w*)\(", text))
+        called |= set(re.findall(r"module\.([a-z]\w*)\b", text))
         called |= set(re.findall(r"_query\(\"(\w+)\"", text))
     compiled = {kernel for kernels in shader_targets.MODULE_KERNELS.values() for kernel in kernels}
     compiled |= set(shader_targets.FIELD_KERNELS + shader_targets.COOPERATIVE_FIELD_KERNELS)

@@ -30,7 +30,7 @@ TARGETS = {"spirv": "Vulkan", "cuda": "CUDA", "metal": "Metal", "hlsl": "Direct3
 #: The CUDA compute capability the CUDA target is compiled for: tensor-core networks and float2 atomics on.
 CUDA_SM = 90
 
-#: The kernels Python calls on each module it loads by name (gpu.load_module), tests' modules included.
+#: The kernels Python calls on each module it loads by name (gpu.load_module), and the tests' sphere scene.
 MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "adam": ("adamStep", "adamWidth"),
     "bvh": ("traceClosest", "occluded"),
@@ -52,9 +52,6 @@ COOPERATIVE_FIELD_KERNELS = ("networksToTiled", "networkGradientsFromTiled", "ge
                              "geometryGradientLength", "appearanceTiledCount")
 #: The structure slots the named modules are compiled for (the device's own session's).
 STRUCTURE_SLOTS = 8
-#: The structures of the field module compiled (a small study's), and so its slots.
-FIELD_STRUCTURES = 3
-FIELD_STRUCTURE_SLOTS = 4
 #: The modules whose kernels HLSL cannot express, and why: Direct3D 12 is out of reach for training and for
 #: the neural renderer (the reference renderer, the meshes' shadows and the image loss compile for it).
 HLSL_UNREACHABLE = {
@@ -282,24 +279,56 @@ def compile_source(unit: str, source: str, kernels: tuple[str, ...], target: str
         return _failures(_library(), Path(name), unit, source, kernels, target, defines)
 
 
-def compile_field_module(target: str, cooperative: int = 0) -> list[TargetFailure]:
-    """The kernels of a field module (``cooperative`` as field_module_source) compiled for ``target``."""
-    kernels = FIELD_KERNELS + (COOPERATIVE_FIELD_KERNELS if cooperative else ())
-    unit = ("field", "cooperative_field", "frozen_field")[cooperative]
+@dataclass(frozen=True)
+class FieldVariant:
+    """One field module a device loads: its network sizes (``small``: a software device's; else a GPU's),
+    structures (and so its structure slots), hash and geometry network (``cooperative``: 0 per thread, 1 on
+    tensor cores, 2 on tensor cores with frozen weights)."""
+
+    small: bool
+    structures: int
+    hash: str = "x_added"
+    cooperative: int = 0
+
+    @property
+    def name(self) -> str:
+        kind = ("field", "cooperative_field", "frozen_field")[self.cooperative]
+        return f"{kind}_{'small' if self.small else 'full'}_{self.structures}_{self.hash}"
+
+
+#: The field modules compiled for every target: a software device's with few structures, a GPU's with the most
+#: and the hash older model files were trained with.
+FIELD_VARIANTS = (FieldVariant(small=True, structures=3), FieldVariant(small=False, structures=8, hash="xor"))
+#: Those CUDA loads besides (tensor-core networks, on GPUs of compute capability 8.0 and newer).
+CUDA_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=1),
+                       FieldVariant(small=False, structures=4, cooperative=2))
+
+
+def field_variants(target: str) -> tuple[FieldVariant, ...]:
+    return FIELD_VARIANTS + (CUDA_FIELD_VARIANTS if target == "cuda" else ())
+
+
+def compile_field_module(target: str, variant: FieldVariant) -> list[TargetFailure]:
+    """The kernels of the field module ``variant`` compiled for ``target``."""
+    from .device import structure_slots
+
+    kernels = FIELD_KERNELS + (COOPERATIVE_FIELD_KERNELS if variant.cooperative else ())
     with tempfile.TemporaryDirectory() as name:
-        return _failures(_library(), Path(name), unit, field_module_source(cooperative), kernels, target,
-                         module_defines(target, FIELD_STRUCTURE_SLOTS))
+        return _failures(_library(), Path(name), variant.name, field_module_source(variant), kernels, target,
+                         module_defines(target, structure_slots(variant.structures)))
 
 
 def named_module_source(name: str) -> str:
     return (shader_dir() / f"{name}.slang").read_text()
 
 
-def field_module_source(cooperative: int = 0) -> str:
-    """A field module's source (field/field.py's field_source) for a small study's layout; ``cooperative`` 1 or
-    2 (frozen geometry) for the tensor-core variants CUDA loads."""
-    from ..field.field import FieldLayout, field_config_for, field_source
+def field_module_source(variant: FieldVariant) -> str:
+    """The field module's source (field/field.py's field_source) of ``variant``, for a study of two channels."""
+    import dataclasses
 
-    layout = FieldLayout.build(field_config_for(2.0, small=True), np.array([[0, 0, 0], [40, 40, 40]], float),
-                               FIELD_STRUCTURES, 2)
-    return field_source(layout, cooperative=cooperative == 1, frozen_geometry=cooperative == 2)
+    from ..field.field import FieldConfig, FieldLayout, field_config_for, field_source
+
+    config = field_config_for(2.0, small=variant.small)
+    config = FieldConfig(dataclasses.replace(config.encoding, hash=variant.hash), config.network)
+    layout = FieldLayout.build(config, np.array([[0, 0, 0], [180, 220, 180]], float), variant.structures, 2)
+    return field_source(layout, cooperative=variant.cooperative == 1, frozen_geometry=variant.cooperative == 2)
