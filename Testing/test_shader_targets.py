@@ -1,6 +1,7 @@
 """Every kernel the project dispatches compiles for each platform's shader target, offline (no device): SPIR-V
-for Vulkan, CUDA source, Metal source (macOS), with the defines each module is loaded with there. A failure
-names the module, the kernel, the target and the compiler's first error line."""
+for Vulkan, CUDA source, Metal source (macOS), and HLSL (Direct3D 12) for the modules it can express, with the
+defines each module is loaded with there. A failure names the module, the kernel, the target and the
+compiler's first error line (docs/shader-targets.md)."""
 
 from __future__ import annotations
 
