@@ -76,3 +76,17 @@ def test_a_failure_names_the_module_kernel_target_and_first_error():
     assert message.startswith("probe: countTaking does not compile for metal (Metal): error")
     assert "\n" not in message and re.search(r"probe_metal\.slang:\d+:\d+", message), message
     assert shader_targets.compile_source("probe", BROKEN, ("doubled",), "metal", {}) == []
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_the_shared_pages_renderer_compiles_to_wgsl(small):
+    """The page's kernel (app/share.py: field_render and web_render with NEURALRAYCAST_WEB) for WebGPU, at a
+    software device's network sizes and a GPU's."""
+    import numpy as np
+
+    from NeuralRaycastLib.app.share import compile_wgsl, web_source, wgsl_bindings
+    from NeuralRaycastLib.field.field import FieldLayout, field_config_for
+
+    layout = FieldLayout.build(field_config_for(2.0, small=small), np.array([[0, 0, 0], [180, 220, 180]], float), 4, 2)
+    wgsl = compile_wgsl(web_source(layout), layout.structures)
+    assert "renderPixel" in wgsl and set(wgsl_bindings(wgsl)) >= {"webScene", "webView", "webPixels"}
