@@ -56,8 +56,8 @@ STRUCTURE_SLOTS = 8
 #: the neural renderer (the reference renderer, the meshes' shadows and the image loss compile for it).
 HLSL_UNREACHABLE = {
     "adam": "vector loads and stores through cast pointers (*(float4*)p)",
-    "composite": "pointer casts, and float atomics through pointers",
-    "ray_samples": "pointer casts",
+    "composite": "float atomics through pointers; Slang's HLSL emitter fails on compositeRay (internal error)",
+    "ray_samples": "Slang's HLSL emitter fails on placeSamples (internal error: unexpected IR opcode)",
     "sphere_scene": "float atomics through pointers (the gradients' addGradient)",
     "field": "vector loads through cast pointers (params.slang's readPair), float atomics through pointers",
 }
