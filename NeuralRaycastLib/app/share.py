@@ -135,6 +135,7 @@ class WebScene:
     bounds: np.ndarray       # (2, 3) RAS box of the structures
     max_samples: int
     input_count: int         # V
+    layout: FieldLayout      # the kernels' (where ``parameters`` lie)
 
 
 class SceneWriter:
@@ -210,14 +211,17 @@ def web_scene(run: TrainedRun) -> WebScene:
     writer.march(renderer)
     occupancy = renderer.occupancy
     inputs[:, ~read_voxels(prepared.affine, inputs.shape[1:], occupancy)] = 0.0  # never read: they pack to nothing
-    nearest = occupancy.nearest if occupancy.nearest is not None else np.zeros(1, np.float32)
+    nearest = np.zeros(1, np.float32)
+    if occupancy.nearest is not None:  # zero where never read: it packs to nothing
+        nearest = np.where(read_corners(occupancy), occupancy.nearest, 0.0).astype(np.float32)
     structures = [{"name": s.name, "color": _display_colour(renderer.look["color"][k])}
                   for k, s in enumerate(prepared.structures)]
     parameters = run.field.layout.pad(run.field.parameters())  # as the kernel holds them: its capacity's layout
     return WebScene(writer.values(), parameters, np.moveaxis(inputs, 0, -1).reshape(-1),
                     np.ascontiguousarray(occupancy.cells, np.int32).reshape(-1),
                     np.asarray(nearest, np.float32).reshape(-1), structures,
-                    np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0])
+                    np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0],
+                    run.field.layout.kernels)
 
 
 def read_voxels(affine: np.ndarray, shape: tuple[int, ...], occupancy) -> np.ndarray:
@@ -251,8 +255,68 @@ def _display_colour(linear) -> list[int]:
 
 def _packed(array: np.ndarray) -> str:
     """An array's bytes gzip-compressed (the browser's DecompressionStream unpacks them), in base64."""
-    data = gzip.compress(np.ascontiguousarray(array).tobytes(), compresslevel=6, mtime=0)
+    data = gzip.compress(np.ascontiguousarray(array).tobytes(), compresslevel=9, mtime=0)
     return base64.b64encode(data).decode("ascii")
+
+
+def _byte_ranges(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values (N, C) as one byte each over each column's own range: the bytes and the (C, 2) ranges, byte b
+    standing for low + b / 255 · (high − low)."""
+    low, high = values.min(axis=0), values.max(axis=0)
+    span = np.where(high > low, high - low, 1.0)
+    codes = np.rint((values - low) / span * 255.0).astype(np.uint8)
+    return codes, np.stack([low, high], axis=1).astype(np.float64)
+
+
+def _from_bytes(codes: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    """What the page makes of :func:`_byte_ranges`' bytes (float32, as it computes them)."""
+    low, high = ranges[:, 0].astype(np.float32), ranges[:, 1].astype(np.float32)
+    return (low + codes.astype(np.float32) / np.float32(255) * (high - low)).astype(np.float32)
+
+
+def table_columns(layout: FieldLayout) -> list[np.ndarray]:
+    """The positions of the hash grid's entries in the parameters, one array per level and feature (a level's
+    entries hold their features side by side: hash_encoding.slang)."""
+    features = layout.config.encoding.features
+    return [level.offset + np.arange(level.size) * features + f for level in layout.levels for f in range(features)]
+
+
+def quantised_parameters(parameters: np.ndarray, layout: FieldLayout) -> dict[str, Any]:
+    """The field's parameters as the page stores them: every hash-grid entry as one byte over its level's and
+    feature's range (``tableRanges``, in :func:`table_columns`' order), the networks in float16. The entries are
+    the bulk of the field; evenly spaced bytes compress to about 0.7 byte an entry (a level's values cluster
+    near zero) where float16 takes 1.9, and keep the picture far above 40 dB (docs/share.md); the networks
+    are a few thousand values whose errors every sample sees."""
+    parameters = np.asarray(parameters, np.float32)
+    columns = table_columns(layout)
+    codes, ranges = zip(*(_byte_ranges(parameters[c][:, None]) for c in columns), strict=True)
+    return {"table": _packed(np.concatenate([c.reshape(-1) for c in codes])),
+            "tableRanges": [r[0].tolist() for r in ranges],
+            "tableColumns": [[int(c[0]), int(c.size), layout.config.encoding.features] for c in columns],
+            "networks": _packed(parameters[layout.geometry_offset:].astype(np.float16)),
+            "parameterCount": int(parameters.size)}
+
+
+def page_parameters(parameters: np.ndarray, layout: FieldLayout) -> np.ndarray:
+    """The parameters the page renders with (float32): :func:`quantised_parameters` decoded as the page
+    decodes them, so the desktop renderer can show the page's field."""
+    parameters = np.asarray(parameters, np.float32)
+    out = parameters.astype(np.float16).astype(np.float32)
+    for column in table_columns(layout):
+        codes, ranges = _byte_ranges(parameters[column][:, None])
+        out[column] = _from_bytes(codes, ranges).reshape(-1)
+    return out
+
+
+def read_corners(occupancy) -> np.ndarray:
+    """The corners of the occupancy grid whose ``nearest`` the kernel reads: those of occupied cells
+    (ray_samples.slang's Occupancy.occupied interpolates only there)."""
+    cells = np.asarray(occupancy.cells, bool)
+    z, y, x = cells.shape
+    read = np.zeros((z + 1, y + 1, x + 1), bool)
+    for dz, dy, dx in np.ndindex(2, 2, 2):
+        read[dz:dz + z, dy:dy + y, dx:dx + x] |= cells
+    return read
 
 
 def quantised_inputs(inputs: np.ndarray, count: int) -> dict[str, Any]:
@@ -260,12 +324,8 @@ def quantised_inputs(inputs: np.ndarray, count: int) -> dict[str, Any]:
     (``inputRanges``: low and high, the page maps byte b back to low + b / 255 · (high − low)). They are
     normalised intensities read trilinearly: a 256th of their range is far below what the appearance
     network's colours resolve, and the page holds half the bytes of float16."""
-    values = np.asarray(inputs, np.float32).reshape(-1, count)
-    low, high = values.min(axis=0), values.max(axis=0)
-    span = np.where(high > low, high - low, 1.0)
-    quantised = np.rint((values - low) / span * 255.0).astype(np.uint8)
-    return {"inputs": _packed(quantised), "inputRanges": [[float(lo), float(hi)] for lo, hi in zip(low, high,
-                                                                                                   strict=True)]}
+    quantised, ranges = _byte_ranges(np.asarray(inputs, np.float32).reshape(-1, count))
+    return {"inputs": _packed(quantised), "inputRanges": ranges.tolist()}
 
 
 def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
@@ -275,11 +335,11 @@ def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
         "wgsl": wgsl,
         "bindings": wgsl_bindings(wgsl),
         "scene": _packed(scene.scene.astype(np.float32)),
-        "parameters": _packed(scene.parameters.astype(np.float16)),
+        **quantised_parameters(scene.parameters, scene.layout),
         **quantised_inputs(scene.inputs, scene.input_count),
         "inputCount": scene.input_count,
         "cells": _packed(scene.cells.astype(np.uint8)),
-        "nearest": _packed(scene.nearest.astype(np.float32)),
+        "nearest": _packed(scene.nearest.astype(np.float16)),
         "structures": scene.structures,
         "bounds": scene.bounds.tolist(),
         "meshShadows": mesh_shadows,
