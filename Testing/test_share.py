@@ -93,3 +93,45 @@ def test_the_report_shows_the_live_view_where_webgpu_is_and_says_so_elsewhere(tm
         finally:
             browser.close()
     assert "does not offer WebGPU" in report.read_text()
+
+
+def test_the_page_stores_each_hash_grid_entry_as_one_byte_within_half_a_step_and_the_networks_in_float16():
+    """The page's field (what share.py's page_parameters says the browser renders with): every hash-grid entry
+    within half a 255th of its level's and feature's range, the networks as float16, and the table's bytes
+    a third of float16's or less, which is what keeps the sample's page small."""
+    import gzip
+
+    from NeuralRaycastLib.app.share import page_parameters, quantised_parameters, table_columns
+    from NeuralRaycastLib.field.field import FieldLayout, field_config_for
+
+    layout = FieldLayout.build(field_config_for(4.0, small=True), np.array([[0, 0, 0], [60, 70, 50.0]]), 3, 1)
+    rng = np.random.default_rng(0)
+    values = layout.initial_parameters(0)
+    near_zero = rng.random(layout.geometry_offset) < 0.7  # most entries stay near their start, as trained ones do
+    values[: layout.geometry_offset] = np.where(near_zero, values[: layout.geometry_offset],
+                                                rng.normal(0, 0.2, layout.geometry_offset))
+    paged = page_parameters(values, layout)
+    for column in table_columns(layout):
+        step = np.ptp(values[column]) / 255
+        assert np.max(np.abs(paged[column] - values[column])) <= 0.5 * step * (1 + 1e-5)
+    networks = slice(layout.geometry_offset, None)
+    assert np.array_equal(paged[networks], values[networks].astype(np.float16).astype(np.float32))
+    stored = quantised_parameters(values, layout)
+    halves = len(gzip.compress(values[: layout.geometry_offset].astype(np.float16).tobytes(), 9))
+    assert len(stored["table"]) * 3 / 4 <= halves / 2  # base64 back to bytes
+
+
+def test_the_page_keeps_the_occupancy_distances_only_at_corners_of_occupied_cells():
+    """The kernel interpolates `nearest` only inside occupied cells: exactly their corners are kept (the rest
+    are zeros, which pack to nothing), so leaving them out changes no sample."""
+    from NeuralRaycastLib.app.share import read_corners
+    from NeuralRaycastLib.render.occupancy import Occupancy
+
+    cells = np.zeros((3, 4, 5), bool)
+    cells[1, 2, 3] = True
+    cells[0, 0, 0] = True
+    read = read_corners(Occupancy(cells, np.zeros(3), 1.0, np.ones((4, 5, 6), np.float32), 2.0))
+    expected = np.zeros((4, 5, 6), bool)
+    expected[1:3, 2:4, 3:5] = True
+    expected[0:2, 0:2, 0:2] = True
+    assert np.array_equal(read, expected)
