@@ -1,5 +1,6 @@
 """`neuralraycast share`: the page renders the trained field in a browser (headless Chromium, WebGPU on
-SwiftShader) as the desktop renderer does, and makes no network request."""
+SwiftShader) as the desktop renderer does, with the key light's mesh shadows where the run has them, and
+makes no network request."""
 
 from __future__ import annotations
 
@@ -47,19 +48,39 @@ def test_shared_page_renders_the_desktop_picture_without_network_requests(tmp_pa
     camera = orbit_cameras(trained.prepared.bounds, 3, 64, 64)[1]
     desktop = trained.render(camera).rgba
     assert desktop[..., 3].max() > 0.2  # something is in view
+
+    # A run trained with --shadows is rendered with the key light's shadows from meshes of its learned surfaces,
+    # on the desktop and in its page (the setting in run.json is what such a run has; training with it here
+    # would only make the references slower).
+    meta = json.loads((run / "run.json").read_text())
+    meta["settings"]["shadows"] = True
+    (run / "run.json").write_text(json.dumps(meta))
+    shadowed_page = tmp_path / "shadowed.html"
+    assert main(["share", str(run), "--out", str(shadowed_page)]) == 0
+    assert "with its meshes' shadows" in capsys.readouterr().out
+    shadowed = open_run(gpu, run).render(camera).rgba
+
     browser = Browser(chromium, timeout=600)
     try:
-        browser.open(page.as_uri() + "#test")  # renderForTest alone renders
-        ready = browser.evaluate("window.pageReady.catch(e => e.message)")
-        assert ready == "ready", browser.evaluate("window.gpuErrors")
-        pixels = browser.evaluate(f"window.renderForTest({json.dumps(view_floats(camera).tolist())})")
+        pixels = {}
+        for name, path, shadows in (("plain", page, True), ("shadowed", shadowed_page, True),
+                                    ("shadows off", shadowed_page, False)):
+            browser.open(path.as_uri() + "#test")  # renderForTest alone renders
+            ready = browser.evaluate("window.pageReady.catch(e => e.message)")
+            assert ready == "ready", browser.evaluate("window.gpuErrors")
+            view = json.dumps(view_floats(camera, shadows).tolist())
+            pixels[name] = np.asarray(browser.evaluate(f"window.renderForTest({view})"), np.float32).reshape(64, 64, 4)
         requests = list(browser.requests)
     finally:
         browser.close()
-    web = np.asarray(pixels, np.float32).reshape(64, 64, 4)
-    assert psnr(np.clip(web[..., :3], 0, 1), np.clip(desktop[..., :3], 0, 1)) >= 40.0
-    assert psnr(web[..., 3], desktop[..., 3]) >= 40.0
-    assert [url.split("#")[0] for url in requests] == [page.as_uri()]  # the page itself, nothing else
+    for name, expected in (("plain", desktop), ("shadowed", shadowed), ("shadows off", desktop)):
+        web = pixels[name]
+        assert psnr(np.clip(web[..., :3], 0, 1), np.clip(expected[..., :3], 0, 1)) >= 40.0, name
+        assert psnr(web[..., 3], expected[..., 3]) >= 40.0, name
+    # The shadows are the desktop's: far closer to its shadowed picture than to the unshadowed one.
+    assert psnr(pixels["shadowed"], shadowed) > psnr(pixels["shadowed"], desktop) + 10.0
+    # The pages themselves, nothing else.
+    assert {url.split("#")[0] for url in requests} == {page.as_uri(), shadowed_page.as_uri()}
 
 
 def test_the_report_shows_the_live_view_where_webgpu_is_and_says_so_elsewhere(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import dataclasses
 import gzip
 import json
 import re
@@ -34,11 +35,13 @@ if TYPE_CHECKING:
 WEB_PARTS = ("field_render", "web_render")
 WEB_ENTRY = "renderPixel"
 #: The buffers web_render.slang declares, as the page binds them.
-WEB_BUFFERS = ("webScene", "webParameters", "webInputs", "webCells", "webNearest", "webView", "webPixels")
+WEB_BUFFERS = ("webScene", "webParameters", "webInputs", "webCells", "webNearest", "webView", "webPixels",
+               "webBvh")
 #: Every request is refused: scripts and styles are inline, pictures are drawn by the script.
 CONTENT_POLICY = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data: blob:"
-VIEW_FLOATS = 16  # web_render.slang's readView
+VIEW_FLOATS = 17  # web_render.slang's readView
 STYLE_STRUCTURES = 8  # the entries of image_formation.slang's Look, which readScene reads
+BVH_MAX_MESHES = 8  # bvh.slang's: the factors of mesh_shadows.slang's MeshShadowSettings
 
 
 class ShaderCompileError(RuntimeError):
@@ -136,6 +139,7 @@ class WebScene:
     max_samples: int
     input_count: int         # V
     layout: FieldLayout      # the kernels' (where ``parameters`` lie)
+    bvh: Any = None          # the shadow meshes' BVH (mesh/bvh.py), None without mesh shadows
 
 
 class SceneWriter:
@@ -194,6 +198,16 @@ class SceneWriter:
         self.put(renderer.min_weight, renderer.shade_weight)
         self.put_int(renderer.max_samples)
 
+    def mesh_shadows(self, shadows) -> None:
+        """Whether the key light's visibility comes from meshes, where bvh.slang's web Bvh finds its arrays in
+        the one buffer (:func:`bvh_offsets`), and mesh_shadows.slang's MeshShadowSettings."""
+        settings = shadows.settings if shadows is not None else {
+            "offset": 0.0, "tMax": 0.0, "factors": [1.0] * BVH_MAX_MESHES, "ambientRays": 0, "ambientRadius": 0.0}
+        self.put_int(int(shadows is not None), *bvh_offsets(shadows.bvh if shadows is not None else None))
+        self.put(settings["offset"], min(settings["tMax"], 3e38), *settings["factors"])
+        self.put_int(settings["ambientRays"])
+        self.put(settings["ambientRadius"])
+
     def values(self) -> np.ndarray:
         return np.concatenate(self.parts)
 
@@ -209,6 +223,7 @@ def web_scene(run: TrainedRun) -> WebScene:
     writer.look(renderer.look)
     writer.lighting(renderer.shading["lighting"])
     writer.march(renderer)
+    writer.mesh_shadows(renderer.mesh_shadows)
     occupancy = renderer.occupancy
     inputs[:, ~read_voxels(prepared.affine, inputs.shape[1:], occupancy)] = 0.0  # never read: they pack to nothing
     nearest = np.zeros(1, np.float32)
@@ -221,7 +236,8 @@ def web_scene(run: TrainedRun) -> WebScene:
                     np.ascontiguousarray(occupancy.cells, np.int32).reshape(-1),
                     np.asarray(nearest, np.float32).reshape(-1), structures,
                     np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0],
-                    run.field.layout.kernels)
+                    run.field.layout.kernels,
+                    renderer.mesh_shadows.bvh if renderer.mesh_shadows is not None else None)
 
 
 def read_voxels(affine: np.ndarray, shape: tuple[int, ...], occupancy) -> np.ndarray:
@@ -259,19 +275,19 @@ def _packed(array: np.ndarray) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _byte_ranges(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Values (N, C) as one byte each over each column's own range: the bytes and the (C, 2) ranges, byte b
-    standing for low + b / 255 · (high − low)."""
+def _byte_ranges(values: np.ndarray, top: int = 255) -> tuple[np.ndarray, np.ndarray]:
+    """Values (N, C) as one byte each (two where ``top`` is 65535) over each column's own range: the codes and
+    the (C, 2) ranges, code b standing for low + b / top · (high − low)."""
     low, high = values.min(axis=0), values.max(axis=0)
     span = np.where(high > low, high - low, 1.0)
-    codes = np.rint((values - low) / span * 255.0).astype(np.uint8)
+    codes = np.rint((values - low) / span * top).astype(np.uint8 if top <= 255 else np.uint16)
     return codes, np.stack([low, high], axis=1).astype(np.float64)
 
 
-def _from_bytes(codes: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    """What the page makes of :func:`_byte_ranges`' bytes (float32, as it computes them)."""
+def _from_bytes(codes: np.ndarray, ranges: np.ndarray, top: int = 255) -> np.ndarray:
+    """What the page makes of :func:`_byte_ranges`' codes (float32, as it computes them)."""
     low, high = ranges[:, 0].astype(np.float32), ranges[:, 1].astype(np.float32)
-    return (low + codes.astype(np.float32) / np.float32(255) * (high - low)).astype(np.float32)
+    return (low + codes.astype(np.float32) / np.float32(top) * (high - low)).astype(np.float32)
 
 
 def table_columns(layout: FieldLayout) -> list[np.ndarray]:
@@ -337,7 +353,49 @@ def quantised_nearest(nearest: np.ndarray) -> dict[str, Any]:
     return {"nearest": _packed(codes), "nearestRange": ranges[0].tolist()}
 
 
-def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
+def bvh_offsets(bvh) -> tuple[int, int, int]:
+    """Where the links, corners and meshes start in the page's one BVH buffer, after the nodes' boxes (6
+    floats a node; links 2 a node, corners 9 a triangle, meshes 1 a triangle)."""
+    if bvh is None:
+        return 0, 0, 0
+    nodes, triangles = len(bvh.links), len(bvh.corners)
+    return 6 * nodes, 8 * nodes, 8 * nodes + 9 * triangles
+
+
+CORNER_TOP = 65535  # the triangles' corners are two bytes an axis over the meshes' box
+
+
+def bvh_arrays(bvh) -> dict[str, Any]:
+    """The shadow meshes' BVH as the page stores it (``meshShadows`` false and nothing else without it): the
+    links, the triangles' meshes, and their corners as two bytes an axis over the meshes' box (a 65535th of
+    it, far below the shadow rays' offset from the surface they leave); the page computes the nodes' boxes
+    from the corners it decodes (:func:`page_bvh`), so every triangle lies in its boxes."""
+    if bvh is None:
+        return {"meshShadows": False}
+    codes, ranges = _byte_ranges(np.asarray(bvh.corners, np.float32).reshape(-1, 3), CORNER_TOP)
+    return {"meshShadows": True, "links": _packed(np.asarray(bvh.links, np.int32)),
+            "corners": _packed(codes), "cornerRanges": ranges.tolist(),
+            "meshes": _packed(np.asarray(bvh.triangle_meshes, np.uint8))}
+
+
+def page_bvh(bvh):
+    """The BVH the page renders with (mesh/bvh.py's Bvh): the corners decoded as the page decodes them, each
+    node's box the bounds of its triangles' (a leaf) or of its children's boxes."""
+    codes, ranges = _byte_ranges(np.asarray(bvh.corners, np.float32).reshape(-1, 3), CORNER_TOP)
+    corners = _from_bytes(codes, ranges, CORNER_TOP).reshape(-1, 3, 3)
+    links = np.asarray(bvh.links, np.int32)
+    low, high = np.empty((len(links), 3), np.float32), np.empty((len(links), 3), np.float32)
+    for node in range(len(links) - 1, -1, -1):  # children come after their parents
+        first, second = links[node]
+        if second < 0:
+            triangles = corners[first:first - second].reshape(-1, 3)
+            low[node], high[node] = triangles.min(axis=0), triangles.max(axis=0)
+        else:
+            low[node], high[node] = np.minimum(low[first], low[second]), np.maximum(high[first], high[second])
+    return dataclasses.replace(bvh, box_min=low, box_max=high, corners=corners)
+
+
+def page_data(scene: WebScene, wgsl: str) -> dict[str, Any]:
     """The page's model: the WGSL, its bindings, the arrays (float16 or bytes where they are large), the
     structures."""
     return {
@@ -351,7 +409,7 @@ def page_data(scene: WebScene, wgsl: str, mesh_shadows: bool) -> dict[str, Any]:
         **quantised_nearest(scene.nearest),
         "structures": scene.structures,
         "bounds": scene.bounds.tolist(),
-        "meshShadows": mesh_shadows,
+        **bvh_arrays(scene.bvh),
     }
 
 
@@ -360,7 +418,7 @@ def write_page(run: TrainedRun, out: str | Path) -> Path:
     layout = run.field.layout
     wgsl = compile_wgsl(web_source(layout), layout.structures)
     scene = web_scene(run)
-    data = page_data(scene, wgsl, run.renderer.mesh_shadows is not None)
+    data = page_data(scene, wgsl)
     template = (Path(__file__).parent / "share_page.html").read_text()
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     html = template.replace("__CONTENT_POLICY__", CONTENT_POLICY).replace("__MODEL_JSON__", payload)
@@ -372,11 +430,12 @@ def write_page(run: TrainedRun, out: str | Path) -> Path:
     return out
 
 
-def view_floats(camera) -> np.ndarray:
-    """A camera (render/camera.py) as the page's view (web_render.slang's readView), every structure shown."""
+def view_floats(camera, shadows: bool = True) -> np.ndarray:
+    """A camera (render/camera.py) as the page's view (web_render.slang's readView), every structure shown,
+    the meshes' shadows where the run has them and ``shadows``."""
     right, up, forward = camera.basis()
     values = [*camera.position, *right, *up, *forward, np.tan(np.radians(camera.view_angle) / 2),
-              camera.width, camera.height, (1 << STYLE_STRUCTURES) - 1]
+              camera.width, camera.height, (1 << STYLE_STRUCTURES) - 1, float(shadows)]
     view = np.asarray(values, np.float32)
     assert view.size == VIEW_FLOATS
     return view
