@@ -4,9 +4,10 @@ The page's renderer is WGSL that the Slang compiler shipped with slangpy generat
 shaders at share time: the field's sizes as #defines, then shaders/field_render.slang and
 shaders/web_render.slang, compiled for the ``wgsl`` target with ``NEURALRAYCAST_WEB`` defined (the shaders'
 storage-buffer variant: WGSL has no pointers), through the compiler's C compile-request interface
-(:func:`compile_wgsl`). The page carries that WGSL, the field's parameters and the appearance network's
-local inputs in float16, the occupancy grid, the look and the structures' names and colours; nothing else
-of the study (no names, dates or paths from its files). A content security policy forbids every request.
+(:func:`compile_wgsl`). The page carries that WGSL, the field's parameters (hash-grid entries one byte
+each, networks in float16), the appearance network's local inputs (one byte each), the occupancy grid, the
+look, the structures' names and colours and, for a run shaded through meshes, their BVH; nothing else of the
+study (no names, dates or paths from its files). A content security policy forbids every request.
 """
 
 from __future__ import annotations
