@@ -140,7 +140,7 @@ class WebScene:
     max_samples: int
     input_count: int         # V
     layout: FieldLayout      # the kernels' (where ``parameters`` lie)
-    bvh: Any = None          # the shadow meshes' BVH (mesh/bvh.py), None without mesh shadows
+    bvh: Any = None          # the shadow meshes' BVH as the page holds it (leafier_bvh), None without them
 
 
 class SceneWriter:
@@ -199,12 +199,13 @@ class SceneWriter:
         self.put(renderer.min_weight, renderer.shade_weight)
         self.put_int(renderer.max_samples)
 
-    def mesh_shadows(self, shadows) -> None:
-        """Whether the key light's visibility comes from meshes, where bvh.slang's web Bvh finds its arrays in
-        the one buffer (:func:`bvh_offsets`), and mesh_shadows.slang's MeshShadowSettings."""
+    def mesh_shadows(self, shadows, bvh) -> None:
+        """Whether the key light's visibility comes from meshes, where bvh.slang's web Bvh finds the arrays of
+        the page's ``bvh`` in its one buffer (:func:`bvh_offsets`), and mesh_shadows.slang's
+        MeshShadowSettings."""
         settings = shadows.settings if shadows is not None else {
             "offset": 0.0, "tMax": 0.0, "factors": [1.0] * BVH_MAX_MESHES, "ambientRays": 0, "ambientRadius": 0.0}
-        self.put_int(int(shadows is not None), *bvh_offsets(shadows.bvh if shadows is not None else None))
+        self.put_int(int(shadows is not None), *bvh_offsets(bvh))
         self.put(settings["offset"], min(settings["tMax"], 3e38), *settings["factors"])
         self.put_int(settings["ambientRays"])
         self.put(settings["ambientRadius"])
@@ -224,7 +225,8 @@ def web_scene(run: TrainedRun) -> WebScene:
     writer.look(renderer.look)
     writer.lighting(renderer.shading["lighting"])
     writer.march(renderer)
-    writer.mesh_shadows(renderer.mesh_shadows)
+    bvh = leafier_bvh(renderer.mesh_shadows.bvh) if renderer.mesh_shadows is not None else None
+    writer.mesh_shadows(renderer.mesh_shadows, bvh)
     occupancy = renderer.occupancy
     inputs[:, ~read_voxels(prepared.affine, inputs.shape[1:], occupancy)] = 0.0  # never read: they pack to nothing
     nearest = np.zeros(1, np.float32)
@@ -237,8 +239,7 @@ def web_scene(run: TrainedRun) -> WebScene:
                     np.ascontiguousarray(occupancy.cells, np.int32).reshape(-1),
                     np.asarray(nearest, np.float32).reshape(-1), structures,
                     np.asarray(prepared.bounds, np.float64), renderer.max_samples, inputs.shape[0],
-                    run.field.layout.kernels,
-                    renderer.mesh_shadows.bvh if renderer.mesh_shadows is not None else None)
+                    run.field.layout.kernels, bvh)
 
 
 def read_voxels(affine: np.ndarray, shape: tuple[int, ...], occupancy) -> np.ndarray:
@@ -364,13 +365,30 @@ def bvh_offsets(bvh) -> tuple[int, int, int]:
 
 
 CORNER_TOP = 65535  # the triangles' corners are two bytes an axis over the meshes' box
+PAGE_LEAF_TRIANGLES = 16  # triangles a leaf of the page's BVH holds at most
+
+
+def leafier_bvh(bvh):
+    """A BVH over the same triangles with leaves of up to :data:`PAGE_LEAF_TRIANGLES`: the same hits (a BVH
+    only decides which triangles a ray tests) from a quarter of the desktop's nodes, whose links the page
+    would otherwise carry."""
+    from ..mesh.bvh import build_bvh
+    from ..mesh.mesh import Mesh
+
+    corners = np.asarray(bvh.corners, np.float32)
+    meshes = np.asarray(bvh.triangle_meshes)
+    parts = []
+    for m in range(int(meshes.max()) + 1):
+        mine = corners[meshes == m].reshape(-1, 3).astype(np.float64)
+        parts.append(Mesh(mine, np.arange(len(mine)).reshape(-1, 3), np.zeros((0, 3)), str(m), (1.0, 1.0, 1.0)))
+    return build_bvh(parts, leaf_size=PAGE_LEAF_TRIANGLES)
 
 
 def bvh_arrays(bvh) -> dict[str, Any]:
-    """The shadow meshes' BVH as the page stores it (``meshShadows`` false and nothing else without it): the
-    links, the triangles' meshes, and their corners as two bytes an axis over the meshes' box (a 65535th of
-    it, far below the shadow rays' offset from the surface they leave); the page computes the nodes' boxes
-    from the corners it decodes (:func:`page_bvh`), so every triangle lies in its boxes."""
+    """The page's BVH (:func:`leafier_bvh`'s) as the page stores it (``meshShadows`` false and nothing else
+    without it): the links, the triangles' meshes, and their corners as two bytes an axis over the meshes'
+    box (a 65535th of it, far below the shadow rays' offset from the surface they leave); the page computes
+    the nodes' boxes from the corners it decodes (:func:`page_bvh`), so every triangle lies in its boxes."""
     if bvh is None:
         return {"meshShadows": False}
     codes, ranges = _byte_ranges(np.asarray(bvh.corners, np.float32).reshape(-1, 3), CORNER_TOP)
@@ -380,8 +398,9 @@ def bvh_arrays(bvh) -> dict[str, Any]:
 
 
 def page_bvh(bvh):
-    """The BVH the page renders with (mesh/bvh.py's Bvh): the corners decoded as the page decodes them, each
-    node's box the bounds of its triangles' (a leaf) or of its children's boxes."""
+    """The BVH the page renders with (mesh/bvh.py's Bvh): :func:`leafier_bvh`'s, the corners decoded as the
+    page decodes them, each node's box the bounds of its triangles' (a leaf) or of its children's boxes."""
+    bvh = leafier_bvh(bvh)
     codes, ranges = _byte_ranges(np.asarray(bvh.corners, np.float32).reshape(-1, 3), CORNER_TOP)
     corners = _from_bytes(codes, ranges, CORNER_TOP).reshape(-1, 3, 3)
     links = np.asarray(bvh.links, np.int32)
