@@ -156,3 +156,40 @@ def test_the_page_keeps_the_occupancy_distances_only_at_corners_of_occupied_cell
     expected[1:3, 2:4, 3:5] = True
     expected[0:2, 0:2, 0:2] = True
     assert np.array_equal(read, expected)
+
+
+def test_the_pages_bvh_holds_the_same_triangles_within_its_boxes():
+    """The page's BVH (share.py's page_bvh: leaves of up to 16 triangles, corners two bytes an axis, boxes
+    computed from the decoded corners): every triangle and its mesh kept, each corner within half a 65535th of
+    the meshes' box, every triangle inside its leaf's box and every box inside its parent's, so a ray that
+    meets a triangle is never culled on the way to it."""
+    from NeuralRaycastLib.app.share import PAGE_LEAF_TRIANGLES, page_bvh
+    from NeuralRaycastLib.mesh.bvh import build_bvh
+    from NeuralRaycastLib.mesh.mesh import Mesh
+
+    rng = np.random.default_rng(3)
+    meshes = []
+    for m in range(3):
+        centres = rng.uniform(-60, 60, (300, 1, 3))
+        vertices = (centres + rng.normal(0, 2, (300, 3, 3))).reshape(-1, 3)
+        meshes.append(Mesh(vertices, np.arange(900).reshape(-1, 3), np.zeros((0, 3)), f"m{m}", (1.0, 1.0, 1.0)))
+    desktop = build_bvh(meshes)
+    page = page_bvh(desktop)
+    assert len(page.links) < len(desktop.links) / 2  # bigger leaves: fewer nodes, fewer links to carry
+
+    # Each of the page's triangles is one of the desktop's, of the same mesh, its corners within half a step.
+    step = np.ptp(desktop.corners.reshape(-1, 3), axis=0) / 65535
+    apart = np.max(np.abs(page.corners.reshape(-1, 1, 9) - desktop.corners.reshape(1, -1, 9)), axis=2)
+    match = np.argmin(apart, axis=1)
+    assert sorted(match) == list(range(len(desktop.corners)))
+    assert np.array_equal(page.triangle_meshes, desktop.triangle_meshes[match])
+    assert np.all(np.abs(page.corners - desktop.corners[match]) <= 0.5 * step * (1 + 1e-3) + 1e-5)
+    for node, (first, second) in enumerate(page.links):
+        if second < 0:
+            assert -second <= PAGE_LEAF_TRIANGLES
+            inside = page.corners[first:first - second].reshape(-1, 3)
+            assert np.all(inside >= page.box_min[node]) and np.all(inside <= page.box_max[node])
+        else:
+            for child in (first, second):
+                assert np.all(page.box_min[child] >= page.box_min[node])
+                assert np.all(page.box_max[child] <= page.box_max[node])
