@@ -367,7 +367,7 @@ def cmd_share(args: argparse.Namespace) -> int:
     out = check_page_path(args.out, args.overwrite)
     run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
     page = write_page(run, out)
-    shadows = " (without the desktop's mesh shadows)" if run.renderer.mesh_shadows is not None else ""
+    shadows = " (with its meshes' shadows)" if run.renderer.mesh_shadows is not None else ""
     print(f"{page}: {page.stat().st_size / 1e6:.1f} MB; open it in a browser with WebGPU{shadows}")
     return 0
 
