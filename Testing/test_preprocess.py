@@ -207,6 +207,52 @@ def test_head_mask_finds_the_phantom_brain(phantom_prepared):
     assert dice > 0.97
 
 
+@pytest.mark.parametrize("library", ["edt", "scipy"])
+def test_distance_transform_is_exact_in_mm_with_either_library(library, monkeypatch):
+    """The boundary maps' transform (edt on all cores, or scipy where edt is not installed) gives every voxel
+    its exact anisotropic distance to the nearest voxel outside ``outside``, in float32."""
+    import sys
+
+    from NeuralRaycastLib.study.preprocess import _distance_transform
+
+    if library == "edt":
+        pytest.importorskip("edt")
+    else:
+        monkeypatch.setitem(sys.modules, "edt", None)  # import edt raises ImportError
+    spacing = np.array([0.5, 0.7, 3.0])
+    outside = np.ones((23, 17, 9), bool)
+    seeds = np.array([[3, 4, 1], [18, 12, 7], [0, 16, 8]])
+    outside[tuple(seeds.T)] = False
+    grid = np.stack(np.meshgrid(*map(np.arange, outside.shape), indexing="ij"), axis=-1)
+    exact = np.min([np.linalg.norm((grid - seed) * spacing, axis=-1) for seed in seeds], axis=0)
+    distance = _distance_transform(outside, spacing)
+    assert distance.dtype == np.float32
+    np.testing.assert_allclose(distance, exact, rtol=1e-6, atol=1e-5)
+
+
+def test_head_mask_on_its_box_is_the_whole_grids():
+    """Closing, filling and choosing the largest piece on the box around the thresholded voxels gives the mask
+    the whole grid gives, also where the head touches the grid's faces."""
+    from skimage.filters import threshold_otsu
+
+    rng = np.random.default_rng(7)
+    for shape, centre in (((40, 36, 30), (20, 18, 15)), ((40, 36, 30), (3, 30, 26))):
+        points = np.stack(np.meshgrid(*map(np.arange, shape), indexing="ij"), axis=-1)
+        radius = np.linalg.norm(points - centre, axis=-1)
+        image = (radius < 11).astype(np.float32)
+        image += 0.6 * rng.random(shape, np.float32) * (radius < 13)  # specks, gaps and a ragged edge
+        image[33:36, 4:7, 4:7] = 1.5  # a second piece, smaller
+        image = np.asfortranarray(image)  # as NIfTI data comes
+        whole = image / np.percentile(image, 99.0) > threshold_otsu(image / np.percentile(image, 99.0))
+        whole = ndimage.binary_closing(whole, structure=ndimage.generate_binary_structure(3, 1), iterations=2)
+        whole = ndimage.binary_fill_holes(whole)
+        components, _ = ndimage.label(whole)
+        sizes = np.bincount(components.ravel())
+        sizes[0] = 0
+        whole = components == int(np.argmax(sizes))
+        np.testing.assert_array_equal(head_mask({"t1": image}), whole)
+
+
 def test_fill_holes_is_scipys_on_masks_with_holes_tunnels_and_faces():
     """Cavities are filled, also one that meets a tunnel to the grid's faces only at a corner (face
     connectivity keeps them apart); tunnels and what touches a face stay open; a full and an empty mask stay
