@@ -16,6 +16,7 @@ from NeuralRaycastLib.study.preprocess import (
     derived_probability,
     fill_holes,
     head_mask,
+    mask_bounds,
     normalise_channel,
     occupancy_grid,
     prepare,
@@ -300,6 +301,26 @@ def test_occupancy_and_bounds_cover_the_mask(phantom_prepared):
     ras = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
     assert np.all(ras >= prepared.bounds[0]) and np.all(ras <= prepared.bounds[1])
     assert occupancy_grid(np.ones((9, 9, 9), bool), block=8).shape == (2, 2, 2)
+
+
+def test_occupancy_and_bounds_on_the_masks_box_are_the_whole_grids():
+    """The occupancy grid (the mask dilated by a voxel, in blocks) and the RAS box taken on the mask's box are
+    those of the whole grid, also for a mask on the grid's faces, a block's edge, or a single voxel."""
+    affine = np.array([[0.0, -0.9, 0.0, 30.0], [1.1, 0.0, 0.0, -20.0], [0.0, 0.0, 2.5, 5.0], [0.0, 0.0, 0.0, 1.0]])
+    masks = [np.zeros((29, 20, 17), bool) for _ in range(3)]
+    masks[0][9:14, 3:8, 7:8] = True  # ends at a block's edge, so its dilation spills into the next block
+    masks[1][0:4, 15:20, 16] = True  # on the grid's faces
+    masks[2][8, 16, 0] = True  # one voxel
+    for mask in masks:
+        dilated = ndimage.binary_dilation(mask)
+        padded = np.pad(dilated, [(0, (-n) % 8) for n in mask.shape])
+        blocks = padded.reshape(padded.shape[0] // 8, 8, padded.shape[1] // 8, 8, padded.shape[2] // 8, 8)
+        np.testing.assert_array_equal(occupancy_grid(mask, block=8), blocks.any(axis=(1, 3, 5)))
+        ijk = np.argwhere(mask)
+        corners = np.array([[*(ijk.min(0) - 0.5 + (ijk.max(0) - ijk.min(0) + 1) * np.array(c)), 1.0]
+                            for c in np.ndindex(2, 2, 2)])
+        ras = (corners @ affine.T)[:, :3]
+        np.testing.assert_allclose(mask_bounds(mask, affine), [ras.min(0) - 2.0, ras.max(0) + 2.0])
 
 
 def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_dir, tmp_path):

@@ -362,10 +362,14 @@ def derived_probability(boundary_whole_tumor: np.ndarray, width_mm: float) -> np
 
 
 def occupancy_grid(mask: np.ndarray, block: int = OCCUPANCY_BLOCK) -> np.ndarray:
-    """Blocks of ``block``³ voxels that touch the (one-voxel dilated) mask."""
+    """Blocks of ``block``³ voxels that touch the (one-voxel dilated) mask. The dilation is taken on the mask's
+    box widened by a voxel: nothing beyond it changes."""
     from scipy import ndimage
 
-    dilated = ndimage.binary_dilation(mask, iterations=1)
+    dilated = np.zeros(mask.shape, bool)
+    if mask.any():
+        box = _widened_box(mask, 1)
+        dilated[box] = ndimage.binary_dilation(mask[box], iterations=1)
     pad = [(0, (-n) % block) for n in dilated.shape]
     padded = np.pad(dilated, pad)
     i, j, k = (n // block for n in padded.shape)
@@ -374,8 +378,8 @@ def occupancy_grid(mask: np.ndarray, block: int = OCCUPANCY_BLOCK) -> np.ndarray
 
 def mask_bounds(mask: np.ndarray, affine: np.ndarray, margin_mm: float = 2.0) -> np.ndarray:
     """RAS box around the mask's voxels, widened by half a voxel and ``margin_mm``."""
-    idx = np.argwhere(mask)
-    low, high = idx.min(axis=0) - 0.5, idx.max(axis=0) + 0.5
+    first, last = voxel_box(mask)
+    low, high = first - 0.5, last + 0.5
     corners = np.array([[*corner, 1.0] for corner in itertools.product(*zip(low, high, strict=True))])
     ras = (corners @ np.asarray(affine).T)[:, :3]
     return np.stack([ras.min(axis=0) - margin_mm, ras.max(axis=0) + margin_mm])
