@@ -12,9 +12,11 @@ The expensive part (distance transforms) is cached on disk, keyed by a hash of t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -485,11 +487,7 @@ def prepare(
         occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
     else:
         mask, boundary, notes = mask_and_boundary_maps(study, structures, report, min_piece_ml, keep_small_pieces)
-        probability = _probability(study, structures, boundary)
-        # The cache stores float16; round fresh results the same way so cached and fresh runs agree.
-        probability = probability.astype(np.float16).astype(np.float32)
-        occupancy, bounds = occupancy_grid(mask), mask_bounds(mask, study.affine)
-        ranges = map_in_threads(lambda image: channel_range(image, mask), list(study.channels.values()))
+        probability, occupancy, bounds, ranges = _derived_from_maps(study, structures, mask, boundary)
         if use_cache:
             write_entry(path, {"boundary": boundary.astype(np.float16), "mask": mask,
                                "probability": probability.astype(np.float16), "occupancy": occupancy,
@@ -519,6 +517,21 @@ def prepare(
         label_notes=notes,
         min_piece_ml=float(min_piece_ml),
     )
+
+
+def _derived_from_maps(study: Study, structures: list[Structure], mask: np.ndarray, boundary: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[float, float]]]:
+    """P(x) (rounded to float16 as the cache keeps it, so cached and fresh runs agree), the occupancy grid, the
+    RAS bounds and each channel's :func:`channel_range`: one pass over the grid each, all at once in threads."""
+    images = list(study.channels.values())
+    jobs: list[Callable[[], object]] = [
+        lambda: _probability(study, structures, boundary).astype(np.float16).astype(np.float32),
+        lambda: occupancy_grid(mask),
+        lambda: mask_bounds(mask, study.affine),
+        *(functools.partial(channel_range, image, mask) for image in images),
+    ]
+    probability, occupancy, bounds, *ranges = map_in_threads(lambda job: job(), jobs)
+    return probability, occupancy, bounds, ranges  # type: ignore[return-value]
 
 
 def _brain_mask(study: Study) -> np.ndarray:
