@@ -208,18 +208,27 @@ def candidates_after_move(vertices: np.ndarray, moved: np.ndarray, faces: np.nda
     return nearest
 
 
-def _triangle_table(vertices: np.ndarray, faces: np.ndarray, origin: np.ndarray) -> np.ndarray:
-    """Per triangle (16, F): corner a (less ``origin``), edges e0 = b − a and e1 = c − a, the normal n = e0 × e1,
+def _triangle_table(vertices: np.ndarray, faces: np.ndarray, origin: np.ndarray, chunk: int = 1 << 15
+                    ) -> np.ndarray:
+    """Per triangle (18, F): corner a (less ``origin``), edges e0 = b − a and e1 = c − a, the normal n = e0 × e1,
     and the dot products e0·e0, e0·e1, e1·e1, |c − b|², the Gram determinant and n·n: what the squared
-    distance of a point needs."""
-    a, b, c = (vertices[faces[:, corner]].astype(np.float64) for corner in range(3))
-    e0, e1 = b - a, c - a
-    normal = np.cross(e0, e1)
-    a00, a01, a11 = (e0 * e0).sum(1), (e0 * e1).sum(1), (e1 * e1).sum(1)
-    a22 = ((c - b) ** 2).sum(1)
-    det = np.maximum(a00 * a11 - a01 * a01, 1e-300)
-    nn = np.maximum((normal * normal).sum(1), 1e-300)
-    return np.ascontiguousarray(np.vstack([(a - origin).T, e0.T, e1.T, normal.T, a00, a01, a11, a22, det, nn]))
+    distance of a point needs. Filled in chunks of triangles, in threads."""
+    table = np.empty((18, len(faces)), np.float64)
+
+    def fill(start: int) -> None:
+        rows = slice(start, start + chunk)
+        a, b, c = (vertices[faces[rows, corner]].astype(np.float64) for corner in range(3))
+        e0, e1 = b - a, c - a
+        normal = np.cross(e0, e1)
+        a00, a01, a11 = (e0 * e0).sum(1), (e0 * e1).sum(1), (e1 * e1).sum(1)
+        a22 = ((c - b) ** 2).sum(1)
+        det = np.maximum(a00 * a11 - a01 * a01, 1e-300)
+        nn = np.maximum((normal * normal).sum(1), 1e-300)
+        table[:, rows] = np.vstack([(a - origin).T, e0.T, e1.T, normal.T, a00, a01, a11, a22, det, nn])
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(fill, range(0, len(faces), chunk)))
+    return table
 
 
 def _squared_distances(table: np.ndarray, p: np.ndarray, nearest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
