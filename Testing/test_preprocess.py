@@ -16,6 +16,7 @@ from NeuralRaycastLib.study.preprocess import (
     derived_probability,
     fill_holes,
     head_mask,
+    mask_bounds,
     normalise_channel,
     occupancy_grid,
     prepare,
@@ -207,6 +208,52 @@ def test_head_mask_finds_the_phantom_brain(phantom_prepared):
     assert dice > 0.97
 
 
+@pytest.mark.parametrize("library", ["edt", "scipy"])
+def test_distance_transform_is_exact_in_mm_with_either_library(library, monkeypatch):
+    """The boundary maps' transform (edt on all cores, or scipy where edt is not installed) gives every voxel
+    its exact anisotropic distance to the nearest voxel outside ``outside``, in float32."""
+    import sys
+
+    from NeuralRaycastLib.study.preprocess import _distance_transform
+
+    if library == "edt":
+        pytest.importorskip("edt")
+    else:
+        monkeypatch.setitem(sys.modules, "edt", None)  # import edt raises ImportError
+    spacing = np.array([0.5, 0.7, 3.0])
+    outside = np.ones((23, 17, 9), bool)
+    seeds = np.array([[3, 4, 1], [18, 12, 7], [0, 16, 8]])
+    outside[tuple(seeds.T)] = False
+    grid = np.stack(np.meshgrid(*map(np.arange, outside.shape), indexing="ij"), axis=-1)
+    exact = np.min([np.linalg.norm((grid - seed) * spacing, axis=-1) for seed in seeds], axis=0)
+    distance = _distance_transform(outside, spacing)
+    assert distance.dtype == np.float32
+    np.testing.assert_allclose(distance, exact, rtol=1e-6, atol=1e-5)
+
+
+def test_head_mask_on_its_box_is_the_whole_grids():
+    """Closing, filling and choosing the largest piece on the box around the thresholded voxels gives the mask
+    the whole grid gives, also where the head touches the grid's faces."""
+    from skimage.filters import threshold_otsu
+
+    rng = np.random.default_rng(7)
+    for shape, centre in (((40, 36, 30), (20, 18, 15)), ((40, 36, 30), (3, 30, 26))):
+        points = np.stack(np.meshgrid(*map(np.arange, shape), indexing="ij"), axis=-1)
+        radius = np.linalg.norm(points - centre, axis=-1)
+        image = (radius < 11).astype(np.float32)
+        image += 0.6 * rng.random(shape, np.float32) * (radius < 13)  # specks, gaps and a ragged edge
+        image[33:36, 4:7, 4:7] = 1.5  # a second piece, smaller
+        image = np.asfortranarray(image)  # as NIfTI data comes
+        whole = image / np.percentile(image, 99.0) > threshold_otsu(image / np.percentile(image, 99.0))
+        whole = ndimage.binary_closing(whole, structure=ndimage.generate_binary_structure(3, 1), iterations=2)
+        whole = ndimage.binary_fill_holes(whole)
+        components, _ = ndimage.label(whole)
+        sizes = np.bincount(components.ravel())
+        sizes[0] = 0
+        whole = components == int(np.argmax(sizes))
+        np.testing.assert_array_equal(head_mask({"t1": image}), whole)
+
+
 def test_fill_holes_is_scipys_on_masks_with_holes_tunnels_and_faces():
     """Cavities are filled, also one that meets a tunnel to the grid's faces only at a corner (face
     connectivity keeps them apart); tunnels and what touches a face stay open; a full and an empty mask stay
@@ -254,6 +301,26 @@ def test_occupancy_and_bounds_cover_the_mask(phantom_prepared):
     ras = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
     assert np.all(ras >= prepared.bounds[0]) and np.all(ras <= prepared.bounds[1])
     assert occupancy_grid(np.ones((9, 9, 9), bool), block=8).shape == (2, 2, 2)
+
+
+def test_occupancy_and_bounds_on_the_masks_box_are_the_whole_grids():
+    """The occupancy grid (the mask dilated by a voxel, in blocks) and the RAS box taken on the mask's box are
+    those of the whole grid, also for a mask on the grid's faces, a block's edge, or a single voxel."""
+    affine = np.array([[0.0, -0.9, 0.0, 30.0], [1.1, 0.0, 0.0, -20.0], [0.0, 0.0, 2.5, 5.0], [0.0, 0.0, 0.0, 1.0]])
+    masks = [np.zeros((29, 20, 17), bool) for _ in range(3)]
+    masks[0][9:14, 3:8, 7:8] = True  # ends at a block's edge, so its dilation spills into the next block
+    masks[1][0:4, 15:20, 16] = True  # on the grid's faces
+    masks[2][8, 16, 0] = True  # one voxel
+    for mask in masks:
+        dilated = ndimage.binary_dilation(mask)
+        padded = np.pad(dilated, [(0, (-n) % 8) for n in mask.shape])
+        blocks = padded.reshape(padded.shape[0] // 8, 8, padded.shape[1] // 8, 8, padded.shape[2] // 8, 8)
+        np.testing.assert_array_equal(occupancy_grid(mask, block=8), blocks.any(axis=(1, 3, 5)))
+        ijk = np.argwhere(mask)
+        corners = np.array([[*(ijk.min(0) - 0.5 + (ijk.max(0) - ijk.min(0) + 1) * np.array(c)), 1.0]
+                            for c in np.ndindex(2, 2, 2)])
+        ras = (corners @ affine.T)[:, :3]
+        np.testing.assert_allclose(mask_bounds(mask, affine), [ras.min(0) - 2.0, ras.max(0) + 2.0])
 
 
 def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_dir, tmp_path):

@@ -98,3 +98,36 @@ def test_a_small_cavity_keeps_its_place_after_smoothing():
         ijk = (on_sphere - affine[:3, 3]) / spacing
         values = map_coordinates(boundary, ijk.T, order=1)
         assert np.abs(values).mean() < tolerance * spacing, (r, np.abs(values).mean())
+
+
+def test_moved_pieces_search_again_the_points_another_piece_came_near():
+    """After the pieces of a mesh move by different amounts, the points whose nearest piece may have changed get
+    new candidates: every distance is the one a full search on the moved mesh gives, also in the gap between a
+    large sphere and a small one that moved towards it."""
+    from NeuralRaycastLib.mesh.surface_distance import (
+        candidate_triangles,
+        candidate_triangles_and_reach,
+        candidates_after_move,
+        mesh_distances,
+        mesh_pieces,
+        vertex_normals,
+    )
+
+    ijk = np.indices((40, 26, 26)).reshape(3, -1).T.astype(np.float64)
+    large = np.linalg.norm(ijk - [13.0, 13.0, 13.0], axis=-1) - 9.0
+    small = np.linalg.norm(ijk - [29.0, 13.0, 13.0], axis=-1) - 3.6  # 3.4 voxels of gap between them
+    field = np.minimum(large, small).reshape(40, 26, 26).astype(np.float32)
+    vertices, faces = extract_surface(field, np.eye(4))
+    pieces = mesh_pieces(len(vertices), faces)
+    assert pieces.max() == 1
+    points = ijk[np.abs(field.ravel()) <= 3.0]
+    nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
+    normals = vertex_normals(vertices, faces)
+    small_piece = pieces[np.argmax(vertices[:, 0])]
+    moved = vertices + np.where(pieces == small_piece, 1.5, 0.2)[:, None] * normals  # the small one grows most
+    kept = candidates_after_move(vertices, moved, faces, points, nearest, reach, pieces)
+    searched = (kept != nearest).any(axis=1)
+    gap = (points[:, 0] > 22) & (points[:, 0] < 26) & (np.abs(points[:, 1] - 13) < 2) & (np.abs(points[:, 2] - 13) < 2)
+    assert searched[gap].all() and not searched.all()  # the gap searched again, not every point
+    full = mesh_distances(moved, faces, points, candidate_triangles(moved, faces, points))[0]
+    np.testing.assert_allclose(mesh_distances(moved, faces, points, kept)[0], full, atol=1e-9)

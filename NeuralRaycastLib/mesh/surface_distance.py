@@ -169,23 +169,66 @@ def candidate_triangles(vertices: np.ndarray, faces: np.ndarray, points: np.ndar
     """For each of ``points`` (N, 3), the ``candidates`` triangles whose centroids are nearest (N, k): enough
     to hold the nearest triangle for the near-uniform triangles of marching cubes, before or after the mesh is
     moved by less than a triangle's size (so one search serves both)."""
+    return candidate_triangles_and_reach(vertices, faces, points, candidates)[0]
+
+
+def candidate_triangles_and_reach(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                                  candidates: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`candidate_triangles`, and the distance from each point to the farthest of its candidates'
+    centroids (N,): how far another triangle may lie before it would have been a candidate."""
     k = min(candidates, len(faces))
-    _, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
-    return np.asarray(nearest, np.int64).reshape(len(points), k)
+    reach, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
+    reach = np.asarray(reach, np.float64).reshape(len(points), k)
+    return np.asarray(nearest, np.int64).reshape(len(points), k), reach[:, -1]
 
 
-def _triangle_table(vertices: np.ndarray, faces: np.ndarray, origin: np.ndarray) -> np.ndarray:
-    """Per triangle (16, F): corner a (less ``origin``), edges e0 = b − a and e1 = c − a, the normal n = e0 × e1,
+def candidates_after_move(vertices: np.ndarray, moved: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                          nearest: np.ndarray, reach: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    """The candidates (:func:`candidate_triangles_and_reach`: ``nearest``, ``reach``) of ``points`` once the
+    closed pieces of the mesh (``pieces``: :func:`mesh_pieces`) have moved from ``vertices`` to ``moved``, each
+    as a whole. A piece moved as a whole keeps which of its triangles are near a point, so only the points
+    another piece may now be nearest to are searched again: those with a candidate off the largest piece, and
+    those another piece's centroid came within reach of (each centroid moved at most as far as a vertex did)."""
+    triangle_piece = pieces[faces[:, 0]]
+    largest = int(np.argmax(np.bincount(triangle_piece)))
+    off_largest = (triangle_piece[nearest] != largest).any(axis=1)
+    others = triangle_piece != largest
+    shift = float(np.sqrt(((moved - vertices) ** 2).sum(axis=1).max())) if len(vertices) else 0.0
+    on_largest = np.flatnonzero(~off_largest)
+    if others.any() and len(on_largest):
+        centroids = vertices[faces[others]].mean(axis=1)
+        bound = reach[on_largest] + 2.0 * shift
+        distance, _ = cKDTree(centroids).query(points[on_largest], k=1, workers=-1,
+                                               distance_upper_bound=float(bound.max()) * (1.0 + 1e-9))
+        off_largest[on_largest[distance <= bound]] = True
+    again = np.flatnonzero(off_largest)
+    nearest = nearest.copy()
+    if len(again):
+        nearest[again] = candidate_triangles(moved, faces, points[again], nearest.shape[1])
+    return nearest
+
+
+def _triangle_table(vertices: np.ndarray, faces: np.ndarray, origin: np.ndarray, chunk: int = 1 << 15
+                    ) -> np.ndarray:
+    """Per triangle (18, F): corner a (less ``origin``), edges e0 = b − a and e1 = c − a, the normal n = e0 × e1,
     and the dot products e0·e0, e0·e1, e1·e1, |c − b|², the Gram determinant and n·n: what the squared
-    distance of a point needs."""
-    a, b, c = (vertices[faces[:, corner]].astype(np.float64) for corner in range(3))
-    e0, e1 = b - a, c - a
-    normal = np.cross(e0, e1)
-    a00, a01, a11 = (e0 * e0).sum(1), (e0 * e1).sum(1), (e1 * e1).sum(1)
-    a22 = ((c - b) ** 2).sum(1)
-    det = np.maximum(a00 * a11 - a01 * a01, 1e-300)
-    nn = np.maximum((normal * normal).sum(1), 1e-300)
-    return np.ascontiguousarray(np.vstack([(a - origin).T, e0.T, e1.T, normal.T, a00, a01, a11, a22, det, nn]))
+    distance of a point needs. Filled in chunks of triangles, in threads."""
+    table = np.empty((18, len(faces)), np.float64)
+
+    def fill(start: int) -> None:
+        rows = slice(start, start + chunk)
+        a, b, c = (vertices[faces[rows, corner]].astype(np.float64) for corner in range(3))
+        e0, e1 = b - a, c - a
+        normal = np.cross(e0, e1)
+        a00, a01, a11 = (e0 * e0).sum(1), (e0 * e1).sum(1), (e1 * e1).sum(1)
+        a22 = ((c - b) ** 2).sum(1)
+        det = np.maximum(a00 * a11 - a01 * a01, 1e-300)
+        nn = np.maximum((normal * normal).sum(1), 1e-300)
+        table[:, rows] = np.vstack([(a - origin).T, e0.T, e1.T, normal.T, a00, a01, a11, a22, det, nn])
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(fill, range(0, len(faces), chunk)))
+    return table
 
 
 def _squared_distances(table: np.ndarray, p: np.ndarray, nearest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -219,23 +262,25 @@ def mesh_distances(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, 
 
     The sign is the side of the nearest triangle's plane the point is on, which is right for a smooth mesh
     even where the closest point lies on an edge. The nearest triangle is chosen in single precision (near
-    the mesh's centre, so only triangles within micrometres of each other's distance may be confused), in
-    chunks, in threads; the distance to it is then taken in double precision."""
+    the mesh's centre, so only triangles within micrometres of each other's distance may be confused), then
+    the distance to it in double precision, in chunks, in threads."""
     origin = vertices.mean(axis=0) if len(vertices) else np.zeros(3)
     table = _triangle_table(vertices, faces, origin)
     single = table.astype(np.float32)
     best = np.empty(len(points), np.int64)
+    distances = np.empty(len(points), np.float64)
 
-    def choose(start: int) -> None:
+    def measure(start: int) -> None:
         rows = slice(start, start + chunk)
-        p, candidates = (points[rows] - origin).astype(np.float32), nearest[rows]
-        distance2 = _squared_distances(single, p, candidates)[0]
-        best[rows] = candidates[np.arange(len(p)), np.argmin(distance2, axis=1)]
+        p, candidates = np.asarray(points[rows], np.float64) - origin, nearest[rows]
+        distance2 = _squared_distances(single, p.astype(np.float32), candidates)[0]
+        best[rows] = chosen = candidates[np.arange(len(p)), np.argmin(distance2, axis=1)]
+        distance2, height = _squared_distances(table, p, chosen[:, None])
+        distances[rows] = np.sqrt(distance2[:, 0]) * np.where(height[:, 0] < 0.0, -1.0, 1.0)
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        list(pool.map(choose, range(0, len(points), chunk)))
-    distance2, height = _squared_distances(table, np.asarray(points, np.float64) - origin, best[:, None])
-    return np.sqrt(distance2[:, 0]) * np.where(height[:, 0] < 0.0, -1.0, 1.0), best
+        list(pool.map(measure, range(0, len(points), chunk)))
+    return distances, best
 
 
 def signed_distance_to_mesh(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, candidates: int = 12,

@@ -12,9 +12,11 @@ The expensive part (distance transforms) is cached on disk, keyed by a hash of t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,7 @@ from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
 #: Bump when anything below changes what is cached.
-PREPROCESS_VERSION = 8
+PREPROCESS_VERSION = 9
 #: Windowed-sinc smoothing of a mask's surface before distances are taken, with the iterations and pass
 #: band of Slicer's closed-surface default (smoothing factor 0.5: 20 iterations, pass band 10⁻²).
 SURFACE_SMOOTHING_ITERATIONS = 20
@@ -53,6 +55,8 @@ EXACT_BAND_VOXELS = 3.0
 EXACT_REACH_MM = 20.0
 NORMALISE_PERCENTILES = (0.5, 99.5)
 OCCUPANCY_BLOCK = 8
+#: Iterations of the face-connected closing that joins a thresholded head mask's pieces.
+CLOSING_ITERATIONS = 2
 
 
 
@@ -120,17 +124,32 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
         scaled = image / scale
         combined = scaled if combined is None else np.maximum(combined, scaled)
     assert combined is not None
-    mask = combined > threshold_otsu(combined.ravel())  # a histogram's threshold: the shape does not matter
-    mask = ndimage.binary_closing(mask, structure=ndimage.generate_binary_structure(3, 1), iterations=2)
-    mask = fill_holes(mask)
-    components, count = ndimage.label(mask)
-    if count > 1:
-        sizes = np.bincount(components.ravel())
-        sizes[0] = 0
-        mask = components == int(np.argmax(sizes))
+    # a histogram's threshold: neither the shape nor the order matters (no C-ordered copy of a NIfTI's data)
+    mask = combined > threshold_otsu(combined.ravel(order="K"))
+    if mask.any():
+        # Closed, filled and chosen on the box around what is above the threshold and a few voxels more: the
+        # closing reaches CLOSING_ITERATIONS voxels, so all beyond stays outside, as on the whole grid.
+        box = _widened_box(mask, CLOSING_ITERATIONS + 1)
+        inner = ndimage.binary_closing(mask[box], structure=ndimage.generate_binary_structure(3, 1),
+                                       iterations=CLOSING_ITERATIONS)
+        inner = fill_holes(inner)
+        components, count = ndimage.label(inner)
+        if count > 1:
+            sizes = np.bincount(components.ravel())
+            sizes[0] = 0
+            inner = components == int(np.argmax(sizes))
+        mask = np.zeros(mask.shape, bool)
+        mask[box] = inner
     if labels is not None:
         mask |= labels > 0
     return mask
+
+
+def _widened_box(mask: np.ndarray, margin: int) -> tuple[slice, ...]:
+    """A non-empty mask's bounding box widened by ``margin`` voxels each way, within the grid."""
+    low, high = voxel_box(mask)
+    return tuple(slice(max(int(lo) - margin, 0), min(int(hi) + margin + 1, n))
+                 for lo, hi, n in zip(low, high, mask.shape, strict=True))
 
 
 def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True,
@@ -194,6 +213,30 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     return out
 
 
+def _distance_transform(outside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """Euclidean distance in mm (float32) from each voxel of ``outside`` to the nearest voxel that is not in it
+    (0 there): the exact transform of the ``edt`` package on all cores, anisotropic spacing respected, or, where
+    that package is not installed (a Slicer that could not reach the package index), scipy's exact transform
+    of the same values on one core."""
+    try:
+        import edt
+    except ImportError:
+        return _scipy_distance_transform(outside, spacing)
+    distance = edt.edt(np.ascontiguousarray(outside), anisotropy=tuple(float(s) for s in spacing),
+                       black_border=False, parallel=os.cpu_count() or 1)
+    return distance.astype(np.float32, copy=False)
+
+
+def _scipy_distance_transform(outside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """:func:`_distance_transform` by scipy: its feature transform, measured in float32 (its own distances
+    would take a (3, I, J, K) float64 array)."""
+    from scipy import ndimage
+
+    features = ndimage.distance_transform_edt(outside, sampling=spacing, return_distances=False,
+                                              return_indices=True)
+    return _feature_distance(features, spacing)
+
+
 def _feature_distance(features: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     """Length in mm (float32) from each voxel to the voxel its feature transform (3, I, J, K) names, one
     axis at a time (no (3, I, J, K) array of coordinates, no float64)."""
@@ -213,18 +256,10 @@ def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray
     over the box: it holds every inside voxel (``low``..``high``), the nearest one of each outside voxel, and
     the inside transform is taken over those and one voxel beyond, where the nearest outside voxel of each
     inside one lies. The two transforms run in threads (they release the interpreter)."""
-    from scipy import ndimage
-
     half = np.float32(0.5 * float(spacing.min()))
     near = tuple(slice(max(lo - 1, 0), min(hi + 2, n)) for lo, hi, n in zip(low, high, box.shape, strict=True))
-
-    def transform(outside: np.ndarray) -> np.ndarray:
-        features = ndimage.distance_transform_edt(outside, sampling=spacing, return_distances=False,
-                                                  return_indices=True)
-        return _feature_distance(features, spacing)
-
-    outside_distance, inside_distance = map_in_threads(transform, [~box, box[near]])
-    sdf = np.subtract(outside_distance, half, out=outside_distance)
+    sdf, inside_distance = map_in_threads(lambda outside: _distance_transform(outside, spacing), [~box, box[near]])
+    sdf -= half
     sdf[near] = np.where(box[near], half - inside_distance, sdf[near])
     return sdf
 
@@ -252,20 +287,26 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
     """Within ``EXACT_BAND_VOXELS`` of the surface, replace ``sdf`` (of the mask ``inside``, whose first voxel
     is ``origin`` of the grid) by the exact distance to the mask's smoothed surface (``vertices``, ``faces``;
     see :func:`signed_distance`)."""
-    from ..mesh.surface_distance import agree_with_labels, candidate_triangles, mesh_distances, mesh_pieces
+    from ..mesh.surface_distance import (
+        agree_with_labels,
+        candidate_triangles_and_reach,
+        candidates_after_move,
+        mesh_distances,
+        mesh_pieces,
+    )
 
     band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
     points = (np.argwhere(band) + origin) * spacing
-    nearest = candidate_triangles(vertices, faces, points)
+    nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
     exact, closest = mesh_distances(vertices, faces, points, nearest)
     pieces = mesh_pieces(len(vertices), faces)
     moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()),
                               faces[closest, 0], pieces)
     if not np.array_equal(moved, vertices):
         # One piece moves as a whole, keeping which triangles are near a point; pieces moved by different
-        # amounts may change which piece is nearest, so their candidates are searched again.
+        # amounts may change which piece is nearest, so the candidates of the points near two are searched again.
         if pieces.max() > 0:
-            nearest = candidate_triangles(moved, faces, points)
+            nearest = candidates_after_move(vertices, moved, faces, points, nearest, reach, pieces)
         exact = mesh_distances(moved, faces, points, nearest)[0]
     # The smoothed surface stays within a voxel of the terraced one: a sign that disagrees with
     # the mask further in than that would be a fault of the sign test, never of the surface.
@@ -323,10 +364,14 @@ def derived_probability(boundary_whole_tumor: np.ndarray, width_mm: float) -> np
 
 
 def occupancy_grid(mask: np.ndarray, block: int = OCCUPANCY_BLOCK) -> np.ndarray:
-    """Blocks of ``block``³ voxels that touch the (one-voxel dilated) mask."""
+    """Blocks of ``block``³ voxels that touch the (one-voxel dilated) mask. The dilation is taken on the mask's
+    box widened by a voxel: nothing beyond it changes."""
     from scipy import ndimage
 
-    dilated = ndimage.binary_dilation(mask, iterations=1)
+    dilated = np.zeros(mask.shape, bool)
+    if mask.any():
+        box = _widened_box(mask, 1)
+        dilated[box] = ndimage.binary_dilation(mask[box], iterations=1)
     pad = [(0, (-n) % block) for n in dilated.shape]
     padded = np.pad(dilated, pad)
     i, j, k = (n // block for n in padded.shape)
@@ -335,8 +380,8 @@ def occupancy_grid(mask: np.ndarray, block: int = OCCUPANCY_BLOCK) -> np.ndarray
 
 def mask_bounds(mask: np.ndarray, affine: np.ndarray, margin_mm: float = 2.0) -> np.ndarray:
     """RAS box around the mask's voxels, widened by half a voxel and ``margin_mm``."""
-    idx = np.argwhere(mask)
-    low, high = idx.min(axis=0) - 0.5, idx.max(axis=0) + 0.5
+    first, last = voxel_box(mask)
+    low, high = first - 0.5, last + 0.5
     corners = np.array([[*corner, 1.0] for corner in itertools.product(*zip(low, high, strict=True))])
     ras = (corners @ np.asarray(affine).T)[:, :3]
     return np.stack([ras.min(axis=0) - margin_mm, ras.max(axis=0) + margin_mm])
@@ -442,11 +487,7 @@ def prepare(
         occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
     else:
         mask, boundary, notes = mask_and_boundary_maps(study, structures, report, min_piece_ml, keep_small_pieces)
-        probability = _probability(study, structures, boundary)
-        # The cache stores float16; round fresh results the same way so cached and fresh runs agree.
-        probability = probability.astype(np.float16).astype(np.float32)
-        occupancy, bounds = occupancy_grid(mask), mask_bounds(mask, study.affine)
-        ranges = map_in_threads(lambda image: channel_range(image, mask), list(study.channels.values()))
+        probability, occupancy, bounds, ranges = _derived_from_maps(study, structures, mask, boundary)
         if use_cache:
             write_entry(path, {"boundary": boundary.astype(np.float16), "mask": mask,
                                "probability": probability.astype(np.float16), "occupancy": occupancy,
@@ -476,6 +517,21 @@ def prepare(
         label_notes=notes,
         min_piece_ml=float(min_piece_ml),
     )
+
+
+def _derived_from_maps(study: Study, structures: list[Structure], mask: np.ndarray, boundary: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[float, float]]]:
+    """P(x) (rounded to float16 as the cache keeps it, so cached and fresh runs agree), the occupancy grid, the
+    RAS bounds and each channel's :func:`channel_range`: one pass over the grid each, all at once in threads."""
+    images = list(study.channels.values())
+    jobs: list[Callable[[], object]] = [
+        lambda: _probability(study, structures, boundary).astype(np.float16).astype(np.float32),
+        lambda: occupancy_grid(mask),
+        lambda: mask_bounds(mask, study.affine),
+        *(functools.partial(channel_range, image, mask) for image in images),
+    ]
+    probability, occupancy, bounds, *ranges = map_in_threads(lambda job: job(), jobs)
+    return probability, occupancy, bounds, ranges  # type: ignore[return-value]
 
 
 def _brain_mask(study: Study) -> np.ndarray:
