@@ -388,17 +388,3 @@ def test_step_profile_names_every_phase_and_leaves_the_field_as_it_was(gpu, phan
     # the forward's and the scene backward's passes are listed: their totals as well would count them twice
     assert "forward" not in phases and "scene backward" not in phases
     np.testing.assert_array_equal(trainer.field.parameters(), before)
-
-
-def test_a_training_step_after_an_evaluation_holds_buffers_for_its_own_rays_not_a_views_band(gpu, phantom_views):
-    """Under a memory budget the peak came from training steps that reused an evaluation band's (larger) buffers
-    and added their gradients on top: after an evaluation the next step makes buffers of its own size."""
-    prepared, views = phantom_views
-    config = replace(training_schedule("quick"), patches=2)
-    trainer = Trainer(gpu, prepared, new_field(gpu, prepared), views, config)
-    rays = config.patches * config.patch_size**2
-    trainer.image_step(geometry=False)
-    assert trainer.renderer.batch(1).capacity == rays
-    trainer.evaluate_views()  # a 40 × 40 view's band holds more rays than the step
-    trainer.image_step(geometry=False)
-    assert trainer.renderer.batch(1).capacity == rays

@@ -339,13 +339,7 @@ class Trainer:
         return {name: seconds / steps for name, seconds in timings.items()}
 
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
-        """Held-out scores. The views' bands are sized for rendering, larger than a training step's rays; their
-        buffers are freed afterwards so that the next step makes its own, rather than adding its gradients to a
-        band's buffers (what would otherwise set the peak under a memory budget)."""
-        try:
-            return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
-        finally:
-            self.renderer.release_batch()
+        return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
 
     def refresh_meshes(self) -> None:
         """Mesh the learned surfaces (on a grid at most ``mesh_grid_mm`` apart) and shadow the key light with
