@@ -95,19 +95,23 @@ def test_info_refuses_an_unsupported_platform_in_one_line(monkeypatch, capsys):
     assert err.endswith(SUPPORTED)
 
 
+def on_linux_with_glibc(monkeypatch, version: tuple[int, int]) -> None:
+    """The platform read as Linux x86_64 with CPython 3.12 and this glibc."""
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
+                                                                     libc=("glibc", version)))
+
+
 def test_without_slangpy_an_unsupported_platform_says_installing_would_not_help(monkeypatch):
     import NeuralRaycastLib.gpu.device as device
 
     monkeypatch.setitem(sys.modules, "slangpy", None)  # importing it fails
     monkeypatch.setattr(device, "_CONTEXTS", {})
-    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
-                                                                     libc=("glibc", (2, 28))))
+    on_linux_with_glibc(monkeypatch, (2, 28))
     with pytest.raises(device.GpuUnavailableError) as raised:
         device.open_device("auto")
     assert str(raised.value).startswith("slangpy cannot be installed on Linux x86_64, glibc 2.28, CPython 3.12: "
                                         "slangpy's Linux wheels need glibc 2.34 or newer")
-    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
-                                                                     libc=("glibc", (2, 36))))
+    on_linux_with_glibc(monkeypatch, (2, 36))
     with pytest.raises(device.GpuUnavailableError, match="slangpy is not installed"):
         device.open_device("auto")
 
@@ -120,8 +124,7 @@ def test_where_no_device_opens_the_message_names_the_platform(monkeypatch):
 
     monkeypatch.setattr(device, "_CONTEXTS", {})
     monkeypatch.setattr(device, "_open", fails)
-    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Linux", "x86_64", (3, 12),
-                                                                     libc=("glibc", (2, 36))))
+    on_linux_with_glibc(monkeypatch, (2, 36))
     with pytest.raises(device.GpuUnavailableError) as raised:
         device.open_device("auto")
     assert str(raised.value).startswith("no GPU device works on Linux x86_64, glibc 2.36, CPython 3.12 (cuda: no "
