@@ -318,3 +318,16 @@ def test_kernel_clock_times_each_launch_and_restores_slangpy(gpu):
     with pytest.raises(RuntimeError, match="stop"), kernel_clock(gpu):
         raise RuntimeError("stop")
     assert spy.Function.__call__ is call
+
+
+def test_vulkan_gradients_are_wave_aggregated_only_where_every_adapter_is_a_gpu():
+    """A CPU driver takes minutes to compile the wave-aggregated gradients: any software adapter listed (it may
+    be the one that opens) keeps the plain atomics."""
+    from NeuralRaycastLib.gpu.device import wave_gradients
+
+    assert wave_gradients(["NVIDIA H200"])
+    assert wave_gradients(["AMD Radeon RX 7900 XTX (RADV NAVI31)", "Intel(R) Arc(tm) A770 Graphics (DG2)"])
+    assert not wave_gradients(["llvmpipe (LLVM 15.0.6, 256 bits)"])
+    assert not wave_gradients(["NVIDIA H200", "llvmpipe (LLVM 15.0.6, 256 bits)"])
+    assert not wave_gradients(["SwiftShader Device (Subzero)"])
+    assert not wave_gradients([])

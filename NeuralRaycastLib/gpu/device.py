@@ -350,14 +350,29 @@ def cuda_host_pointer(gpu: GpuContext, address: int) -> int | None:
     return host.value or None
 
 
+#: Names a CPU implementation of Vulkan gives its adapter.
+SOFTWARE_ADAPTERS = ("llvmpipe", "lavapipe", "swiftshader", "software")
+
+
+def wave_gradients(adapter_names: list[str]) -> bool:
+    """Whether the Vulkan kernels aggregate gradient atomics over a wave (shaders/params.slang): only where every
+    adapter the driver lists is a GPU. A CPU driver (lavapipe) takes minutes to compile them; where one is listed
+    it may be the device that opens."""
+    return bool(adapter_names) and not any(
+        word in name.lower() for name in adapter_names for word in SOFTWARE_ADAPTERS)
+
+
 def _open(backend: str) -> tuple[Any, int | None]:
     """The device, proven to run a kernel, and (CUDA) its GPU's compute capability."""
     import slangpy as spy
 
-    # The CUDA compute capability (shaders/params.slang), 0 on other backends: always defined, so the
-    # shader compiler has no undefined name in `#if` to warn about.
-    defines = {"NEURALRAYCAST_CUDA_SM": "0"}
+    # The CUDA compute capability (shaders/params.slang), 0 on other backends, and whether Vulkan's gradients are
+    # wave-aggregated: always defined, so the shader compiler has no undefined name in `#if` to warn about.
+    defines = {"NEURALRAYCAST_CUDA_SM": "0", "NEURALRAYCAST_WAVE_GRADIENTS": "0"}
     capability = None
+    if backend == "vulkan":
+        adapters = [adapter.name for adapter in spy.Device.enumerate_adapters(spy.DeviceType.vulkan)]
+        defines["NEURALRAYCAST_WAVE_GRADIENTS"] = "1" if wave_gradients(adapters) else "0"
     if backend == "cuda":
         if (driver := _cuda_driver()) is None:
             raise RuntimeError("no NVIDIA driver (CUDA driver library not found)")

@@ -144,8 +144,10 @@ def entry_points(source: str, kernels: tuple[str, ...]) -> str:
 
 
 def module_defines(target: str, structure_slots: int) -> dict[str, str]:
-    """The defines gpu/device.py gives every module, as a device of ``target`` would."""
-    return {"NEURALRAYCAST_CUDA_SM": str(CUDA_SM if target == "cuda" else 0), "STRUCTURE_SLOTS": str(structure_slots)}
+    """The defines gpu/device.py gives every module, as a device of ``target`` would (SPIR-V: a GPU's, with the
+    wave-aggregated gradients)."""
+    return {"NEURALRAYCAST_CUDA_SM": str(CUDA_SM if target == "cuda" else 0), "STRUCTURE_SLOTS": str(structure_slots),
+            "NEURALRAYCAST_WAVE_GRADIENTS": "1" if target == "spirv" else "0"}
 
 
 def _first_error(diagnostics: str) -> str:
