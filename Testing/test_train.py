@@ -23,7 +23,7 @@ from NeuralRaycastLib.render.sample_buffers import OUTPUTS
 from NeuralRaycastLib.study.sample.phantom import Phantom
 from NeuralRaycastLib.train.evaluate import geometry_metrics
 from NeuralRaycastLib.train.presets import training_schedule
-from NeuralRaycastLib.train.trainer import Trainer, TrainLog, field_renderer
+from NeuralRaycastLib.train.trainer import Trainer, TrainLog, field_renderer, score_views
 
 pytestmark = pytest.mark.gpu
 
@@ -388,3 +388,19 @@ def test_step_profile_names_every_phase_and_leaves_the_field_as_it_was(gpu, phan
     # the forward's and the scene backward's passes are listed: their totals as well would count them twice
     assert "forward" not in phases and "scene backward" not in phases
     np.testing.assert_array_equal(trainer.field.parameters(), before)
+
+
+def test_held_out_views_are_rendered_in_the_training_steps_buffers(gpu, phantom_views):
+    """Evaluating while training renders the views in bands of a step's rays, so the step's buffers serve them
+    and no larger ones are made (under a memory budget, larger ones with the steps' gradients on top set the
+    peak); the scores are those of a render in whole-view bands."""
+    prepared, views = phantom_views
+    config = replace(training_schedule("quick"), patches=2)
+    trainer = Trainer(gpu, prepared, new_field(gpu, prepared), views, config)
+    rays = config.patches * config.patch_size**2
+    trainer.image_step(geometry=False)
+    buffers = trainer.renderer.batch(1)
+    scores = trainer.evaluate_views()
+    assert trainer.renderer.batch(1) is buffers and buffers.capacity == rays
+    whole = score_views(trainer.renderer, views, views.held_out)
+    assert scores["heldout_psnr"] == pytest.approx(whole["heldout_psnr"], abs=1e-3)

@@ -198,15 +198,17 @@ def learned_mesh_shadows(gpu: GpuContext, prepared: PreparedStudy, field: Neural
 
 
 def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int],
-                rendered: dict[int, np.ndarray] | None = None) -> dict[str, float]:
+                rendered: dict[int, np.ndarray] | None = None, rays_per_pass: int | None = None) -> dict[str, float]:
     """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``
-    (``rendered``: RGB pictures already made, by view index, so they are not rendered twice)."""
+    (``rendered``: RGB pictures already made, by view index, so they are not rendered twice; ``rays_per_pass``:
+    the bands' rays, default the renderer's)."""
     if not indices:
         raise ValueError(f"no held-out view to score (of {len(views.images)} views); render more views, or hold "
                          "out more of them")
     psnrs, ssims = [], []
     for index in indices:
-        image = rendered[index] if rendered and index in rendered else renderer.render(views.cameras[index]).rgb()
+        image = (rendered[index] if rendered and index in rendered
+                 else renderer.render(views.cameras[index], rays_per_pass).rgb())
         reference = views.images[index].rgb()
         psnrs.append(psnr(image, reference))
         ssims.append(ssim(image, reference))
@@ -339,7 +341,12 @@ class Trainer:
         return {name: seconds / steps for name, seconds in timings.items()}
 
     def evaluate_views(self, indices: list[int] | None = None) -> dict[str, float]:
-        return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices)
+        """Held-out scores, rendered in bands of a training step's rays: the step's buffers serve them, where a
+        band sized for rendering alone would replace them with larger ones that the following steps then fill
+        with their gradients on top (what set the peak under a memory budget)."""
+        rays = self.config.patches * self.config.patch_size**2
+        return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices,
+                           rays_per_pass=rays)
 
     def refresh_meshes(self) -> None:
         """Mesh the learned surfaces (on a grid at most ``mesh_grid_mm`` apart) and shadow the key light with
