@@ -200,7 +200,7 @@ class GaussianScene:
             with device_memory(f"a grid of {cells:,} cells"):
                 self._cell_start = spy.Tensor.zeros(device, shape=(total,), dtype="int")
                 self._counts = spy.Tensor.zeros(device, shape=(total,), dtype="int")
-                self._block_sums = spy.Tensor.zeros(device, shape=(blocks,), dtype="int")
+                self._block_sums = spy.Tensor.zeros(device, shape=(blocks + 1,), dtype="int")
         if self._cell_list is None:
             self._cell_list = spy.Tensor.zeros(device, shape=(1,), dtype="int")
         self._counts.copy_from_numpy(np.zeros(total, np.int32))
@@ -210,7 +210,7 @@ class GaussianScene:
         m.gridScanBlocks(spy.grid((blocks,)), counts, starts, sums, total)
         m.gridScanTotals(spy.grid((1,)), sums, blocks)
         m.gridScanAdd(spy.grid((total,)), starts, sums, counts, total)
-        needed = int(np.asarray(self._cell_start.to_numpy())[-1])
+        needed = int(np.asarray(self._block_sums.to_numpy())[-1])
         if needed > self._list_capacity:
             with device_memory(f"the grid's lists of {needed:,} entries"):
                 self._cell_list = spy.Tensor.zeros(device, shape=(max(needed, 1) + needed // 4,), dtype="int")
