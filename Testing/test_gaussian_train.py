@@ -12,11 +12,14 @@ from NeuralRaycastLib.gaussians.train import (
     GaussianAdam,
     GaussianTrainConfig,
     adapt,
+    gaussian_cap,
     initial_gaussians,
     scene_for_study,
     score_views,
     train_gaussians,
 )
+from NeuralRaycastLib.gpu.device import GpuMemoryError
+from NeuralRaycastLib.gpu.memory_budget import MIB, MemoryBudget
 from NeuralRaycastLib.render.reference_views import render_reference_views
 
 pytestmark = pytest.mark.gpu
@@ -96,3 +99,12 @@ def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_vie
     # the two with the largest gradients grew: copies of Gaussians 10 and 11
     np.testing.assert_array_equal(after.colours[n - 6 :], before.colours[[10, 11]])
     assert np.isin(scene.cell_lists()[0], np.arange(scene.count)).all()
+
+
+def test_the_cap_follows_the_memory_budget():
+    config = GaussianTrainConfig(initial=50_000, max_gaussians=1_000_000)
+    assert gaussian_cap(MemoryBudget(64 << 30, "--gpu-memory"), config) == 1_000_000
+    small = gaussian_cap(MemoryBudget(64 * MIB, "--gpu-memory"), config)
+    assert 40_000 < small < 100_000  # 40 % of 64 MiB at a few hundred bytes a Gaussian
+    with pytest.raises(GpuMemoryError, match=r"budget of 4 MiB \(--gpu-memory\) holds"):
+        gaussian_cap(MemoryBudget(4 * MIB, "--gpu-memory"), config)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..gpu.device import GpuContext, memory_budget
+from ..gpu.device import GpuContext, GpuMemoryError, memory_budget
+from ..gpu.memory_budget import MemoryBudget
 from ..progress import Progress, ShouldStop
 from ..render.camera import Camera
 from ..render.image_loss import patch_loss_and_gradient
@@ -70,10 +71,14 @@ def voxel_mm(prepared: PreparedStudy) -> float:
     return float(np.min(prepared.spacing))
 
 
-def gaussian_cap(gpu: GpuContext, config: GaussianTrainConfig) -> int:
+def gaussian_cap(budget: MemoryBudget, config: GaussianTrainConfig) -> int:
     """The most Gaussians a run may hold: the configuration's, or fewer where the training share of the GPU
-    memory budget cannot hold them."""
-    return int(min(config.max_gaussians, memory_budget(gpu).share("training") // TRAINING_BYTES_PER_GAUSSIAN))
+    memory budget cannot hold them (GpuMemoryError where it cannot hold the initial ones' tenth)."""
+    cap = int(min(config.max_gaussians, budget.share("training") // TRAINING_BYTES_PER_GAUSSIAN))
+    if cap < max(config.initial // 10, 1):
+        raise GpuMemoryError(f"{budget.describe()} holds {cap:,} Gaussians while training, fewer than a tenth of "
+                             f"the {config.initial:,} a run starts with")
+    return cap
 
 
 def surface_points(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -272,9 +277,7 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     config = config or GaussianTrainConfig()
     report = progress or (lambda message, fraction: None)
     voxel, rng = voxel_mm(prepared), np.random.default_rng(config.seed + 1)
-    cap = gaussian_cap(gpu, config)
-    if cap < 1:
-        raise ValueError("the GPU memory budget cannot hold a single Gaussian")
+    cap = gaussian_cap(memory_budget(gpu), config)
     scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, views, config, min(config.initial, cap)), config)
     adam = GaussianAdam(gpu, scene, config, voxel)
     reference = np.stack([image.rgba for image in views.images]).astype(np.float32)
