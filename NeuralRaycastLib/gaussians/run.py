@@ -110,7 +110,8 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
     model = encode_gaussians(GaussianModel(scene.gaussians(), scene.grid, scene.density_scale, scene.march,
                                            StudyGeometry.from_prepared(prepared), extra))
     heldout = log.scores[-1][1] if log.scores else None
-    train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds, "steps": log.steps,
+    train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds,
+                            "eval_seconds": log.eval_seconds, "steps": log.steps,
                             "cancelled": log.cancelled, "gaussians": scene.count, "cap": log.cap,
                             "counts": log.counts, "scores": log.scores, "heldout_psnr": heldout,
                             "losses": log.losses[-50:]}, indent=1) + "\n"
