@@ -240,6 +240,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.preset in (None, AUTO):
         where = "software device" if gpu.report.software else "GPU"
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
+    if args.representation == "gaussians":
+        return _fit_gaussians(gpu, args, settings)
     stream = JsonLines() if args.progress_json else None
     stdin_stop = StopOnStdin() if args.progress_json else None
     with CancelOnInterrupt() as cancel:
@@ -257,6 +259,37 @@ def cmd_fit(args: argparse.Namespace) -> int:
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     print(f"time: {run.phases.summary()}")
     return 0
+
+
+def _fit_gaussians(gpu, args: argparse.Namespace, settings) -> int:
+    """``fit --representation gaussians``: the Gaussian branch into a run folder of its own kind."""
+    from ..gaussians.run import fit_gaussians
+    from ..progress import CancelOnInterrupt
+
+    if args.shadows or args.progress_json:
+        raise ValueError("--shadows and --progress-json are not available with --representation gaussians yet")
+    with CancelOnInterrupt() as cancel:
+        run = fit_gaussians(gpu, args.study, args.out, settings, ConsoleProgress(f"fit gaussians {gpu.backend}"),
+                            cancel, overwrite=args.overwrite)
+    log = run.log
+    if log.cancelled:
+        raise Cancelled(f"cancelled after {log.seconds:.1f} s of training; the state reached is saved in {run.folder}")
+    psnr = f", held-out PSNR {log.scores[-1][1]:.2f} dB" if log.scores else ""
+    print(f"done: {log.seconds:.1f} s, {log.steps} steps, {run.scene.count:,} Gaussians{psnr}; run folder {run.folder}")
+    return 0
+
+
+def _is_gaussian_run(folder: str) -> bool:
+    from ..gaussians.run import is_gaussian_run
+
+    return is_gaussian_run(folder)
+
+
+def _refuse_gaussian_run(folder: str, what: str) -> None:
+    """A command the Gaussian branch does not offer yet: one line saying so, before any work."""
+    if _is_gaussian_run(folder):
+        raise ValueError(f"{folder} is a Gaussian run ({what} is for field runs only so far); use 'evaluate' or "
+                         "'render' on it, or fit a field run")
 
 
 def cmd_cohort(args: argparse.Namespace) -> int:
@@ -311,7 +344,12 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise ValueError(f"views must be at least 1 (got {args.views})")
     check_output(args.out, args.run_folder, overwrite=args.overwrite)
     check_views_folder(args.out)  # before rendering, not after
-    run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+    if _is_gaussian_run(args.run_folder):
+        from ..gaussians.run import open_gaussian_run
+
+        run = open_gaussian_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+    else:
+        run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
     progress = ConsoleProgress("render")
     cameras = orbit_cameras(run.prepared.bounds, args.views, args.size[0], args.size[1])
     images = []
@@ -335,10 +373,17 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
     if args.frames < 1:
         raise ValueError(f"frames must be at least 1 (got {args.frames})")
     check_view_size(width, height)  # before the run is opened, not after
-    run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+    if _is_gaussian_run(args.run_folder):
+        from ..gaussians.run import open_gaussian_run
+
+        run = open_gaussian_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+        render = run.scene.render
+    else:
+        run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
+        render = run.renderer.render_picture
     low, high = run.prepared.bounds
     distance = framing_distance(float((high - low).max() / 2), 30.0, width, height)
-    result = time_live_frames(run.renderer.render_picture, (low + high) / 2, distance, args.frames, width, height)
+    result = time_live_frames(render, (low + high) / 2, distance, args.frames, width, height)
     if args.json:
         _print_json(result)
         return 0
@@ -350,6 +395,7 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from ..train.run_folder import export_run
 
+    _refuse_gaussian_run(args.run_folder, "export")
     source = Path(args.run_folder) / "model.safetensors"
     check_output(args.out, args.run_folder, overwrite=args.overwrite)
     folder = export_run(args.run_folder, args.out, args.precision, overwrite=args.overwrite)
@@ -364,6 +410,7 @@ def cmd_share(args: argparse.Namespace) -> int:
     from ..train.run_folder import open_run
     from .share import check_page_path, write_page
 
+    _refuse_gaussian_run(args.run_folder, "share")
     out = check_page_path(args.out, args.overwrite)
     run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
     page = write_page(run, out)
@@ -377,6 +424,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from ..train.run_folder import evaluate_run
 
     gpu = _device(args)
+    if _is_gaussian_run(args.run_folder):
+        return _evaluate_gaussians(gpu, args)
     metrics = evaluate_run(gpu, args.run_folder, ConsoleProgress("evaluate"))
     if args.json:
         _print_json(metrics)
@@ -415,9 +464,23 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate_gaussians(gpu, args: argparse.Namespace) -> int:
+    from ..gaussians.run import evaluate_gaussian_run
+
+    metrics = evaluate_gaussian_run(gpu, args.run_folder, ConsoleProgress("evaluate"))
+    if args.json:
+        _print_json(metrics)
+        return 0
+    print(f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, SSIM {metrics['heldout_ssim']:.4f}; "
+          f"{metrics['gaussians']:,} Gaussians, model {metrics['model_bytes'] / 1e6:.1f} MB")
+    print(f"written to {Path(args.run_folder) / 'metrics.json'}")
+    return 0
+
+
 def cmd_mesh(args: argparse.Namespace) -> int:
     from ..mesh.mesh import mesh_prepared, write_meshes
 
+    _refuse_gaussian_run(args.study, "mesh")
     check_output(args.out, args.study, overwrite=args.overwrite)
     if (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
         from ..train.run_folder import open_run
@@ -618,6 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="downsample the study so that no axis has more than N voxels (default: the preset's, or "
                         "what the GPU memory budget holds)")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
+    p.add_argument("--representation", choices=["field", "gaussians"], default="field",
+                   help="what to train: the neural field (signed distances and appearance; default) or ray-traced "
+                        "anisotropic Gaussians (gaussians.safetensors; 'evaluate' and 'render' take their runs)")
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")

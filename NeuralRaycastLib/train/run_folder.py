@@ -106,7 +106,8 @@ class TrainedRun:
 
 #: What a run folder holds (train_study and evaluate write them). Only a folder holding nothing else is
 #: replaced whole by a new run: a file of the user's in it is never deleted.
-RUN_ENTRIES = frozenset({"run.json", "model.safetensors", "train_log.json", "metrics.json", "reference"})
+RUN_ENTRIES = frozenset({"run.json", "model.safetensors", "gaussians.safetensors", "train_log.json", "metrics.json",
+                         "reference"})
 
 
 def is_run_folder(folder: Path) -> bool:

@@ -1,0 +1,108 @@
+"""Gaussian model files: the Gaussians (safetensors, a tensor per kind) with JSON metadata in the same file.
+
+As the field's files (field/model_io.py): a format name and version, the study's geometry, the scene's
+settings (grid, density scale, segment length) and a SHA-256 of the tensor bytes, all checked before
+anything is used; a file that is truncated, tampered with, from an unknown version or for another study is
+refused with a ModelFileError naming it, never half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, _read
+from ..files import write_bytes
+from .scene import GaussianSet, GridShape, MarchSettings
+
+FORMAT = "neuralraycast-gaussians"
+FORMAT_VERSION = 1
+READABLE_VERSIONS = (1,)
+#: The tensors and the shape of one Gaussian's part of each.
+TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (4, 3)}
+
+
+@dataclass
+class GaussianModel:
+    gaussians: GaussianSet
+    grid: GridShape
+    density_scale: float
+    march: MarchSettings
+    geometry: StudyGeometry
+    extra: dict[str, Any]
+
+
+def encode_gaussians(model: GaussianModel) -> bytes:
+    from safetensors.numpy import save
+
+    tensors = {name: np.ascontiguousarray(getattr(model.gaussians, name), np.float32) for name in TENSORS}
+    if not all(np.isfinite(t).all() for t in tensors.values()):
+        raise ValueError("the Gaussians hold NaN or infinity; nothing was written")
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "count": model.gaussians.count,
+        "grid": {"low": list(model.grid.low), "high": list(model.grid.high), "dims": list(model.grid.dims)},
+        "density_scale": model.density_scale,
+        "step_mm": model.march.step_mm,
+        "min_transmittance": model.march.min_transmittance,
+        "geometry": model.geometry.as_dict(),
+        "tensors_sha256": _digest(tensors),
+        "extra": model.extra,
+    }
+    return save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
+
+
+def save_gaussians(path: str | Path, model: GaussianModel) -> Path:
+    """Write the model atomically (files.write_bytes: never half-written under ``path``)."""
+    return write_bytes(path, encode_gaussians(model))
+
+
+def _settings(path: Path, metadata: dict[str, Any]) -> tuple[int, GridShape, float, MarchSettings, StudyGeometry]:
+    try:
+        count = int(metadata["count"])
+        grid = metadata["grid"]
+        shape = GridShape(tuple(map(float, grid["low"])), tuple(map(float, grid["high"])),
+                          tuple(int(d) for d in grid["dims"]))
+        density, step = float(metadata["density_scale"]), float(metadata["step_mm"])
+        march = MarchSettings(step, float(metadata["min_transmittance"]))
+        geometry = StudyGeometry.from_dict(metadata["geometry"])
+        str(metadata["tensors_sha256"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelFileError(f"{path}: inconsistent metadata ({error})") from error
+    if count < 1 or len(shape.dims) != 3 or min(shape.dims) < 1 or not (density > 0 and step > 0) \
+            or not (np.asarray(shape.high) > np.asarray(shape.low)).all():
+        raise ModelFileError(f"{path}: inconsistent metadata (count {count}, grid {shape}, density scale {density}, "
+                             f"step {step} mm)")
+    return count, shape, density, march, geometry
+
+
+def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> GaussianModel:
+    """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
+    path = Path(path)
+    tensors, metadata = _read(path)
+    if metadata.get("format") != FORMAT:
+        raise ModelFileError(f"{path}: format '{metadata.get('format')}' is not '{FORMAT}'")
+    version = metadata.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise ModelFileError(f"{path}: format version {version} is not supported (this build reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))})")
+    count, grid, density, march, geometry = _settings(path, metadata)
+    if set(tensors) != set(TENSORS):
+        raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(TENSORS)}")
+    for name, shape in TENSORS.items():
+        if tensors[name].dtype != np.float32 or tensors[name].shape != (count, *shape):
+            raise ModelFileError(f"{path}: tensor '{name}' is {tensors[name].dtype}{tensors[name].shape}, expected "
+                                 f"float32{(count, *shape)}")
+    if _digest(tensors) != metadata["tensors_sha256"]:
+        raise ModelFileError(f"{path}: the Gaussians do not match their checksum (file modified or damaged)")
+    if not all(np.isfinite(t).all() for t in tensors.values()):
+        raise ModelFileError(f"{path}: the Gaussians contain NaN or infinity")
+    if expected is not None and (problems := geometry.mismatches(expected)):
+        raise ModelFileError(f"{path}: made for a different study: " + "; ".join(problems))
+    gaussians = GaussianSet(**{name: tensors[name] for name in TENSORS})
+    return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}))

@@ -1,0 +1,159 @@
+"""Run folders of the Gaussian branch: ``fit --representation gaussians``, and ``evaluate`` and ``render`` on them.
+
+A Gaussian run folder holds what a field's does, with ``gaussians.safetensors`` in place of
+``model.safetensors`` and ``"representation": "gaussians"`` in ``run.json``: the same presets, reference views,
+held-out split and progress, built beside its place and renamed into it only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import strict_json
+from ..field.model_io import ModelFileError
+from ..files import StagedFolder, atomic_files, write_text
+from ..gpu.device import GpuContext, device_memory, memory_budget
+from ..outputs import check_output
+from ..progress import Progress, ShouldStop
+from ..render.camera import Camera, check_view_size
+from ..render.image import RenderedImage
+from ..render.reference_views import ReferenceViews, save_reference_views
+from ..study.preprocess import PreparedStudy
+from ..study.study import Study
+from ..train.presets import RunSettings
+from ..train.run_folder import (
+    RUN_FOLDER_REFUSAL,
+    RUN_VERSION,
+    is_run_folder,
+    prepare_for_run,
+    read_run,
+    reference_views_for_run,
+)
+from .model_io import GaussianModel, encode_gaussians, load_gaussians
+from .scene import GaussianScene
+from .train import GaussianTrainConfig, GaussianTrainLog, score_views, train_gaussians
+
+MODEL_FILE = "gaussians.safetensors"
+REPRESENTATION = "gaussians"
+
+#: The Gaussian schedule of each preset: a CPU's is small enough for a test; a GPU's trains the sample.
+SCHEDULES = {
+    "quick": GaussianTrainConfig(steps=150, patches=8, initial=3000, eval_every=50, densify_every=30),
+    "standard": GaussianTrainConfig(steps=1000, patches=32, initial=60_000, max_gaussians=1_000_000,
+                                    eval_every=250, densify_every=100),
+    "high": GaussianTrainConfig(steps=6000, patches=64, initial=100_000, max_gaussians=2_000_000,
+                                eval_every=500, densify_every=100),
+}
+
+
+def gaussian_schedule(settings: RunSettings) -> GaussianTrainConfig:
+    """The preset's schedule, with the run's seed and ``iterations`` (steps) where given."""
+    config = replace(SCHEDULES[settings.preset], seed=settings.seed)
+    return replace(config, steps=settings.iterations) if settings.iterations else config
+
+
+def is_gaussian_run(folder: str | Path) -> bool:
+    return (Path(folder) / MODEL_FILE).is_file()
+
+
+@dataclass
+class GaussianRun:
+    folder: Path
+    prepared: PreparedStudy
+    scene: GaussianScene
+    settings: RunSettings
+    log: GaussianTrainLog | None = None
+
+    def render(self, camera: Camera) -> RenderedImage:
+        """The Gaussians' picture (premultiplied RGBA; no depth nor normals yet: zeros)."""
+        rgba = self.scene.render(camera).astype(np.float32)
+        return RenderedImage(rgba, np.zeros(rgba.shape[:2], np.float32), np.zeros((*rgba.shape[:2], 3), np.float32))
+
+
+def fit_gaussians(gpu: GpuContext, study: Study | str | Path, out: str | Path, settings: RunSettings | None = None,
+                  progress: Progress | None = None, should_stop: ShouldStop | None = None, *,
+                  config: GaussianTrainConfig | None = None, overwrite: bool = False) -> GaussianRun:
+    """Train Gaussians on ``study`` into the run folder ``out`` (checked before any work, as ``train_study``
+    checks it); ``config`` replaces the preset's schedule whole. A cancel keeps and saves the state reached."""
+    settings = (settings or RunSettings.for_device(gpu)).check()
+    check_view_size(settings.size, settings.size)
+    source = None if isinstance(study, Study) else str(Path(study).expanduser().resolve())
+    folder = check_output(out, source, overwrite=overwrite, run_of=source)
+    staged = StagedFolder(folder, is_run_folder, RUN_FOLDER_REFUSAL)
+    try:
+        prepared = prepare_for_run(study, settings, progress)
+        with device_memory(f"this run ({memory_budget(gpu).describe()})"):
+            views = reference_views_for_run(gpu, prepared, settings, progress)
+            scene, log = train_gaussians(gpu, prepared, views, config or gaussian_schedule(settings), progress,
+                                         should_stop)
+        save_reference_views(views, staged.path / "reference", arrays=False)
+        write_gaussian_run(staged.path, gpu, prepared, scene, log, settings, source)
+        staged.commit()
+    except BaseException:
+        staged.discard()
+        raise
+    return GaussianRun(folder, prepared, scene, settings, log)
+
+
+def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, scene: GaussianScene,
+                       log: GaussianTrainLog, settings: RunSettings, source: str | None) -> None:
+    """The model, its training log and ``run.json``, all or none."""
+    from ..field.model_io import StudyGeometry
+
+    extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
+    model = encode_gaussians(GaussianModel(scene.gaussians(), scene.grid, scene.density_scale, scene.march,
+                                           StudyGeometry.from_prepared(prepared), extra))
+    heldout = log.scores[-1][1] if log.scores else None
+    train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds,
+                            "eval_seconds": log.eval_seconds, "steps": log.steps,
+                            "cancelled": log.cancelled, "gaussians": scene.count, "cap": log.cap,
+                            "counts": log.counts, "scores": log.scores, "heldout_psnr": heldout,
+                            "losses": log.losses[-50:]}, indent=1) + "\n"
+    run = json.dumps({"version": RUN_VERSION, "representation": REPRESENTATION, "study": source,
+                      "settings": asdict(settings), "device": gpu.report.as_dict(),
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n"
+    with atomic_files() as files:
+        files.write_bytes(folder / MODEL_FILE, model)
+        files.write_text(folder / "train_log.json", train_log)
+        files.write_text(folder / "run.json", run)
+
+
+def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> GaussianRun:
+    """A Gaussian run folder's scene on its study, prepared again from the study file in ``run.json``; the model
+    file's study geometry must match (ModelFileError otherwise)."""
+    from ..field.model_io import StudyGeometry
+
+    folder = Path(folder)
+    run = read_run(folder)
+    if not run.get("study"):
+        raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
+                         "use it where it was trained")
+    model = load_gaussians(folder / MODEL_FILE)  # a damaged file is refused before the study is prepared
+    prepared = prepare_for_run(run["study"], run["settings"], progress)
+    if problems := model.geometry.mismatches(StudyGeometry.from_prepared(prepared)):
+        raise ModelFileError(f"{folder / MODEL_FILE}: made for a different study: " + "; ".join(problems))
+    scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march)
+    return GaussianRun(folder, prepared, scene, run["settings"])
+
+
+def evaluate_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:
+    """Held-out PSNR / SSIM against freshly rendered reference views, with the training time, the number of
+    Gaussians and the model's bytes; also written to ``metrics.json``."""
+    run = open_gaussian_run(gpu, folder, progress)
+    views: ReferenceViews = reference_views_for_run(gpu, run.prepared, run.settings, progress)
+    metrics: dict[str, Any] = {"representation": REPRESENTATION,
+                               **score_views(run.scene, views, views.held_out)}
+    log_path = run.folder / "train_log.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {}
+    metrics.update(train_seconds=log.get("seconds"), gaussians=run.scene.count,
+                   model_bytes=(run.folder / MODEL_FILE).stat().st_size, device=gpu.report.adapter,
+                   backend=gpu.backend, preset=run.settings.preset, image_size=run.settings.size,
+                   study_shape=list(run.prepared.study.shape))
+    write_text(run.folder / "metrics.json", strict_json.dumps(metrics, indent=2) + "\n")
+    return metrics

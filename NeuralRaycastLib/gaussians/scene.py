@@ -1,0 +1,264 @@
+"""A scene of anisotropic 3-D Gaussians on the device, ray traced by shaders/gaussians.slang.
+
+The parameters travel as one flat float32 buffer grouped by kind (positions, log-scales, rotations, density
+logits, colours: the layout in the shader's header), so that Adam gives each kind its own learning rate and
+the host can prune and split Gaussians by slicing arrays. The uniform grid of the Gaussians' three-sigma
+boxes is built on the device (:meth:`GaussianScene.build_grid`) whenever the Gaussians move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..gpu.device import GpuContext, device_memory
+from ..render.camera import Camera
+
+#: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 4 × 3.
+GAUSSIAN_FLOATS = 23
+#: Where each kind starts, in units of the Gaussian count N (shaders/gaussians.slang).
+KIND_STARTS = {"position": 0, "log_scale": 3, "rotation": 6, "density": 10, "colour": 11}
+SCAN_BLOCK = 256  # shaders/gaussians.slang
+
+
+@dataclass
+class GaussianSet:
+    """Gaussians on the host: positions (N, 3) mm, log_scales (N, 3), rotations (N, 4) quaternions (w, x, y, z),
+    density logits (N,), colours (N, 4, 3): degree-1 spherical-harmonic coefficients per RGB channel."""
+
+    positions: np.ndarray
+    log_scales: np.ndarray
+    rotations: np.ndarray
+    density: np.ndarray
+    colours: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = len(self.positions)
+        shapes = {"positions": (n, 3), "log_scales": (n, 3), "rotations": (n, 4), "density": (n,),
+                  "colours": (n, 4, 3)}
+        for name, shape in shapes.items():
+            value = np.asarray(getattr(self, name), np.float32)
+            if value.shape != shape:
+                raise ValueError(f"Gaussian {name} of shape {value.shape}, expected {shape}")
+            setattr(self, name, value)
+
+    @property
+    def count(self) -> int:
+        return len(self.positions)
+
+    def flat(self) -> np.ndarray:
+        """The shader's layout (with four zeros after it, for Adam's vector loads)."""
+        parts = [self.positions, self.log_scales, self.rotations, self.density, self.colours]
+        return np.concatenate([p.reshape(-1) for p in parts] + [np.zeros(4, np.float32)])
+
+    @classmethod
+    def from_flat(cls, values: np.ndarray, count: int) -> GaussianSet:
+        n, v = count, np.asarray(values, np.float32)
+        return cls(v[: 3 * n].reshape(n, 3), v[3 * n : 6 * n].reshape(n, 3), v[6 * n : 10 * n].reshape(n, 4),
+                   v[10 * n : 11 * n].copy(), v[11 * n : 23 * n].reshape(n, 4, 3))
+
+    def subset(self, keep: np.ndarray) -> GaussianSet:
+        return GaussianSet(self.positions[keep], self.log_scales[keep], self.rotations[keep], self.density[keep],
+                           self.colours[keep])
+
+    @staticmethod
+    def concatenate(sets: list[GaussianSet]) -> GaussianSet:
+        return GaussianSet(*(np.concatenate([getattr(s, name) for s in sets]) for name in
+                             ("positions", "log_scales", "rotations", "density", "colours")))
+
+    def rotation_matrices(self) -> np.ndarray:
+        """(N, 3, 3) rotations of the normalised quaternions."""
+        q = self.rotations / np.linalg.norm(self.rotations, axis=1, keepdims=True)
+        w, x, y, z = q.T
+        return np.stack([
+            np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)], axis=1),
+            np.stack([2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)], axis=1),
+            np.stack([2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], axis=1),
+        ], axis=1)
+
+    def half_extents(self) -> np.ndarray:
+        """(N, 3): half the sides of the boxes around the three-sigma ellipsoids."""
+        rotation = self.rotation_matrices().astype(np.float64)
+        variance = np.einsum("naj,nj->na", rotation**2, np.exp(2.0 * self.log_scales.astype(np.float64)))
+        return 3.0 * np.sqrt(variance)
+
+
+@dataclass(frozen=True)
+class GridShape:
+    """The uniform grid over the scene's box: low and high corners (mm) and cells per axis."""
+
+    low: tuple[float, float, float]
+    high: tuple[float, float, float]
+    dims: tuple[int, int, int]
+
+    @classmethod
+    def for_box(cls, bounds: np.ndarray, cell_mm: float, max_cells: int = 1 << 21) -> GridShape:
+        """Cells of about ``cell_mm`` over ``bounds`` (2, 3), coarser where that would pass ``max_cells``."""
+        bounds = np.asarray(bounds, np.float64)
+        extent = bounds[1] - bounds[0]
+        if not (extent > 0).all() or not cell_mm > 0:
+            raise ValueError(f"a Gaussian grid needs a box with volume and cells of positive size "
+                             f"(box {bounds.tolist()}, cell {cell_mm} mm)")
+        cell = float(cell_mm)
+        while np.prod(np.maximum(np.ceil(extent / cell), 1)) > max_cells:
+            cell *= 1.25
+        dims = tuple(int(d) for d in np.maximum(np.ceil(extent / cell), 1))
+        return cls(tuple(map(float, bounds[0])), tuple(map(float, bounds[1])), dims)
+
+    @property
+    def cells(self) -> int:
+        return int(np.prod(self.dims))
+
+    @property
+    def cell_size(self) -> np.ndarray:
+        return (np.asarray(self.high) - np.asarray(self.low)) / np.asarray(self.dims)
+
+
+@dataclass(frozen=True)
+class MarchSettings:
+    """The ray integration: segment length (mm) and the transmittance below which a ray stops."""
+
+    step_mm: float = 0.5
+    min_transmittance: float = 1e-3
+
+    def to_shader(self) -> dict[str, float]:
+        return {"step": float(self.step_mm), "minTransmittance": float(self.min_transmittance)}
+
+
+class GaussianScene:
+    """Gaussians on the device: parameters, gradients, the grid of their bounds, and the render kernels."""
+
+    def __init__(self, gpu: GpuContext, gaussians: GaussianSet, grid: GridShape, density_scale: float = 1.0,
+                 march: MarchSettings | None = None) -> None:
+        self.gpu, self.grid, self.density_scale = gpu, grid, float(density_scale)
+        self.march = march or MarchSettings()
+        self.module = gpu.load_module("gaussians")
+        self._cell_start = self._counts = self._block_sums = self._cell_list = None
+        self._list_capacity = 0
+        self.set_gaussians(gaussians)
+
+    # --- parameters -------------------------------------------------------------------------------
+
+    def set_gaussians(self, gaussians: GaussianSet) -> None:
+        """New Gaussians (another count after pruning or densification): buffers made again, grid rebuilt."""
+        import slangpy as spy
+
+        if gaussians.count == 0:
+            raise ValueError("a Gaussian scene needs at least one Gaussian")
+        self.count = gaussians.count
+        with device_memory(f"{gaussians.count:,} Gaussians"):
+            self.values = spy.Tensor.from_numpy(self.gpu.device, gaussians.flat())
+            self.grads = spy.Tensor.zeros(self.gpu.device, shape=(len(gaussians.flat()),), dtype=float)
+        self.build_grid()
+
+    def gaussians(self) -> GaussianSet:
+        return GaussianSet.from_flat(np.asarray(self.values.to_numpy()), self.count)
+
+    def parameters(self) -> np.ndarray:
+        """The flat parameters (without the trailing padding)."""
+        return np.asarray(self.values.to_numpy())[: GAUSSIAN_FLOATS * self.count]
+
+    def set_parameters(self, values: np.ndarray) -> None:
+        """Same count, new values (the grid is rebuilt: the bounds may have moved)."""
+        padded = np.concatenate([np.asarray(values, np.float32).reshape(-1), np.zeros(4, np.float32)])
+        if padded.shape != (GAUSSIAN_FLOATS * self.count + 4,):
+            raise ValueError(f"expected {GAUSSIAN_FLOATS * self.count} parameters, got {np.size(values)}")
+        self.values.copy_from_numpy(padded)
+        self.build_grid()
+
+    def gradients(self) -> np.ndarray:
+        return np.asarray(self.grads.to_numpy())[: GAUSSIAN_FLOATS * self.count]
+
+    def zero_gradients(self) -> None:
+        self.grads.copy_from_numpy(np.zeros(GAUSSIAN_FLOATS * self.count + 4, np.float32))
+
+    def shader_struct(self) -> dict[str, Any]:
+        return {"params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
+                "count": self.count, "densityScale": self.density_scale}
+
+    # --- the grid ---------------------------------------------------------------------------------
+
+    def grid_struct(self) -> dict[str, Any]:
+        import slangpy as spy
+
+        g = self.grid
+        return {"cellStart": self._cell_start.storage.device_address,
+                "cellList": self._cell_list.storage.device_address,
+                "low": spy.float3(*g.low), "high": spy.float3(*g.high),
+                "cellSize": spy.float3(*map(float, g.cell_size)), "dims": spy.int3(*g.dims)}
+
+    def build_grid(self) -> None:
+        """Count, scan and fill the cells' lists on the device; the lists' buffer grows when they need more."""
+        import slangpy as spy
+
+        device, cells = self.gpu.device, self.grid.cells
+        total = cells + 1  # the last start is the lists' length
+        blocks = -(-total // SCAN_BLOCK)
+        if self._cell_start is None:
+            with device_memory(f"a grid of {cells:,} cells"):
+                self._cell_start = spy.Tensor.zeros(device, shape=(total,), dtype="int")
+                self._counts = spy.Tensor.zeros(device, shape=(total,), dtype="int")
+                self._block_sums = spy.Tensor.zeros(device, shape=(blocks + 1,), dtype="int")
+        if self._cell_list is None:
+            self._cell_list = spy.Tensor.zeros(device, shape=(1,), dtype="int")
+        self._counts.copy_from_numpy(np.zeros(total, np.int32))
+        m, scene = self.module, self.shader_struct()
+        m.gridCount(spy.grid((self.count,)), scene, self.grid_struct(), self._counts.storage.device_address)
+        starts, counts, sums = (t.storage.device_address for t in (self._cell_start, self._counts, self._block_sums))
+        m.gridScanBlocks(spy.grid((blocks,)), counts, starts, sums, total)
+        m.gridScanTotals(spy.grid((1,)), sums, blocks)
+        m.gridScanAdd(spy.grid((total,)), starts, sums, counts, total)
+        needed = int(np.asarray(self._block_sums.to_numpy())[-1])
+        if needed > self._list_capacity:
+            with device_memory(f"the grid's lists of {needed:,} entries"):
+                self._cell_list = spy.Tensor.zeros(device, shape=(max(needed, 1) + needed // 4,), dtype="int")
+            self._list_capacity = needed + needed // 4
+        m.gridFill(spy.grid((self.count,)), scene, self.grid_struct(), counts)
+
+    def cell_lists(self) -> list[np.ndarray]:
+        """Each cell's Gaussians, sorted (for checks)."""
+        starts = np.asarray(self._cell_start.to_numpy())
+        entries = np.asarray(self._cell_list.to_numpy())
+        return [np.sort(entries[starts[c] : starts[c + 1]]) for c in range(self.grid.cells)]
+
+    # --- rendering --------------------------------------------------------------------------------
+
+    def upload_rays(self, origins: np.ndarray, directions: np.ndarray) -> Any:
+        import slangpy as spy
+
+        rays = np.concatenate([np.asarray(origins, np.float32).reshape(-1, 3),
+                               np.asarray(directions, np.float32).reshape(-1, 3)], axis=1)
+        with device_memory(f"{len(rays):,} rays"):
+            return spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(rays.reshape(-1)))
+
+    def render_rays(self, rays: Any, count: int) -> Any:
+        """(premultiplied RGB, alpha) of ``count`` uploaded rays, as a device tensor of 4 floats a ray."""
+        import slangpy as spy
+
+        with device_memory(f"the colours of {count:,} rays"):
+            results = spy.Tensor.zeros(self.gpu.device, shape=(4 * count,), dtype=float)
+        self.module.renderRays(spy.grid((count,)), self.shader_struct(), self.grid_struct(), self.march.to_shader(),
+                               rays.storage.device_address, count, results.storage.device_address)
+        return results
+
+    def backward_rays(self, rays: Any, count: int, results: Any, d_results: np.ndarray) -> None:
+        """Add the gradients of a loss whose ∂/∂(rgb, alpha) per ray is ``d_results`` (count, 4)."""
+        import slangpy as spy
+
+        d = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(d_results, np.float32).reshape(-1))
+        self.module.renderRaysBackward(spy.grid((count,)), self.shader_struct(), self.grid_struct(),
+                                       self.march.to_shader(), rays.storage.device_address, count,
+                                       results.storage.device_address, d.storage.device_address)
+
+    def render(self, camera: Camera) -> np.ndarray:
+        """A camera's picture, (height, width, 4): premultiplied RGB and alpha."""
+        import slangpy as spy
+
+        pixels = camera.width * camera.height
+        with device_memory(f"a {camera.width} x {camera.height} picture"):
+            results = spy.Tensor.zeros(self.gpu.device, shape=(4 * pixels,), dtype=float)
+        self.module.renderCamera(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
+                                 self.march.to_shader(), camera.to_shader(), results.storage.device_address)
+        return np.asarray(results.to_numpy()).reshape(camera.height, camera.width, 4)

@@ -1,0 +1,324 @@
+"""Training a Gaussian scene on a study's reference views, with the loss the field trains with.
+
+    prepared study -> Gaussians on the structures' surfaces (the voxels of their boundary bands), coloured from
+    the training views -> steps of patches (L1 + DSSIM, render/image_loss.py) -> Adam on every parameter
+    (shaders/adam.slang, a learning rate per kind) -> every few steps: pruning of near-transparent or oversized
+    Gaussians, and splitting (large) or cloning (small) of those whose positions get large gradients, never past
+    the cap that the GPU memory budget allows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..gpu.device import GpuContext, GpuMemoryError, memory_budget
+from ..gpu.memory_budget import MemoryBudget
+from ..progress import Progress, ShouldStop
+from ..render.camera import Camera
+from ..render.image_loss import patch_loss_and_gradient
+from ..render.metrics import psnr, ssim
+from ..render.patches import PatchSampler
+from ..render.reference_views import ReferenceViews
+from ..study.preprocess import PreparedStudy
+from .scene import GAUSSIAN_FLOATS, GaussianScene, GaussianSet, GridShape, MarchSettings
+
+SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
+#: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
+#: its 23), and its entries in the grid's lists (a few cells each, with room to grow).
+TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32
+
+
+@dataclass(frozen=True)
+class GaussianTrainConfig:
+    steps: int = 400
+    patches: int = 8
+    patch_size: int = 16
+    initial: int = 6000
+    max_gaussians: int = 500_000
+    density_per_voxel: float = 2.0  # w_max · voxel: the densest a Gaussian gets, in voxels' optical depth
+    step_voxels: float = 0.35  # segment length, in voxels of the prepared study
+    cell_voxels: float = 3.0  # grid cells, in voxels
+    scale_voxels: float = 0.6  # initial standard deviation, in voxels
+    initial_depth: float = 0.7  # the optical depth across a structure's surface at first
+    rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
+    rate_shape: float = 0.01
+    rate_density: float = 0.1
+    rate_colour: float = 0.05
+    densify_every: int = 60
+    densify_until: float = 0.7  # fraction of the steps after which the count stays
+    densify_fraction: float = 0.1  # of the Gaussians, those with the largest mean |∂loss/∂position| split or cloned
+    prune_opacity: float = 0.01  # sigmoid of the density logit below which a Gaussian is dropped
+    max_scale_voxels: float = 6.0  # Gaussians whose largest standard deviation passes this are dropped
+    eval_every: int = 100
+    seed: int = 0
+
+
+@dataclass
+class GaussianTrainLog:
+    steps: int = 0
+    seconds: float = 0.0  # training, without the held-out scores taken on the way
+    eval_seconds: float = 0.0  # those scores
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    counts: list[tuple[int, int]] = field(default_factory=list)
+    scores: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out PSNR)
+    cancelled: bool = False
+    cap: int = 0
+
+
+def voxel_mm(prepared: PreparedStudy) -> float:
+    return float(np.min(prepared.spacing))
+
+
+def gaussian_cap(budget: MemoryBudget, config: GaussianTrainConfig) -> int:
+    """The most Gaussians a run may hold: the configuration's, or fewer where the training share of the GPU
+    memory budget cannot hold them (GpuMemoryError where it cannot hold the initial ones' tenth)."""
+    cap = int(min(config.max_gaussians, budget.share("training") // TRAINING_BYTES_PER_GAUSSIAN))
+    if cap < max(config.initial // 10, 1):
+        raise GpuMemoryError(f"{budget.describe()} holds {cap:,} Gaussians while training, fewer than a tenth of "
+                             f"the {config.initial:,} a run starts with")
+    return cap
+
+
+def surface_points(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` RAS points on the structures' surfaces: voxels of their boundary bands (|B_k| under a voxel),
+    each structure's share that of its band's voxels (a tenth of an equal share at least: small structures
+    keep detail), jittered inside the voxel; and for each point the voxels of its band it stands for (its
+    surface's share, which sizes its Gaussian)."""
+    band = voxel_mm(prepared)
+    per_structure = [np.argwhere(np.abs(b) < band) for b in prepared.boundary]
+    per_structure = [v for v in per_structure if len(v)]
+    if not per_structure:
+        raise ValueError("the study has no structure surface to place Gaussians on")
+    sizes = np.array([len(v) for v in per_structure], np.float64)
+    shares = np.maximum(sizes / sizes.sum(), 0.1 / len(sizes))
+    shares = np.ceil(count * shares / shares.sum()).astype(np.int64)
+    chosen = [v[rng.choice(len(v), min(int(share), len(v)), replace=False)]
+              for v, share in zip(per_structure, shares, strict=True)]
+    stands_for = np.concatenate([np.full(len(c), len(v) / len(c)) for c, v in zip(chosen, per_structure, strict=True)])
+    ijk = np.concatenate(chosen) + rng.uniform(-0.5, 0.5, (len(stands_for), 3))
+    affine = prepared.affine
+    return ijk @ affine[:3, :3].T + affine[:3, 3], stands_for
+
+
+def project(camera: Camera, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel (x, y) of each point in the camera's picture and whether it lies in front of the camera."""
+    right, up, forward = camera.basis()
+    offset = points - np.asarray(camera.position)
+    depth = offset @ forward
+    tan_half = np.tan(np.radians(camera.view_angle) / 2)
+    safe = np.where(depth > 1e-6, depth, 1.0)
+    u = (offset @ right) / (safe * tan_half * camera.width / camera.height)
+    v = (offset @ up) / (safe * tan_half)
+    pixel = np.stack([(u + 1) / 2 * camera.width, (1 - v) / 2 * camera.height], axis=1)
+    return pixel, depth > 1e-6
+
+
+def view_colours(points: np.ndarray, views: ReferenceViews, indices: list[int]) -> np.ndarray:
+    """Each point's mean straight colour over the training views where its pixel shows something (grey where
+    none does): a first guess that the training corrects where the point is hidden."""
+    total, seen = np.zeros((len(points), 3)), np.zeros(len(points))
+    for index in indices:
+        camera, rgba = views.cameras[index], views.images[index].rgba
+        pixel, front = project(camera, points)
+        x, y = np.floor(pixel).astype(np.int64).T
+        inside = front & (x >= 0) & (x < camera.width) & (y >= 0) & (y < camera.height)
+        value = rgba[np.clip(y, 0, camera.height - 1), np.clip(x, 0, camera.width - 1)]
+        shown = inside & (value[:, 3] > 0.5)
+        total[shown] += value[shown, :3] / value[shown, 3:4]
+        seen += shown
+    return np.where(seen[:, None] > 0, total / np.maximum(seen, 1)[:, None], 0.5)
+
+
+def initial_gaussians(prepared: PreparedStudy, views: ReferenceViews, config: GaussianTrainConfig,
+                      count: int) -> GaussianSet:
+    rng = np.random.default_rng(config.seed)
+    positions, stands_for = surface_points(prepared, count, rng)
+    n = len(positions)
+    colour = np.clip(view_colours(positions, views, views.training), 0.02, 0.98)
+    sh = np.zeros((n, 4, 3))
+    sh[:, 0] = np.log(colour / (1 - colour)) / SH_C0
+    rotations = np.zeros((n, 4))
+    rotations[:, 0] = 1.0
+    # A band is about two voxels thick: a point stands for half its voxels' area of surface, a disc of radius
+    # s / scale_voxels. A layer of such Gaussians has the optical depth w (2π)^1.5 s³ / area across it.
+    voxel = voxel_mm(prepared)
+    scale = config.scale_voxels * voxel * np.sqrt(np.maximum(stands_for / 2.0, 1.0))
+    scale = np.minimum(scale, 0.5 * config.max_scale_voxels * voxel)  # pruning drops larger ones
+    area = (scale / config.scale_voxels) ** 2
+    w = config.initial_depth * area / ((2 * np.pi) ** 1.5 * scale**3)
+    opacity = np.clip(w * voxel / config.density_per_voxel, 0.01, 0.99)
+    logit = np.log(opacity / (1 - opacity))
+    return GaussianSet(positions, np.repeat(np.log(scale)[:, None], 3, axis=1), rotations, logit, sh)
+
+
+def scene_grid(prepared: PreparedStudy, config: GaussianTrainConfig) -> GridShape:
+    """The grid over the study's box, widened by a few voxels so that surfaces on its faces keep their Gaussians."""
+    margin = 3.0 * voxel_mm(prepared)
+    bounds = np.asarray(prepared.bounds, np.float64) + np.array([[-margin], [margin]])
+    return GridShape.for_box(bounds, config.cell_voxels * voxel_mm(prepared))
+
+
+def scene_for_study(gpu: GpuContext, prepared: PreparedStudy, gaussians: GaussianSet,
+                    config: GaussianTrainConfig) -> GaussianScene:
+    voxel = voxel_mm(prepared)
+    return GaussianScene(gpu, gaussians, scene_grid(prepared, config), density_scale=config.density_per_voxel / voxel,
+                         march=MarchSettings(config.step_voxels * voxel, 1e-3))
+
+
+class GaussianAdam:
+    """Adam (shaders/adam.slang) over a scene's flat parameters, a learning rate per kind."""
+
+    def __init__(self, gpu: GpuContext, scene: GaussianScene, config: GaussianTrainConfig, voxel: float) -> None:
+        self.gpu, self.scene, self.config, self.voxel = gpu, scene, config, voxel
+        self.module = gpu.load_module("adam")
+        self.step_count = 0
+        self.reset()
+
+    def reset(self, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
+        """Moments for the scene's current Gaussians (zero, or given in the flat layout)."""
+        import slangpy as spy
+
+        size = GAUSSIAN_FLOATS * self.scene.count + 4
+        self.m = spy.Tensor.from_numpy(self.gpu.device, np.zeros(size, np.float32) if m is None else m)
+        self.v = spy.Tensor.from_numpy(self.gpu.device, np.zeros(size, np.float32) if v is None else v)
+
+    def moments(self) -> tuple[GaussianSet, GaussianSet]:
+        n = self.scene.count
+        return (GaussianSet.from_flat(np.asarray(self.m.to_numpy()), n),
+                GaussianSet.from_flat(np.asarray(self.v.to_numpy()), n))
+
+    def step(self, factor: float = 1.0) -> None:
+        import slangpy as spy
+
+        c, n = self.config, self.scene.count
+        self.step_count += 1
+        t = self.step_count
+        buffers = {"values": self.scene.values.storage.device_address, "grads": self.scene.grads.storage.device_address,
+                   "m": self.m.storage.device_address, "v": self.v.storage.device_address,
+                   "count": GAUSSIAN_FLOATS * n, "groupStart": [3 * n, 10 * n, 11 * n], "shifted": 0,
+                   "shiftedCount": 0}
+        rates = [c.rate_position * self.voxel, c.rate_shape, c.rate_density, c.rate_colour]
+        settings = {"rates": spy.float4(*(r * factor for r in rates)), "beta1": 0.9, "beta2": 0.999,
+                    "epsilon": 1e-15, "correction1": 1.0 / (1.0 - 0.9**t), "correction2": 1.0 / (1.0 - 0.999**t),
+                    "sparseGroups": 0}
+        threads = -(-GAUSSIAN_FLOATS * n // int(self.module.adamWidth()))
+        self.module.adamStep(spy.grid((threads,)), buffers, settings)
+
+
+def patch_rays(directions: dict[int, np.ndarray], cameras: list[Camera], rows: np.ndarray, size: int) -> np.ndarray:
+    """(P·size², 6) rays of the patches, patch after patch, rows of ``size`` pixels."""
+    rays = []
+    for view, x0, y0 in rows:
+        d = directions[int(view)][y0 : y0 + size, x0 : x0 + size].reshape(-1, 3)
+        rays.append(np.concatenate([np.broadcast_to(cameras[int(view)].position, d.shape), d], axis=1))
+    return np.concatenate(rays).astype(np.float32)
+
+
+def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, seen: np.ndarray,
+          config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator, densify: bool) -> None:
+    """Prune and (``densify``) split or clone, keeping Adam's moments of the Gaussians that stay."""
+    gaussians = scene.gaussians()
+    m, v = adam.moments()
+    opacity = 1.0 / (1.0 + np.exp(-gaussians.density))
+    largest = np.exp(gaussians.log_scales.max(axis=1))
+    finite = np.isfinite(gaussians.positions).all(axis=1) & np.isfinite(gaussians.log_scales).all(axis=1)
+    keep = (opacity >= config.prune_opacity) & (largest <= config.max_scale_voxels * voxel) & finite
+    if not keep.any():  # a scene keeps its most opaque Gaussian
+        keep[np.argmax(np.where(finite, opacity, -1.0))] = True
+    parts, m_parts, v_parts = [gaussians.subset(keep)], [m.subset(keep)], [v.subset(keep)]
+    if densify:
+        mean = gradient_sum / np.maximum(seen, 1)
+        grow = np.flatnonzero(keep & (mean > 0))
+        room = min(cap - int(keep.sum()), int(config.densify_fraction * keep.sum()))
+        grow = grow[np.argsort(-mean[grow])][: max(room, 0)]
+        if len(grow):
+            chosen = gaussians.subset(grow)
+            big = np.exp(chosen.log_scales.max(axis=1)) > config.scale_voxels * voxel
+            offsets = rng.normal(size=(len(grow), 3)) * np.exp(chosen.log_scales)
+            offsets = np.einsum("nab,nb->na", chosen.rotation_matrices(), offsets) * big[:, None]
+            shrink = np.where(big, np.log(1.6), 0.0)[:, None]
+            parts[0].positions[np.searchsorted(np.flatnonzero(keep), grow)] -= offsets
+            parts[0].log_scales[np.searchsorted(np.flatnonzero(keep), grow)] -= shrink
+            parts.append(GaussianSet(chosen.positions + offsets, chosen.log_scales - shrink, chosen.rotations,
+                                     chosen.density, chosen.colours))
+            zeros = GaussianSet.from_flat(np.zeros(GAUSSIAN_FLOATS * len(grow) + 4, np.float32), len(grow))
+            m_parts.append(zeros)
+            v_parts.append(zeros)
+    merged = GaussianSet.concatenate(parts)
+    scene.set_gaussians(merged)
+    adam.reset(GaussianSet.concatenate(m_parts).flat(), GaussianSet.concatenate(v_parts).flat())
+
+
+def render_picture(scene: GaussianScene, camera: Camera) -> np.ndarray:
+    """A camera's colour over black, (H, W, 3) in [0, 1], as the held-out scores compare them."""
+    return np.clip(scene.render(camera)[..., :3], 0.0, 1.0)
+
+
+def score_views(scene: GaussianScene, views: ReferenceViews, indices: list[int]) -> dict[str, float]:
+    """Mean PSNR and SSIM of the scene's pictures against the reference views ``indices``."""
+    if not indices:
+        raise ValueError(f"no held-out view to score (of {len(views.images)} views); render more views, or hold "
+                         "out more of them")
+    psnrs, ssims = [], []
+    for index in indices:
+        image, reference = render_picture(scene, views.cameras[index]), views.images[index].rgb()
+        psnrs.append(psnr(image, reference))
+        ssims.append(ssim(image, reference))
+    return {"heldout_psnr": float(np.mean(psnrs)), "heldout_ssim": float(np.mean(ssims))}
+
+
+def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews,
+                    config: GaussianTrainConfig | None = None, progress: Progress | None = None,
+                    should_stop: ShouldStop | None = None) -> tuple[GaussianScene, GaussianTrainLog]:
+    """Fit Gaussians to the training views; ``should_stop`` is polled between steps (a cancel keeps the state
+    reached, ``log.cancelled``)."""
+    config = config or GaussianTrainConfig()
+    report = progress or (lambda message, fraction: None)
+    voxel, rng = voxel_mm(prepared), np.random.default_rng(config.seed + 1)
+    cap = gaussian_cap(memory_budget(gpu), config)
+    scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, views, config, min(config.initial, cap)), config)
+    adam = GaussianAdam(gpu, scene, config, voxel)
+    reference = np.stack([image.rgba for image in views.images]).astype(np.float32)
+    sampler = PatchSampler(reference, views.training, size=config.patch_size, seed=config.seed)
+    directions = {i: views.cameras[i].ray_directions().astype(np.float32) for i in views.training}
+    log = GaussianTrainLog(cap=cap)
+    gradient_sum, seen = np.zeros(scene.count), np.zeros(scene.count)
+    start = time.perf_counter()
+    n_rays = config.patches * config.patch_size**2
+    for step in range(config.steps):
+        if should_stop is not None and should_stop():
+            log.cancelled = True
+            break
+        rows = sampler.sample(config.patches)
+        rays = scene.upload_rays(*np.split(patch_rays(directions, views.cameras, rows, config.patch_size), 2, axis=1))
+        results = scene.render_rays(rays, n_rays)
+        rendered = np.asarray(results.to_numpy()).reshape(config.patches, config.patch_size, config.patch_size, 4)
+        loss, _, d_rendered = patch_loss_and_gradient(rendered, sampler.reference_patches(rows))
+        scene.backward_rays(rays, n_rays, results, d_rendered.reshape(-1, 4))
+        position_gradient = scene.gradients()[: 3 * scene.count].reshape(-1, 3)
+        norm = np.linalg.norm(position_gradient, axis=1)
+        gradient_sum += norm
+        seen += norm > 0
+        adam.step(0.1 + 0.9 * (1.0 - step / config.steps))
+        log.losses.append((step, float(loss)))
+        last = step == config.steps - 1
+        if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
+            adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
+                  densify=step < config.densify_until * config.steps)
+            gradient_sum, seen = np.zeros(scene.count), np.zeros(scene.count)
+            log.counts.append((step + 1, scene.count))
+        else:
+            scene.build_grid()
+        if config.eval_every and ((step + 1) % config.eval_every == 0 or last) and views.held_out:
+            scored = time.perf_counter()
+            score = score_views(scene, views, views.held_out)["heldout_psnr"]
+            log.eval_seconds += time.perf_counter() - scored
+            log.scores.append((step + 1, score))
+            report(f"Gaussians: step {step + 1}, loss {loss:.4f}, {scene.count:,} Gaussians, "
+                   f"held-out PSNR {score:.2f} dB", (step + 1) / config.steps)
+        log.steps = step + 1
+    log.seconds = time.perf_counter() - start - log.eval_seconds
+    return scene, log

@@ -1,0 +1,72 @@
+"""A float64 numpy re-implementation of shaders/gaussians.slang's ray integration, the reference for its checks.
+
+Written from the definitions (parameter layout, truncated Gaussians, degree-1 spherical harmonics, segments
+of a fixed length with early termination), without the grid: the grid only saves work, so the device must
+give these values whatever its cells.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+CUTOFF = np.exp(-4.5)
+SH_C0, SH_C1 = 0.28209479177387814, 0.4886025119029199
+
+
+def unpack(values: np.ndarray, n: int):
+    v = np.asarray(values, np.float64)
+    return (v[: 3 * n].reshape(n, 3), v[3 * n : 6 * n].reshape(n, 3), v[6 * n : 10 * n].reshape(n, 4),
+            v[10 * n : 11 * n], v[11 * n : 23 * n].reshape(n, 4, 3))
+
+
+def rotations(q: np.ndarray) -> np.ndarray:
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    w, x, y, z = q.T
+    return np.stack([
+        np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)], axis=1),
+        np.stack([2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)], axis=1),
+        np.stack([2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)], axis=1),
+    ], axis=1)
+
+
+def density_and_colour(values: np.ndarray, n: int, density_scale: float, x: np.ndarray, d: np.ndarray):
+    """(σ, σ·c) at a point x (3,) seen along d (3,)."""
+    position, log_scale, quaternion, logit, sh = unpack(values, n)
+    local = np.einsum("nab,na->nb", rotations(quaternion), x - position) / np.exp(log_scale)
+    m2 = (local**2).sum(axis=1)
+    g = np.where(m2 < 9.0, np.maximum(np.exp(-0.5 * m2) - CUTOFF, 0.0), 0.0)
+    wg = density_scale / (1.0 + np.exp(-logit)) * g
+    basis = np.array([SH_C0, -SH_C1 * d[1], SH_C1 * d[2], -SH_C1 * d[0]])
+    colour = 1.0 / (1.0 + np.exp(-np.einsum("l,nlc->nc", basis, sh)))
+    return wg.sum(), (wg[:, None] * colour).sum(axis=0)
+
+
+def clip_to_box(origin, direction, low, high) -> tuple[float, float]:
+    with np.errstate(divide="ignore"):
+        t0, t1 = (np.asarray(low) - origin) / direction, (np.asarray(high) - origin) / direction
+    near = max(np.minimum(t0, t1).max(), 0.0)
+    return near, np.maximum(t0, t1).min()
+
+
+def march(values, n, density_scale, origin, direction, low, high, step, min_transmittance) -> np.ndarray:
+    """(premultiplied RGB, alpha) of one ray."""
+    near, far = clip_to_box(origin, direction, low, high)
+    transmittance, rgb = 1.0, np.zeros(3)
+    j = 0
+    while (t := near + (j + 0.5) * step) < far:
+        j += 1
+        sigma, weighted = density_and_colour(values, n, density_scale, origin + t * direction, direction)
+        if sigma <= 0.0:
+            continue
+        alpha = 1.0 - np.exp(-sigma * step)
+        rgb += transmittance * alpha / sigma * weighted
+        transmittance *= 1.0 - alpha
+        if transmittance < min_transmittance:
+            break
+    return np.append(rgb, 1.0 - transmittance)
+
+
+def render(values, n, density_scale, rays, low, high, step, min_transmittance) -> np.ndarray:
+    """(R, 4) for rays (R, 6): origin then unit direction."""
+    return np.stack([march(values, n, density_scale, r[:3], r[3:], low, high, step, min_transmittance)
+                     for r in np.asarray(rays, np.float64)])

@@ -1,0 +1,140 @@
+"""The Gaussian scene's Slang code (shaders/gaussians.slang) against a float64 numpy reference.
+
+A tiny scene (a few anisotropic Gaussians, one partly outside the box and one far outside it, a grid of a
+few cells) and a few rays: the grid's lists, the integrated colours with and without early termination, a
+camera's picture, and the hand-written backward pass against central differences of the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from field_reference import central_difference
+from gaussian_reference import render
+
+from NeuralRaycastLib.gaussians.scene import GaussianScene, GaussianSet, GridShape, MarchSettings
+from NeuralRaycastLib.render.camera import Camera
+
+pytestmark = pytest.mark.gpu
+
+BOX = np.array([[0.0, 0.0, 0.0], [10.0, 8.0, 12.0]])
+DENSITY = 0.8
+STEP = 0.25
+RAYS = 12
+
+
+def tiny_set() -> GaussianSet:
+    rng = np.random.default_rng(0)
+    n = 7
+    positions = rng.uniform(2.0, 8.0, (n, 3))
+    positions[5] = (9.5, 4.0, 6.0)  # its box pokes out of the scene's
+    positions[6] = (40.0, 40.0, 40.0)  # never seen
+    return GaussianSet(positions, np.log(rng.uniform(0.6, 1.6, (n, 3))), rng.normal(size=(n, 4)),
+                       rng.normal(0.0, 1.0, n), rng.normal(0.0, 1.0, (n, 4, 3)))
+
+
+@pytest.fixture(scope="module")
+def scene(gpu) -> GaussianScene:
+    grid = GridShape.for_box(BOX, 2.5)
+    return GaussianScene(gpu, tiny_set(), grid, density_scale=DENSITY, march=MarchSettings(STEP, 1e-4))
+
+
+@pytest.fixture(scope="module")
+def rays() -> np.ndarray:
+    rng = np.random.default_rng(1)
+    origins = rng.uniform(-6.0, 18.0, (RAYS, 3))
+    directions = rng.uniform(3.0, 7.0, (RAYS, 3)) - origins
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    return np.concatenate([origins, directions], axis=1).astype(np.float32).astype(np.float64)
+
+
+def device_render(scene: GaussianScene, rays: np.ndarray):
+    uploaded = scene.upload_rays(rays[:, :3], rays[:, 3:])
+    results = scene.render_rays(uploaded, len(rays))
+    return uploaded, results, np.asarray(results.to_numpy(), np.float64).reshape(-1, 4)
+
+
+def reference(scene: GaussianScene, values: np.ndarray, rays: np.ndarray, min_transmittance: float) -> np.ndarray:
+    grid = scene.grid
+    return render(values, scene.count, scene.density_scale, rays, grid.low, grid.high, STEP, min_transmittance)
+
+
+def test_grid_lists_each_gaussian_in_every_cell_its_box_overlaps(scene):
+    gaussians = scene.gaussians()
+    low, high = gaussians.positions - gaussians.half_extents(), gaussians.positions + gaussians.half_extents()
+    grid = scene.grid
+    assert grid.dims == (4, 4, 5)
+    lists = scene.cell_lists()
+    size = grid.cell_size
+    for cell, listed in enumerate(lists):
+        nx, ny, _ = grid.dims
+        index = np.array([cell % nx, cell // nx % ny, cell // (nx * ny)])
+        cell_low = np.asarray(grid.low) + index * size
+        overlaps = np.flatnonzero(((low < cell_low + size) & (high >= cell_low)).all(axis=1))
+        np.testing.assert_array_equal(listed, overlaps, err_msg=f"cell {index}")
+    assert not any(6 in listed for listed in lists)
+    assert any(5 in listed for listed in lists)
+
+
+def test_rays_integrate_the_gaussians_as_the_float64_reference(scene, rays):
+    _, _, values = device_render(scene, rays)
+    expected = reference(scene, scene.parameters().astype(np.float64), rays, 1e-4)
+    assert (expected[:, 3] > 0.2).sum() >= RAYS // 2, "the rays should see the Gaussians"
+    np.testing.assert_allclose(values, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_rays_stop_once_nearly_opaque(gpu, rays):
+    """Dense Gaussians: the march stops where the transmittance falls below its threshold, as the reference
+    does (and then gives other colours than a march to the end of the box)."""
+    dense = tiny_set()
+    dense.density[:] = 4.0
+    scene = GaussianScene(gpu, dense, GridShape.for_box(BOX, 2.5), density_scale=4.0, march=MarchSettings(STEP, 0.2))
+    _, _, values = device_render(scene, rays)
+    stopping = reference(scene, scene.parameters().astype(np.float64), rays, 0.2)
+    to_the_end = reference(scene, scene.parameters().astype(np.float64), rays, 0.0)
+    np.testing.assert_allclose(values, stopping, rtol=2e-5, atol=2e-6)
+    stopped = np.abs(stopping - to_the_end).max(axis=1) > 1e-3
+    assert stopped.sum() >= 3
+    assert (stopping[stopped, 3] > 0.8).all()
+
+
+def test_camera_picture_is_the_rays_through_its_pixels(scene):
+    camera = Camera((5.0, -30.0, 6.0), (5.0, 4.0, 6.0), (0.0, 0.0, 1.0), 30.0, 20, 14)
+    picture = scene.render(camera)
+    directions = camera.ray_directions().reshape(-1, 3)
+    rays = np.concatenate([np.broadcast_to(camera.position, directions.shape), directions], axis=1)
+    _, _, values = device_render(scene, rays.astype(np.float32).astype(np.float64))
+    assert picture[..., 3].max() > 0.3
+    np.testing.assert_allclose(picture.reshape(-1, 4), values, atol=1e-5)
+
+
+def test_backward_pass_matches_central_differences(scene, rays):
+    """∂(Σ w·rgba)/∂parameters for every kind of parameter, along random directions and on the largest
+    coordinates; the Gaussian no ray reaches gets none."""
+    uploaded, results, _ = device_render(scene, rays)
+    weights = np.random.default_rng(2).normal(size=(RAYS, 4))
+    scene.zero_gradients()
+    scene.backward_rays(uploaded, RAYS, results, weights)
+    gradient = scene.gradients().astype(np.float64)
+    params = scene.parameters().astype(np.float64)
+
+    def loss(p: np.ndarray) -> float:
+        return float((reference(scene, p, rays, 1e-4) * weights).sum())
+
+    n = scene.count
+    scale = np.abs(gradient).max()
+    for kind, (first, last) in {"position": (0, 3), "log-scale": (3, 6), "rotation": (6, 10), "density": (10, 11),
+                                "colour": (11, 23)}.items():
+        assert np.abs(gradient[first * n : last * n]).max() > 1e-3 * scale, f"no {kind} gradient"
+    rng = np.random.default_rng(3)
+    directions = rng.normal(size=(3, params.size))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    numeric = central_difference(loss, params, directions, 1e-6)
+    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
+    largest = np.argsort(-np.abs(gradient))[:24]
+    numeric = central_difference(loss, params, np.eye(params.size)[largest], 1e-6)
+    np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)
+    unseen = 6
+    own = np.concatenate([3 * unseen + np.arange(3), 3 * n + 3 * unseen + np.arange(3),
+                          6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 12 * unseen + np.arange(12)])
+    assert not gradient[own].any()

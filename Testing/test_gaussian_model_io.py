@@ -1,0 +1,77 @@
+"""Gaussian model files: written and read back exactly, and refused (ModelFileError naming the file) when they
+come from an unknown version, hold tensors of the wrong shape, or were made for another study."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load, save
+
+from NeuralRaycastLib.field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest
+from NeuralRaycastLib.gaussians.model_io import GaussianModel, encode_gaussians, load_gaussians, save_gaussians
+from NeuralRaycastLib.gaussians.scene import GaussianSet, GridShape, MarchSettings
+
+
+def model(count: int = 5) -> GaussianModel:
+    rng = np.random.default_rng(0)
+    gaussians = GaussianSet(rng.normal(size=(count, 3)), rng.normal(size=(count, 3)), rng.normal(size=(count, 4)),
+                            rng.normal(size=count), rng.normal(size=(count, 4, 3)))
+    geometry = StudyGeometry(np.eye(4), (10, 12, 8), np.array([[0.0, 0, 0], [9, 11, 7]]), ["t1"], ["brain"],
+                             [(0.8, 0.7, 0.6)])
+    grid = GridShape.for_box(geometry.bounds, 2.0)
+    return GaussianModel(gaussians, grid, 0.7, MarchSettings(0.4, 1e-3), geometry, {"preset": "quick"})
+
+
+def test_round_trip_is_exact(tmp_path):
+    written = model()
+    read = load_gaussians(save_gaussians(tmp_path / "g.safetensors", written), written.geometry)
+    assert read.gaussians.flat().tobytes() == written.gaussians.flat().tobytes()
+    assert (read.grid, read.density_scale, read.march, read.extra) == (written.grid, 0.7, written.march,
+                                                                        {"preset": "quick"})
+
+
+def rewritten(tmp_path, change) -> str:
+    """A model file whose metadata or tensors ``change`` altered (with its checksum kept valid)."""
+    data = encode_gaussians(model())
+    tensors = load(data)
+    path = tmp_path / "source.safetensors"
+    path.write_bytes(data)
+    with safe_open(str(path), framework="numpy") as handle:
+        metadata = json.loads(handle.metadata()[METADATA_KEY])
+    change(metadata, tensors)
+    metadata["tensors_sha256"] = _digest(tensors)
+    target = tmp_path / "changed.safetensors"
+    target.write_bytes(save(tensors, metadata={METADATA_KEY: json.dumps(metadata)}))
+    return str(target)
+
+
+def test_unknown_version_is_refused(tmp_path):
+    path = rewritten(tmp_path, lambda m, t: m.update(format_version=99))
+    with pytest.raises(ModelFileError, match="format version 99 is not supported") as error:
+        load_gaussians(path)
+    assert path in str(error.value)
+
+
+def test_tensor_of_the_wrong_shape_is_refused(tmp_path):
+    path = rewritten(tmp_path, lambda m, t: t.update(colours=t["colours"][:, :3]))
+    with pytest.raises(ModelFileError, match="tensor 'colours'"):
+        load_gaussians(path)
+
+
+def test_model_of_another_study_is_refused(tmp_path):
+    written = model()
+    path = save_gaussians(tmp_path / "g.safetensors", written)
+    other = StudyGeometry(np.eye(4), (10, 12, 9), written.geometry.bounds, ["t1"], ["brain"], [(0.8, 0.7, 0.6)])
+    with pytest.raises(ModelFileError, match="made for a different study: grid shape"):
+        load_gaussians(path, other)
+
+
+def test_non_finite_gaussians_are_not_written(tmp_path):
+    broken = model()
+    broken.gaussians.positions[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        save_gaussians(tmp_path / "g.safetensors", broken)
+    assert not (tmp_path / "g.safetensors").exists()

@@ -1,0 +1,110 @@
+"""Training Gaussians on the phantom's reference views: initialisation on the structures' surfaces, the loss
+going down and the held-out picture getting better, pruning and densification under the cap, and cancel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import phantom_prepared
+
+from NeuralRaycastLib.gaussians.scene import GAUSSIAN_FLOATS, GaussianSet
+from NeuralRaycastLib.gaussians.train import (
+    GaussianAdam,
+    GaussianTrainConfig,
+    adapt,
+    gaussian_cap,
+    initial_gaussians,
+    scene_for_study,
+    score_views,
+    train_gaussians,
+)
+from NeuralRaycastLib.gpu.device import GpuMemoryError
+from NeuralRaycastLib.gpu.memory_budget import MIB, MemoryBudget
+from NeuralRaycastLib.render.reference_views import render_reference_views
+
+pytestmark = pytest.mark.gpu
+
+#: Small enough for a CPU device: the phantom at 3 mm, 8 views of 64² (one held out).
+CONFIG = GaussianTrainConfig(steps=40, initial=1500, eval_every=40, densify_every=20)
+
+
+@pytest.fixture(scope="module")
+def phantom_views(gpu):
+    _, prepared = phantom_prepared(3.0)
+    return prepared, render_reference_views(gpu, prepared, 8, 64, 64)
+
+
+def test_initial_gaussians_lie_on_the_structures_surfaces(phantom_views):
+    prepared, views = phantom_views
+    gaussians = initial_gaussians(prepared, views, CONFIG, 1500)
+    assert 1500 <= gaussians.count <= 1504
+    ijk = np.round((gaussians.positions - prepared.affine[:3, 3]) @ np.linalg.inv(prepared.affine[:3, :3]).T)
+    ijk = np.clip(ijk.astype(int), 0, np.array(prepared.boundary.shape[1:]) - 1)
+    nearest = np.abs(prepared.boundary[:, ijk[:, 0], ijk[:, 1], ijk[:, 2]]).min(axis=0)
+    assert (nearest < 2 * 3.0).all()
+    # every structure gets some, the small tumour parts too
+    for boundary in prepared.boundary:
+        assert (np.abs(boundary[ijk[:, 0], ijk[:, 1], ijk[:, 2]]) < 3.0).sum() >= 10
+    opacity = 1.0 / (1.0 + np.exp(-gaussians.density))
+    assert ((opacity > 0.01) & (opacity < 0.99)).all()
+
+
+def test_training_improves_the_held_out_picture(gpu, phantom_views):
+    prepared, views = phantom_views
+    first = score_views(scene_for_study(gpu, prepared, initial_gaussians(prepared, views, CONFIG, 1500), CONFIG),
+                        views, views.held_out)["heldout_psnr"]
+    messages = []
+    scene, log = train_gaussians(gpu, prepared, views, CONFIG, progress=lambda m, f: messages.append((m, f)))
+    assert log.steps == 40 and not log.cancelled
+    assert np.mean([loss for _, loss in log.losses[-10:]]) < 0.7 * np.mean([loss for _, loss in log.losses[:3]])
+    (step, last), = log.scores
+    assert step == 40
+    assert last >= 17.0 and last > first + 1.5, (first, last)
+    assert messages[-1][1] == 1.0 and "held-out PSNR" in messages[-1][0]
+    assert [step for step, _ in log.counts] == [20]
+
+
+def test_cancel_keeps_the_state_reached(gpu, phantom_views):
+    prepared, views = phantom_views
+    calls = []
+    scene, log = train_gaussians(gpu, prepared, views, GaussianTrainConfig(steps=40, initial=300, eval_every=0),
+                                 should_stop=lambda: calls.append(1) or len(calls) > 3)
+    assert log.cancelled and log.steps == 3
+    assert np.isfinite(scene.parameters()).all()
+
+
+def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_views):
+    prepared, views = phantom_views
+    config = GaussianTrainConfig(densify_fraction=0.5)
+    gaussians = initial_gaussians(prepared, views, config, 40)
+    n = gaussians.count
+    gaussians.density[:5] = -8.0  # near transparent: dropped
+    gaussians.log_scales[5] = np.log(100.0)  # far larger than any structure's detail: dropped
+    scene = scene_for_study(gpu, prepared, gaussians, config)
+    adam = GaussianAdam(gpu, scene, config, 3.0)
+    moments = np.arange(GAUSSIAN_FLOATS * n + 4, dtype=np.float32)
+    adam.reset(moments, moments)
+    gradient = np.zeros(n)
+    gradient[[10, 11, 12]] = [3.0, 2.0, 1.0]
+    before = scene.gaussians()
+    cap = n - 6 + 2  # room for two more
+    adapt(scene, adam, gradient, np.ones(n), config, 3.0, cap, np.random.default_rng(0), densify=True)
+    assert scene.count == cap
+    after = scene.gaussians()
+    kept = np.arange(6, n)
+    np.testing.assert_array_equal(after.colours[: n - 6], before.colours[kept])
+    m, _ = adam.moments()
+    np.testing.assert_array_equal(m.colours[: n - 6], GaussianSet.from_flat(moments, n).colours[kept])
+    assert not m.colours[n - 6 :].any()
+    # the two with the largest gradients grew: copies of Gaussians 10 and 11
+    np.testing.assert_array_equal(after.colours[n - 6 :], before.colours[[10, 11]])
+    assert np.isin(scene.cell_lists()[0], np.arange(scene.count)).all()
+
+
+def test_the_cap_follows_the_memory_budget():
+    config = GaussianTrainConfig(initial=50_000, max_gaussians=1_000_000)
+    assert gaussian_cap(MemoryBudget(64 << 30, "--gpu-memory"), config) == 1_000_000
+    small = gaussian_cap(MemoryBudget(64 * MIB, "--gpu-memory"), config)
+    assert 40_000 < small < 100_000  # 40 % of 64 MiB at a few hundred bytes a Gaussian
+    with pytest.raises(GpuMemoryError, match=r"budget of 4 MiB \(--gpu-memory\) holds"):
+        gaussian_cap(MemoryBudget(4 * MIB, "--gpu-memory"), config)
