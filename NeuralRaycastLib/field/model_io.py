@@ -196,6 +196,20 @@ def _read(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return tensors, metadata
 
 
+def read_checked(path: Path, file_format: str, readable_versions: tuple[int, ...] | list[int]
+                 ) -> tuple[dict[str, np.ndarray], dict[str, Any], int]:
+    """A safetensors model file's tensors, metadata and format version, refused (ModelFileError naming the
+    file) where it is not of ``file_format`` or of a version this build reads."""
+    tensors, metadata = _read(path)
+    if metadata.get("format") != file_format:
+        raise ModelFileError(f"{path}: format '{metadata.get('format')}' is not '{file_format}'")
+    version = metadata.get("format_version")
+    if version not in readable_versions:
+        raise ModelFileError(f"{path}: format version {version} is not supported (this build reads "
+                             f"{', '.join(map(str, readable_versions))})")
+    return tensors, metadata, version
+
+
 def _current_config(config: dict[str, Any], version: int) -> dict[str, Any]:
     """A stored configuration in this version's terms (the keys earlier versions had no need for)."""
     if version < 3 and isinstance(config, dict) and isinstance(config.get("encoding"), dict):
@@ -206,13 +220,7 @@ def _current_config(config: dict[str, Any], version: int) -> dict[str, Any]:
 def load_model(path: str | Path, expected: StudyGeometry | None = None) -> ModelFile:
     """Read and check a model file; with ``expected``, also refuse a field made for another study grid."""
     path = Path(path)
-    tensors, metadata = _read(path)
-    if metadata.get("format") != FORMAT:
-        raise ModelFileError(f"{path}: format '{metadata.get('format')}' is not '{FORMAT}'")
-    version = metadata.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise ModelFileError(f"{path}: format version {version} is not supported (this build reads "
-                             f"{', '.join(map(str, READABLE_VERSIONS))})")
+    tensors, metadata, version = read_checked(path, FORMAT, READABLE_VERSIONS)
     precision = metadata.get("precision", "float32") if version >= 2 else "float32"
     if precision not in PRECISIONS:
         raise ModelFileError(f"{path}: unknown parameter precision '{precision}'")

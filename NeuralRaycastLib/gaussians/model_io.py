@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, _read
+from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, read_checked
 from ..files import write_bytes
 from .scene import GaussianSet, GridShape, MarchSettings
 
@@ -84,13 +84,7 @@ def _settings(path: Path, metadata: dict[str, Any]) -> tuple[int, GridShape, flo
 def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> GaussianModel:
     """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
     path = Path(path)
-    tensors, metadata = _read(path)
-    if metadata.get("format") != FORMAT:
-        raise ModelFileError(f"{path}: format '{metadata.get('format')}' is not '{FORMAT}'")
-    version = metadata.get("format_version")
-    if version not in READABLE_VERSIONS:
-        raise ModelFileError(f"{path}: format version {version} is not supported (this build reads "
-                             f"{', '.join(map(str, READABLE_VERSIONS))})")
+    tensors, metadata, _ = read_checked(path, FORMAT, READABLE_VERSIONS)
     count, grid, density, march, geometry = _settings(path, metadata)
     if set(tensors) != set(TENSORS):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(TENSORS)}")
