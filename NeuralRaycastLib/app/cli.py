@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -256,6 +257,26 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(f"done: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     print(f"time: {run.phases.summary()}")
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """The pretrained appearance's encoder and decoder, fitted across a generated cohort, into a weights file."""
+    from ..appearance.pretrain import PretrainConfig, pretrain, write_weights
+
+    out = Path(args.out).expanduser()
+    if out.is_dir() or (out.exists() and not args.overwrite):
+        raise ValueError(f"{out} exists; give another --out, or --overwrite to replace a weights file")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out.parent} is not a folder; create it or give another --out")
+    config = PretrainConfig(studies=args.studies, seed=args.seed, steps=args.steps, batch=args.batch,
+                            max_voxels=args.max_voxels).check()
+    gpu = _device(args)
+    with tempfile.TemporaryDirectory(prefix="neuralraycast-cohort-") as work:
+        result = pretrain(gpu, config, ConsoleProgress(f"pretrain {gpu.backend}"), Path(work))
+    written = write_weights(out, result)
+    print(f"done: {config.studies} studies, {config.steps} steps, final loss {result.losses[-1]:.5f}; "
+          f"weights {written} ({written.stat().st_size:,} bytes)")
     return 0
 
 
@@ -628,6 +649,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "output (stage, fraction, loss, held-out PSNR; then done or error), and a line 'stop' on "
                         "standard input, or its closing, stops training keeping the state reached")
     p.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("pretrain", help="fit the pretrained appearance's encoder and decoder across generated "
+                       "studies (the phantom, then ICBM152 samples on seeds never used for evaluation)")
+    device_option(p)
+    p.add_argument("--out", required=True, help="weights file to write (safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace a weights file there")
+    p.add_argument("--studies", type=int, default=4, help="studies of the cohort, the phantom first (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the cohort's studies, the points and the weights")
+    p.add_argument("--steps", type=int, default=600, help="optimisation steps (default 600)")
+    p.add_argument("--batch", type=int, default=4096, help="points a step (default 4096)")
+    p.add_argument("--max-voxels", type=int, default=96, metavar="N",
+                   help="downsample each study so no axis has more than N voxels (default 96)")
+    p.set_defaults(run=cmd_pretrain)
 
     p = sub.add_parser("cohort", help="train every study of a list into its own run folder under --out, on this "
                        "machine or a Ray cluster; run it again to finish an interrupted cohort")
