@@ -233,6 +233,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     check_output(args.out, args.study, overwrite=args.overwrite,
                  run_of=str(Path(args.study).expanduser().resolve()))
     load_study_cached(args.study)
+    appearance = _pretrained_appearance(args)
     gpu = _device(args)
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                               views=args.views, size=args.size, shadows=args.shadows,
@@ -246,7 +247,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     with CancelOnInterrupt() as cancel:
         should_stop = cancel if stdin_stop is None else (lambda: cancel() or stdin_stop())
         run = train_study(gpu, args.study, args.out, settings, stream or ConsoleProgress(f"fit {gpu.backend}"),
-                          should_stop, warm_up=not args.no_warmup, overwrite=args.overwrite)
+                          should_stop, warm_up=not args.no_warmup, overwrite=args.overwrite, appearance=appearance)
     log = run.log
     if stream is not None:
         stream.write({"event": "done", "run_folder": str(run.folder), "cancelled": bool(log.cancelled),
@@ -257,7 +258,29 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(f"done: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     print(f"time: {run.phases.summary()}")
+    if appearance is not None:
+        # The reference views are the evaluation's, the kernels' compile a first run's, the save after the fact.
+        renderable = sum(phase.seconds for phase in run.phases.phases
+                         if phase.name not in ("compile", "reference views", "save"))
+        print(f"study to renderable model: {renderable:.2f} s (kernels compiled; pretrained appearance, no "
+              "appearance training)")
     return 0
+
+
+def _pretrained_appearance(args: argparse.Namespace):
+    """``fit --appearance pretrained``'s weights, read and checked before the device opens (None for the
+    per-study appearance network)."""
+    if args.appearance != "pretrained":
+        if args.weights is not None:
+            raise ValueError("--weights is for --appearance pretrained; leave it out or add that option")
+        return None
+    if args.weights is None:
+        raise ValueError("--appearance pretrained needs --weights FILE (made by 'neuralraycast pretrain')")
+    if args.shadows:
+        raise ValueError("--shadows is not available with --appearance pretrained yet; leave one of them out")
+    from ..appearance.latent_scene import PretrainedAppearance
+
+    return PretrainedAppearance.read(args.weights)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -642,6 +665,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
+    p.add_argument("--appearance", choices=("network", "pretrained"), default="network",
+                   help="network (default): the per-study appearance network, trained through the renderer; "
+                        "pretrained: the encoder of --weights over the study into a latent grid, no appearance "
+                        "training")
+    p.add_argument("--weights", default=None, metavar="FILE",
+                   help="pretrained appearance weights for --appearance pretrained ('neuralraycast pretrain')")
     pieces_options(p)
     warmup_option(p)
     p.add_argument("--progress-json", action="store_true",

@@ -176,6 +176,7 @@ class LatentAppearance:
         words = grid.vertices * config.latent // 2
         self.codes = spy.Tensor.from_numpy(gpu.device, np.zeros(words, np.uint32))
         self.code_grads = spy.Tensor.zeros(gpu.device, shape=(grid.vertices * config.latent,), dtype=float)
+        self.source_digest = ""  # SHA-256 of the pretrained weights the networks came from ("" if none)
 
     def shader_struct(self, grid_gradients: bool = True) -> dict[str, Any]:
         """The ``LatentAppearance`` struct; without ``grid_gradients`` the grid is frozen for the pass."""
