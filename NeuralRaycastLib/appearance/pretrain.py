@@ -137,17 +137,17 @@ class CohortStudy:
 
 def prepare_cohort(config: PretrainConfig, folder: Path, progress: Progress | None = None) -> list:
     """Generate and prepare the cohort's studies (downsampled to ``max_voxels`` a side) in ``folder``."""
+    from ..study.cache import load_study_cached
+    from ..study.preprocess import prepare
     from ..study.sample import write_sample
-    from ..train.presets import RunSettings
-    from ..train.run_folder import prepare_for_run
+    from ..study.study import downsample_study
 
-    settings = RunSettings("quick", max_voxels=config.max_voxels)
     prepared = []
     for index, (case, seed) in enumerate(cohort(config.studies, config.seed)):
         if progress is not None:
             progress(f"cohort study {index + 1}/{config.studies}: {case}, seed {seed}", index / config.studies)
         manifest = write_sample(folder / f"{case}_{seed}", case, seed=seed)
-        prepared.append(prepare_for_run(str(manifest), settings))
+        prepared.append(prepare(downsample_study(load_study_cached(manifest), config.max_voxels)))
     return prepared
 
 
