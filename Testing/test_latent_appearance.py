@@ -168,3 +168,29 @@ def test_encoding_a_study_fills_the_grid_with_the_encoder_codes(gpu, params):
     assert np.abs(expected).max() > 0.1
     with pytest.raises(ValueError, match="takes 2 local inputs"):
         appearance.encode(volumes[:1], np.linalg.inv(affine))
+
+
+def test_a_fine_tune_step_moves_the_grid_and_the_decoder_against_their_gradients(gpu, params, codes):
+    """Adam's first step moves each parameter by its rate against the sign of its gradient: the grid's codes
+    (kept in fp16, from an fp32 copy) and the decoder's weights; the encoder stays pretrained, codes without a
+    gradient stay, and the gradients are used up."""
+    from NeuralRaycastLib.appearance.latent_scene import FineTune
+
+    appearance = LatentAppearance(gpu, CONFIG, GRID, params, parts=PARTS)
+    appearance.set_grid_codes(codes)
+    rng = np.random.default_rng(11)
+    grid_gradient = rng.normal(size=codes.shape).astype(np.float32)
+    grid_gradient[::3] = 0.0
+    appearance.code_grads.copy_from_numpy(grid_gradient.reshape(-1))
+    gradient = rng.normal(size=CONFIG.count).astype(np.float32)
+    appearance.grads.copy_from_numpy(gradient)
+    tune = FineTune(appearance, rate_grid=1e-2, rate_decoder=1e-3)
+    tune.step()
+    expected = (codes - 1e-2 * np.sign(grid_gradient)).astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(appearance.grid_codes(), expected, atol=2e-3)
+    np.testing.assert_array_equal(appearance.grid_codes()[::3], codes[::3].astype(np.float32))
+    moved = appearance.parameters().astype(np.float64) - params
+    decoder = slice(CONFIG.decoder_offset, CONFIG.count)
+    np.testing.assert_allclose(moved[decoder], -1e-3 * np.sign(gradient[decoder]), atol=1e-6)
+    assert not moved[: CONFIG.decoder_offset].any()
+    assert not appearance.grid_gradients().any() and not appearance.gradients().any()

@@ -28,6 +28,9 @@ def test_fit_needs_weights_for_the_pretrained_appearance_and_names_a_missing_fil
                  "--weights", str(missing)]) == 2
     message = capsys.readouterr().err.strip()
     assert "\n" not in message and str(missing) in message and "neuralraycast pretrain" in message
+    assert main(["fit", str(phantom_study_dir), "--out", str(out), "--fine-tune", "10"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "--appearance pretrained" in message
     assert not out.exists()
 
 

@@ -262,8 +262,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
         # The reference views are the evaluation's, the kernels' compile a first run's, the save after the fact.
         renderable = sum(phase.seconds for phase in run.phases.phases
                          if phase.name not in ("compile", "reference views", "save"))
-        print(f"study to renderable model: {renderable:.2f} s (kernels compiled; pretrained appearance, no "
-              "appearance training)")
+        trained = (f"{appearance.fine_tune_steps} fine-tune steps" if appearance.fine_tune_steps
+                   else "no appearance training")
+        print(f"study to renderable model: {renderable:.2f} s (kernels compiled; pretrained appearance, {trained})")
     return 0
 
 
@@ -271,8 +272,9 @@ def _pretrained_appearance(args: argparse.Namespace):
     """``fit --appearance pretrained``'s weights, read and checked before the device opens (None for the
     per-study appearance network)."""
     if args.appearance != "pretrained":
-        if args.weights is not None:
-            raise ValueError("--weights is for --appearance pretrained; leave it out or add that option")
+        if args.weights is not None or args.fine_tune:
+            raise ValueError("--weights and --fine-tune are for --appearance pretrained; leave them out or add "
+                             "that option")
         return None
     if args.weights is None:
         raise ValueError("--appearance pretrained needs --weights FILE (made by 'neuralraycast pretrain')")
@@ -280,7 +282,7 @@ def _pretrained_appearance(args: argparse.Namespace):
         raise ValueError("--shadows is not available with --appearance pretrained yet; leave one of them out")
     from ..appearance.latent_scene import PretrainedAppearance
 
-    return PretrainedAppearance.read(args.weights)
+    return PretrainedAppearance.read(args.weights, args.fine_tune)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -671,6 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "training")
     p.add_argument("--weights", default=None, metavar="FILE",
                    help="pretrained appearance weights for --appearance pretrained ('neuralraycast pretrain')")
+    p.add_argument("--fine-tune", type=int, default=0, metavar="STEPS",
+                   help="with --appearance pretrained: image steps on the latent grid and the decoder after the "
+                        "encoder (default 0: none)")
     pieces_options(p)
     warmup_option(p)
     p.add_argument("--progress-json", action="store_true",

@@ -110,11 +110,14 @@ class PretrainedAppearance:
     config: LatentConfig
     parameters: np.ndarray
     digest: str
+    fine_tune_steps: int = 0  # image steps on the grid and the decoder after the encoder (0: none)
 
     @classmethod
-    def read(cls, path: str | Path) -> PretrainedAppearance:
+    def read(cls, path: str | Path, fine_tune_steps: int = 0) -> PretrainedAppearance:
+        if fine_tune_steps < 0:
+            raise ValueError(f"fine-tune steps must be 0 or more (got {fine_tune_steps})")
         config, parameters, metadata = read_weights(path)
-        return cls(config, parameters, str(metadata["sha256"]))
+        return cls(config, parameters, str(metadata["sha256"]), int(fine_tune_steps))
 
     def encode_study(self, gpu: GpuContext, prepared, field: NeuralField) -> LatentAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
@@ -168,3 +171,59 @@ def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> La
     latent.source_digest = str(metadata.get("pretrained_sha256", ""))
     return latent
 
+
+
+class FineTune:
+    """Adam on a study's latent grid (on the device, from an fp32 copy of its codes; the grid keeps fp16) and on
+    the decoder (here: a few thousand parameters); the encoder is left as pretrained."""
+
+    def __init__(self, latent: LatentAppearance, rate_grid: float = 2e-3, rate_decoder: float = 2e-4) -> None:
+        import slangpy as spy
+
+        self.latent, self.rate_grid, self.rate_decoder = latent, rate_grid, rate_decoder
+        device, size = latent.gpu.device, latent.grid.vertices * latent.config.latent
+        self.master = spy.Tensor.from_numpy(device, np.ascontiguousarray(latent.grid_codes().reshape(-1)))
+        self.m = spy.Tensor.zeros(device, shape=(size,), dtype=float)
+        self.v = spy.Tensor.zeros(device, shape=(size,), dtype=float)
+        self.values = latent.parameters().astype(np.float64)
+        self.decoder = slice(latent.config.decoder_offset, latent.config.count)
+        self.dm, self.dv = np.zeros_like(self.values), np.zeros_like(self.values)
+        self.steps = 0
+
+    def step(self, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8) -> None:
+        """One Adam update from the gradients the last backward pass left; they are zeroed."""
+        import slangpy as spy
+
+        self.steps += 1
+        c1, c2 = 1.0 / (1.0 - beta1**self.steps), 1.0 / (1.0 - beta2**self.steps)
+        latent = self.latent
+        words = latent.grid.vertices * latent.config.latent // 2
+        latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
+                                     self.master.storage.device_address, self.m.storage.device_address,
+                                     self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2, epsilon)
+        gradient = latent.gradients().astype(np.float64)
+        latent.grads.copy_from_numpy(np.zeros(latent.config.count, np.float32))
+        d = self.decoder
+        self.dm[d] = beta1 * self.dm[d] + (1 - beta1) * gradient[d]
+        self.dv[d] = beta2 * self.dv[d] + (1 - beta2) * gradient[d] ** 2
+        self.values[d] -= self.rate_decoder * (self.dm[d] * c1) / (np.sqrt(self.dv[d] * c2) + epsilon)
+        latent.set_parameters(self.values.astype(np.float32))
+
+
+def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None) -> list[float]:
+    """``steps`` image steps of the trainer's schedule on the latent grid and the decoder, the geometry frozen:
+    the trainer renders through the latent scene meanwhile. Returns each step's loss."""
+    c = trainer.config
+    trainer.renderer = latent_renderer(trainer.gpu, trainer.prepared, trainer.field, latent, c.max_samples,
+                                       c.occupancy_cell_mm, c.shade_weight)
+    optimiser, losses = FineTune(latent), []
+    for step in range(steps):
+        terms = trainer.image_step(geometry=False)
+        if not np.isfinite(terms["loss"]):
+            latent.zero_gradients()
+            continue
+        optimiser.step()
+        losses.append(float(terms["loss"]))
+        if progress is not None and (step % 10 == 0 or step == steps - 1):
+            progress(f"fine-tune: step {step + 1}/{steps} loss {losses[-1]:.4f}", (step + 1) / steps)
+    return losses

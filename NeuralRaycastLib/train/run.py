@@ -129,12 +129,9 @@ def train_study(
                 log = trainer.run(progress, should_stop)
             latent = renderer = None
             if appearance is not None and not log.cancelled:
-                with clock.phase("latent grid"):
-                    latent = appearance.encode_study(gpu, prepared, field)
-                    renderer = pretrained_renderer(gpu, prepared, field, latent, schedule)
-                    gpu.device.wait()
-                log.rows.append({"step": schedule.geometry.steps, "stage": 2, "seconds": log.seconds,
-                                 **score_views(renderer, views, views.held_out)})
+                latent, renderer = pretrained_appearance(gpu, prepared, field, appearance, trainer, clock, progress)
+                log.rows.append({"step": schedule.geometry.steps + appearance.fine_tune_steps, "stage": 2,
+                                 "seconds": log.seconds, **score_views(renderer, views, views.held_out)})
             else:
                 with clock.phase("picture settings"):
                     trainer.use_picture_settings()
@@ -160,9 +157,24 @@ def train_study(
     return TrainedRun(folder, prepared, field, renderer or trainer.renderer, settings, views, log, clock)
 
 
-def pretrained_renderer(gpu: GpuContext, prepared, field: NeuralField, latent, schedule: TrainConfig):
-    """The renderer of a field with a latent appearance, set up as a finished field's pictures are."""
-    from ..appearance.latent_scene import latent_renderer
+def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appearance: PretrainedAppearance,
+                          trainer: Trainer, clock: PhaseClock, progress: Progress | None):
+    """The fitted field's latent appearance (the encoder over the study, then the optional fine-tune of the grid
+    and the decoder) and its renderer, set up as a finished field's pictures are."""
+    from ..appearance.latent_scene import fine_tune, latent_renderer
 
-    return latent_renderer(gpu, prepared, field, latent, schedule.max_samples, schedule.render_cell_mm,
-                           schedule.render_shade_weight)
+    with clock.phase("latent grid"):
+        latent = appearance.encode_study(gpu, prepared, field)
+        gpu.device.wait()
+    if appearance.fine_tune_steps:
+        with clock.phase("fine-tune"):
+            losses = fine_tune(trainer, latent, appearance.fine_tune_steps, progress)
+            gpu.device.wait()
+        trainer.log.rows.append({"step": trainer.config.geometry.steps + appearance.fine_tune_steps, "stage": 2,
+                                 "loss": losses[-1] if losses else float("nan")})
+    with clock.phase("picture settings"):
+        c = trainer.config
+        renderer = latent_renderer(gpu, prepared, field, latent, c.max_samples, c.render_cell_mm,
+                                   c.render_shade_weight)
+        gpu.device.wait()
+    return latent, renderer
