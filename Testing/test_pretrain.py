@@ -3,6 +3,8 @@ holds no evaluation seed, small, the same bytes from the same seed, and refused 
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,8 @@ from NeuralRaycastLib.app.cli import main
 from NeuralRaycastLib.appearance.pretrain import (
     COHORT_SEED_BASE,
     MAX_WEIGHTS_BYTES,
+    SHIPPED_WEIGHTS,
+    PretrainConfig,
     WeightsFileError,
     cohort,
     read_weights,
@@ -23,6 +27,16 @@ def test_the_cohort_holds_no_evaluation_seed_and_differs_by_seed():
     assert first[0][0] == "phantom" and {case for case, _ in first[1:]} == {"icbm"}
     seeds = [seed for _, seed in first + second]
     assert min(seeds) >= COHORT_SEED_BASE and len(set(seeds)) == len(seeds)
+
+
+def test_the_shipped_weights_are_small_sound_and_say_the_command_that_makes_them():
+    """``pretrain --out FILE --studies 3 --seed 0``, the other settings the defaults."""
+    assert SHIPPED_WEIGHTS.stat().st_size <= MAX_WEIGHTS_BYTES
+    config, parameters, metadata = read_weights(SHIPPED_WEIGHTS)
+    assert np.isfinite(parameters).all() and config.inputs == 5 and config.structures == 4
+    assert metadata["pretrain"] == asdict(PretrainConfig(studies=3, seed=0))
+    assert metadata["cohort"] == [list(study) for study in cohort(3, 0)]
+    assert metadata["final_loss"] < 0.01
 
 
 @pytest.mark.gpu

@@ -276,13 +276,12 @@ def _pretrained_appearance(args: argparse.Namespace):
             raise ValueError("--weights and --fine-tune are for --appearance pretrained; leave them out or add "
                              "that option")
         return None
-    if args.weights is None:
-        raise ValueError("--appearance pretrained needs --weights FILE (made by 'neuralraycast pretrain')")
     if args.shadows:
         raise ValueError("--shadows is not available with --appearance pretrained yet; leave one of them out")
     from ..appearance.latent_scene import PretrainedAppearance
+    from ..appearance.pretrain import SHIPPED_WEIGHTS
 
-    return PretrainedAppearance.read(args.weights, args.fine_tune)
+    return PretrainedAppearance.read(SHIPPED_WEIGHTS if args.weights is None else args.weights, args.fine_tune)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -672,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "pretrained: the encoder of --weights over the study into a latent grid, no appearance "
                         "training")
     p.add_argument("--weights", default=None, metavar="FILE",
-                   help="pretrained appearance weights for --appearance pretrained ('neuralraycast pretrain')")
+                   help="pretrained appearance weights for --appearance pretrained ('neuralraycast pretrain'; "
+                        "default: the weights the package ships)")
     p.add_argument("--fine-tune", type=int, default=0, metavar="STEPS",
                    help="with --appearance pretrained: image steps on the latent grid and the decoder after the "
                         "encoder (default 0: none)")
