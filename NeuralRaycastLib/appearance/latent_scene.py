@@ -29,11 +29,11 @@ APPEARANCE_VERSION = 1
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig):
-    """The field's kernels (per-thread networks) with the latent appearance and its scene, compiled once per
-    process, device and sizes."""
+def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig, cooperative: bool = False):
+    """The field's kernels (the geometry network on tensor cores where ``cooperative``) with the latent appearance
+    and its scene, compiled once per process, device and sizes."""
     lines = [f"#define {name} {value}" for name, value in config.defines().items()]
-    lines.append(field_source(field.layout, ("sdf_fit",)))
+    lines.append(field_source(field.layout, ("sdf_fit",), cooperative=cooperative))
     lines += [(shader_dir() / f"{part}.slang").read_text() for part in ("latent_appearance", "latent_render")]
     source = "\n".join(lines)
     name = "latent_scene_" + hashlib.sha256(source.encode()).hexdigest()[:16]
@@ -44,26 +44,27 @@ def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfi
 
 
 class LatentFieldScene:
-    """The field's distances and normals, the latent grid's appearance."""
-
-    cooperative = False
+    """The field's distances and normals (on tensor cores where the field's networks are), the latent grid's
+    appearance."""
 
     def __init__(self, gpu: GpuContext, field: NeuralField, latent: LatentAppearance) -> None:
         if latent.config.structures < field.structures:
             raise LatentConfigError(f"the pretrained appearance holds {latent.config.structures} structures, the "
                                     f"study has {field.structures}")
-        self.field, self.latent = field, latent
-        self.module = latent_scene_module(gpu, field, latent.config)
+        self.field, self.latent, self.cooperative = field, latent, bool(field.cooperative)
+        self.module = latent_scene_module(gpu, field, latent.config, self.cooperative)
 
     @property
     def structures(self) -> int:
         return self.field.structures
 
     def struct(self) -> dict[str, Any]:
-        return {"field": self.field.shader_struct(False, geometry_network_gradients=False),
+        return {"field": self.field.shader_struct(self.cooperative, geometry_network_gradients=False),
                 "latent": self.latent.shader_struct()}
 
     def distances(self, grid: Any, buffers: dict) -> None:
+        if self.cooperative:  # the tiled copy of the geometry network, made once for a finished field
+            self.field.upload_tiled_networks(unless_current=True)
         self.module.latentFieldDistances(grid, self.struct(), buffers)
 
     def surface(self, grid: Any, buffers: dict) -> None:
