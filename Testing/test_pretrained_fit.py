@@ -51,3 +51,10 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["heldout_psnr"] == pytest.approx(psnr[0], abs=0.05)
     assert metrics["appearance_bytes"] == appearance.stat().st_size
+    # The web page renders the field's own appearance network only: refused, by the run's name, nothing written.
+    page = tmp_path / "page.html"
+    capsys.readouterr()
+    assert main(["share", str(out), "--out", str(page)]) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]  # after the study's preparation's progress
+    assert message.startswith("neuralraycast share: error:") and str(out) in message and "pretrained" in message
+    assert not page.exists()
