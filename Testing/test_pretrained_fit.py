@@ -58,3 +58,24 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     message = capsys.readouterr().err.strip().splitlines()[-1]  # after the study's preparation's progress
     assert message.startswith("neuralraycast share: error:") and str(out) in message and "pretrained" in message
     assert not page.exists()
+
+
+def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appearance(gpu, phantom_study_dir,
+                                                                                        tmp_path):
+    """Cancelled while the geometry fits: the state reached is saved with its latent grid (a run that renders with
+    the pretrained appearance, not the field's untrained network), and no fine-tune follows."""
+    import itertools
+
+    from NeuralRaycastLib.appearance.latent_scene import LatentFieldScene, PretrainedAppearance
+    from NeuralRaycastLib.appearance.pretrain import SHIPPED_WEIGHTS
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run import train_study
+
+    calls = itertools.count()
+    run = train_study(gpu, phantom_study_dir, tmp_path / "run", RunSettings.for_device(gpu, "quick", views=4, size=32),
+                      should_stop=lambda: next(calls) >= 20, warm_up=False,
+                      appearance=PretrainedAppearance.read(SHIPPED_WEIGHTS, fine_tune_steps=5))
+    assert run.log.cancelled
+    assert (tmp_path / "run" / "appearance.safetensors").is_file()
+    assert isinstance(run.renderer.scene, LatentFieldScene)
+    assert not [row for row in run.log.rows if row.get("stage") == 2]  # neither a fine-tune nor a score

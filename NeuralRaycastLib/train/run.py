@@ -128,10 +128,12 @@ def train_study(
             with clock.phase("train"):
                 log = trainer.run(progress, should_stop)
             latent = renderer = None
-            if appearance is not None and not log.cancelled:
-                latent, renderer = pretrained_appearance(gpu, prepared, field, appearance, trainer, clock, progress)
-                log.rows.append({"step": schedule.geometry.steps + appearance.fine_tune_steps, "stage": 2,
-                                 "seconds": log.seconds, **score_views(renderer, views, views.held_out)})
+            if appearance is not None:  # a cancelled fit's geometry gets its appearance too: a run that renders
+                latent, renderer = pretrained_appearance(gpu, prepared, field, appearance, trainer, clock, progress,
+                                                         tuning=not log.cancelled)
+                if not log.cancelled:
+                    log.rows.append({"step": schedule.geometry.steps + appearance.fine_tune_steps, "stage": 2,
+                                     "seconds": log.seconds, **score_views(renderer, views, views.held_out)})
             else:
                 with clock.phase("picture settings"):
                     trainer.use_picture_settings()
@@ -158,15 +160,15 @@ def train_study(
 
 
 def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appearance: PretrainedAppearance,
-                          trainer: Trainer, clock: PhaseClock, progress: Progress | None):
-    """The fitted field's latent appearance (the encoder over the study, then the optional fine-tune of the grid
-    and the decoder) and its renderer, set up as a finished field's pictures are."""
+                          trainer: Trainer, clock: PhaseClock, progress: Progress | None, tuning: bool = True):
+    """The fitted field's latent appearance (the encoder over the study, then, where ``tuning``, the optional
+    fine-tune of the grid and the decoder) and its renderer, set up as a finished field's pictures are."""
     from ..appearance.latent_scene import fine_tune, latent_renderer
 
     with clock.phase("latent grid"):
         latent = appearance.encode_study(gpu, prepared, field)
         gpu.device.wait()
-    if appearance.fine_tune_steps:
+    if tuning and appearance.fine_tune_steps:
         with clock.phase("fine-tune"):
             losses = fine_tune(trainer, latent, appearance.fine_tune_steps, progress)
             gpu.device.wait()
