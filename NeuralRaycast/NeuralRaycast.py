@@ -228,6 +228,8 @@ class NeuralRaycastParameterNode:
     seed - random seed for reproducible training.
     iterations - training iterations; 0 uses the preset's number.
     shadows - train on views lit with key-light shadows (the field is shaded through its own meshes).
+    pretrainedAppearance - fit the surfaces only and take the appearance from the shipped pretrained weights
+        (no appearance training; not with shadows).
     runFolder - where the trained model is saved (empty: a new folder under ~/NeuralRaycast/runs);
         the scene keeps it, so the model can be reloaded after the scene is.
     meshSmoothing - smoothing iterations of the learned surfaces' models.
@@ -249,6 +251,7 @@ class NeuralRaycastParameterNode:
     seed: Annotated[int, WithinRange(0, 2**31 - 1)] = 0
     iterations: Annotated[int, WithinRange(0, 1_000_000)] = 0
     shadows: bool = False
+    pretrainedAppearance: bool = False
     runFolder: pathlib.Path
     meshSmoothing: Annotated[int, WithinRange(0, 100)] = 10
     outputRender: vtkMRMLVectorVolumeNode
@@ -469,6 +472,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                 shadows=parameters.shadows,
                 runFolder=parameters.runFolder,
                 resampleToReference=resample,
+                pretrainedAppearance=parameters.pretrainedAppearance,
             )
             self._jobInputs = {
                 "volumes": [node.GetID() for node in parameters.volumeNodes()],
@@ -1152,7 +1156,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def train(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto", device: str = "auto",
               seed: int = 0, iterations: int = 0, runFolder: str | None = None, progress=None, shouldStop=None,
               views: int = 0, size: int = 0, config=None, resampleToReference: bool = False, shadows: bool = False,
-              brainMaskNode=None, gpuMemory: str = ""):
+              brainMaskNode=None, gpuMemory: str = "", pretrainedAppearance: bool = False):
         """Read the study from the scene, train a field (blocking) and save it in ``runFolder``.
 
         :param progress: optional ``callback(message, fraction)``; the widget uses it to keep Slicer responsive.
@@ -1165,6 +1169,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         :param brainMaskNode: optional brain mask volume (see ``studyFromNodes``).
         :param gpuMemory: the GPU memory the run may take (e.g. 6G; empty: the GPU's free memory less a margin):
             steps and the study's grid are sized to it, and a run that cannot fit raises GpuMemoryError.
+        :param pretrainedAppearance: fit the surfaces only, the appearance from the shipped pretrained weights
+            (``fit --appearance pretrained``); not with ``shadows``.
         :return: ``NeuralRaycastLib.train.run_folder.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite, WarmUpCancelled if cancelled while the kernels compile (nothing trained then).
@@ -1179,6 +1185,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         # The inputs first: a missing volume is reported as such, also where no GPU (or slangpy) is there.
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
+        appearance = self.pretrainedAppearance(shadows) if pretrainedAppearance else None
         gpu = self.gpuContext(device, gpuMemory)
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
         python = self.workerPython()  # None: the run compiles its kernels itself
@@ -1191,17 +1198,27 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         replace = os.path.isfile(os.path.join(folder, "run.json"))
         try:
             self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
-                                   worker_python=python, config=config, overwrite=replace)
+                                   worker_python=python, config=config, overwrite=replace, appearance=appearance)
         except GpuMemoryError as error:  # the advice in the module's words, not the command line's
             raise GpuMemoryError(str(error).replace(LOWER, MEMORY_ADVICE)) from error
         logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
                      f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
         return self.run
 
+    @staticmethod
+    def pretrainedAppearance(shadows: bool = False):
+        """The shipped pretrained appearance weights, read and checked (ValueError with shadows: not available)."""
+        from NeuralRaycastLib.appearance.latent_scene import PretrainedAppearance
+        from NeuralRaycastLib.appearance.pretrain import SHIPPED_WEIGHTS
+
+        if shadows:
+            raise ValueError("the pretrained appearance is not available with shadows yet: untick one of them")
+        return PretrainedAppearance.read(SHIPPED_WEIGHTS)
+
     def startTraining(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto",
                       device: str = "auto", seed: int = 0, iterations: int = 0, runFolder: str | None = None,
                       views: int = 0, size: int = 0, resampleToReference: bool = False, shadows: bool = False,
-                      brainMaskNode=None, gpuMemory: str = "") -> "TrainingJob":
+                      brainMaskNode=None, gpuMemory: str = "", pretrainedAppearance: bool = False) -> "TrainingJob":
         """Start training in a worker process (``PythonSlicer -m NeuralRaycastLib.app.entry fit --progress-json``,
         the command line's own training); returns at once with the job (see :class:`TrainingJob`).
 
@@ -1217,6 +1234,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
+        if pretrainedAppearance:
+            self.pretrainedAppearance(shadows)  # refused here, before a worker starts
         python = self.workerPython()
         if python is None:
             raise RuntimeError("PythonSlicer, which runs the training beside Slicer, was not found on Slicer's PATH; "
@@ -1234,6 +1253,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 command += ["--gpu-memory", gpuMemory]
             if shadows:
                 command.append("--shadows")
+            if pretrainedAppearance:
+                command += ["--appearance", "pretrained"]
             if os.path.isfile(os.path.join(folder, "run.json")):
                 command.append("--overwrite")  # training again into the last run's folder replaces that run
             worker = WorkerProcess(command, env=self.workerEnvironment())

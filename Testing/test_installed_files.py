@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE_DIR = ROOT / "NeuralRaycast"
 LIB_DIR = ROOT / "NeuralRaycastLib"
 #: What the library ships: its modules and the share page's template (NeuralRaycastLib/app/share_page.html).
-LIB_SUFFIXES = (".py", ".html")
+LIB_SUFFIXES = (".py", ".html", ".safetensors")
 #: What the module's folder holds besides the installed files: its build scripts.
 BUILD_FILES = {"CMakeLists.txt", "LibFiles.cmake"}
 

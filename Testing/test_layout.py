@@ -118,8 +118,9 @@ def test_the_extension_ships_the_runtime_and_no_measurement_code():
                              str(ROOT / "NeuralRaycast" / "LibFiles.cmake")],
                             capture_output=True, text=True, check=True)
     shipped = set((listed.stdout + listed.stderr).split())
-    every = {str(p.relative_to(LIB)) for pattern in ("*.py", "*.html") for p in LIB.rglob(pattern)
-             if "__pycache__" not in p.parts}  # the modules and the share page's template
+    every = {str(p.relative_to(LIB)) for pattern in ("*.py", "*.html", "*.safetensors") for p in LIB.rglob(pattern)
+             if "__pycache__" not in p.parts}  # the modules, the share page's template, the pretrained weights
+    assert "appearance/pretrained.safetensors" in every
     assert shipped == {f for f in every if not f.startswith("bench/")}
     assert "train/trainer.py" in shipped and "gpu/device.py" in shipped
 

@@ -474,6 +474,24 @@ def test_training_starts_in_a_worker_running_the_command_lines_fit(module, scene
     assert node_ids(scene) == before and logic.run is None
 
 
+def test_the_pretrained_appearance_trains_in_the_worker_and_is_refused_with_shadows_before_it_starts(
+        module, scene, self_test, tmp_path):
+    volume, segmentation = _study_in_scene(self_test)
+    logic = module.NeuralRaycastLogic()
+    with pytest.raises(ValueError, match="pretrained appearance.*shadows"):
+        logic.startTraining([volume], segmentation, preset="quick", shadows=True, pretrainedAppearance=True,
+                            runFolder=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    job = logic.startTraining([volume], segmentation, preset="quick", pretrainedAppearance=True,
+                              runFolder=tmp_path / "run")
+    try:
+        command = job.worker.command
+        assert command[command.index("--appearance") + 1] == "pretrained" and "--shadows" not in command
+    finally:
+        job.kill()
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(os.name == "nt", reason="signals as on POSIX")
 def test_a_worker_that_dies_is_one_clear_message_and_the_scene_is_unchanged(module, scene, self_test, tmp_path):
     import signal
@@ -632,7 +650,8 @@ def test_the_ui_binds_every_widget_to_its_parameter_both_ways(module, scene, sel
     assert set(bound) == set(module.NeuralRaycastParameterNode.allParameters)
     volume, _array, _affine = self_test._syntheticVolume("t1")
     edits = {"preset": "high", "device": "vulkan", "gpuMemory": "6G", "seed": 11, "iterations": 900,
-             "shadows": True, "meshSmoothing": 4, "labelmapOversampling": 3, "runFolder": tmp_path / "run",
+             "shadows": True, "pretrainedAppearance": True, "meshSmoothing": 4, "labelmapOversampling": 3,
+             "runFolder": tmp_path / "run",
              "inputSegmentation": self_test._newSegmentation(volume),
              "outputRender": scene.AddNewNodeByClass("vtkMRMLVectorVolumeNode", "render")}
     for name in ("inputVolume", "inputVolume2", "inputVolume3", "inputVolume4", "probabilityVolume",

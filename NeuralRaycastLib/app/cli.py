@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -232,6 +233,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     check_output(args.out, args.study, overwrite=args.overwrite,
                  run_of=str(Path(args.study).expanduser().resolve()))
     load_study_cached(args.study)
+    appearance = _pretrained_appearance(args)
     gpu = _device(args)
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                               views=args.views, size=args.size, shadows=args.shadows,
@@ -247,7 +249,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     with CancelOnInterrupt() as cancel:
         should_stop = cancel if stdin_stop is None else (lambda: cancel() or stdin_stop())
         run = train_study(gpu, args.study, args.out, settings, stream or ConsoleProgress(f"fit {gpu.backend}"),
-                          should_stop, warm_up=not args.no_warmup, overwrite=args.overwrite)
+                          should_stop, warm_up=not args.no_warmup, overwrite=args.overwrite, appearance=appearance)
     log = run.log
     if stream is not None:
         stream.write({"event": "done", "run_folder": str(run.folder), "cancelled": bool(log.cancelled),
@@ -258,6 +260,49 @@ def cmd_fit(args: argparse.Namespace) -> int:
     print(f"done: {log.seconds:.1f} s, {log.rays_per_second():,.0f} training rays/s"
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     print(f"time: {run.phases.summary()}")
+    if appearance is not None:
+        # The reference views are the evaluation's, the kernels' compile a first run's, the save after the fact.
+        renderable = sum(phase.seconds for phase in run.phases.phases
+                         if phase.name not in ("compile", "reference views", "save"))
+        trained = (f"{appearance.fine_tune_steps} fine-tune steps" if appearance.fine_tune_steps
+                   else "no appearance training")
+        print(f"study to renderable model: {renderable:.2f} s (kernels compiled; pretrained appearance, {trained})")
+    return 0
+
+
+def _pretrained_appearance(args: argparse.Namespace):
+    """``fit --appearance pretrained``'s weights, read and checked before the device opens (None for the
+    per-study appearance network)."""
+    if args.appearance != "pretrained":
+        if args.weights is not None or args.fine_tune:
+            raise ValueError("--weights and --fine-tune are for --appearance pretrained; leave them out or add "
+                             "that option")
+        return None
+    if args.shadows:
+        raise ValueError("--shadows is not available with --appearance pretrained yet; leave one of them out")
+    from ..appearance.latent_scene import PretrainedAppearance
+    from ..appearance.pretrain import SHIPPED_WEIGHTS
+
+    return PretrainedAppearance.read(SHIPPED_WEIGHTS if args.weights is None else args.weights, args.fine_tune)
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    """The pretrained appearance's encoder and decoder, fitted across a generated cohort, into a weights file."""
+    from ..appearance.pretrain import PretrainConfig, pretrain, write_weights
+
+    out = Path(args.out).expanduser()
+    if out.is_dir() or (out.exists() and not args.overwrite):
+        raise ValueError(f"{out} exists; give another --out, or --overwrite to replace a weights file")
+    if not out.parent.is_dir():
+        raise ValueError(f"{out.parent} is not a folder; create it or give another --out")
+    config = PretrainConfig(studies=args.studies, seed=args.seed, steps=args.steps, batch=args.batch,
+                            max_voxels=args.max_voxels).check()
+    gpu = _device(args)
+    with tempfile.TemporaryDirectory(prefix="neuralraycast-cohort-") as work:
+        result = pretrain(gpu, config, ConsoleProgress(f"pretrain {gpu.backend}"), Path(work))
+    written = write_weights(out, result)
+    print(f"done: {config.studies} studies, {config.steps} steps, final loss {result.losses[-1]:.5f}; "
+          f"weights {written} ({written.stat().st_size:,} bytes)")
     return 0
 
 
@@ -687,6 +732,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
+    p.add_argument("--appearance", choices=("network", "pretrained"), default="network",
+                   help="network (default): the per-study appearance network, trained through the renderer; "
+                        "pretrained: the encoder of --weights over the study into a latent grid, no appearance "
+                        "training")
+    p.add_argument("--weights", default=None, metavar="FILE",
+                   help="pretrained appearance weights for --appearance pretrained ('neuralraycast pretrain'; "
+                        "default: the weights the package ships)")
+    p.add_argument("--fine-tune", type=int, default=0, metavar="STEPS",
+                   help="with --appearance pretrained: image steps on the latent grid and the decoder after the "
+                        "encoder (default 0: none)")
     pieces_options(p)
     warmup_option(p)
     p.add_argument("--progress-json", action="store_true",
@@ -694,6 +749,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "output (stage, fraction, loss, held-out PSNR; then done or error), and a line 'stop' on "
                         "standard input, or its closing, stops training keeping the state reached")
     p.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("pretrain", help="fit the pretrained appearance's encoder and decoder across generated "
+                       "studies (the phantom, then ICBM152 samples on seeds never used for evaluation)")
+    device_option(p)
+    p.add_argument("--out", required=True, help="weights file to write (safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace a weights file there")
+    p.add_argument("--studies", type=int, default=4, help="studies of the cohort, the phantom first (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the cohort's studies, the points and the weights")
+    p.add_argument("--steps", type=int, default=600, help="optimisation steps (default 600)")
+    p.add_argument("--batch", type=int, default=4096, help="points a step (default 4096)")
+    p.add_argument("--max-voxels", type=int, default=96, metavar="N",
+                   help="downsample each study so no axis has more than N voxels (default 96)")
+    p.set_defaults(run=cmd_pretrain)
 
     p = sub.add_parser("cohort", help="train every study of a list into its own run folder under --out, on this "
                        "machine or a Ray cluster; run it again to finish an interrupted cohort")

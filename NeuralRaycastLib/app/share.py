@@ -450,6 +450,11 @@ def check_page_path(out: str | Path, overwrite: bool = False, replace_hint: str 
 
 def write_page(run: TrainedRun, out: str | Path) -> Path:
     """Write the page of a trained run to ``out`` (one self-contained HTML file); returns its path."""
+    from ..appearance.latent_scene import LatentFieldScene
+
+    if isinstance(run.renderer.scene, LatentFieldScene):  # the page's renderer knows the field's own network only
+        raise ValueError(f"{run.folder}: the web page does not render the pretrained appearance yet; share a run "
+                         "fitted with the per-study appearance network (fit without --appearance pretrained)")
     layout = run.field.layout
     wgsl = compile_wgsl(web_source(layout), layout.structures)
     scene = web_scene(run)

@@ -12,7 +12,9 @@ failed, cancelled-by-error or interrupted run leaves an earlier run there as it 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..field.field import NeuralField
 from ..files import StagedFolder
@@ -36,8 +38,11 @@ from .run_folder import (
     study_within_budget,
     write_run,
 )
-from .trainer import TrainConfig, Trainer
+from .trainer import TrainConfig, Trainer, score_views
 from .warmup import WarmUpCancelled, ensure_warm
+
+if TYPE_CHECKING:
+    from ..appearance.latent_scene import PretrainedAppearance
 
 
 class CancelledBeforeTraining(WarmUpCancelled):
@@ -56,6 +61,7 @@ def train_study(
     worker_python: str | None = None,
     config: TrainConfig | None = None,
     overwrite: bool = False,
+    appearance: PretrainedAppearance | None = None,
 ) -> TrainedRun:
     """Train a neural field on ``study`` and save it as a run folder ``out``; returns the trained run.
 
@@ -81,6 +87,10 @@ def train_study(
     :class:`CancelledBeforeTraining` with nothing written. When the run folder cannot be written after training (a
     full or read-only disk), the run is kept elsewhere and
     :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
+
+    ``appearance``: pretrained weights (``fit --appearance pretrained``): the geometry is fitted as the schedule's
+    first stage says and the rendering stages are left out; the encoder then runs over the study into a latent
+    grid, which with the pretrained decoder is the run's appearance (no per-study appearance training).
     """
     settings = (settings or RunSettings.for_device(gpu)).check()
     check_view_size(settings.size, settings.size)  # before the study is prepared and the kernels compiled
@@ -109,13 +119,24 @@ def train_study(
                 raise CancelledBeforeTraining("cancelled before training began; nothing was written")
             # The view pictures are written while training runs: encoding them would otherwise delay its start.
             saved = writer.submit(save_reference_views, views, staged.path / "reference", arrays=False)
+            schedule = settings.schedule(config)
+            if appearance is not None:  # the geometry alone
+                schedule = replace(schedule, appearance_steps=0, joint_steps=0)
             with clock.phase("field and trainer"):
                 field = NeuralField(gpu, layout, seed=settings.seed)
-                trainer = Trainer(gpu, prepared, field, views, settings.schedule(config))
+                trainer = Trainer(gpu, prepared, field, views, schedule)
             with clock.phase("train"):
                 log = trainer.run(progress, should_stop)
-            with clock.phase("picture settings"):
-                trainer.use_picture_settings()
+            latent = renderer = None
+            if appearance is not None:  # a cancelled fit's geometry gets its appearance too: a run that renders
+                latent, renderer = pretrained_appearance(gpu, prepared, field, appearance, trainer, clock, progress,
+                                                         tuning=not log.cancelled)
+                if not log.cancelled:
+                    log.rows.append({"step": schedule.geometry.steps + appearance.fine_tune_steps, "stage": 2,
+                                     "seconds": log.seconds, **score_views(renderer, views, views.held_out)})
+            else:
+                with clock.phase("picture settings"):
+                    trainer.use_picture_settings()
     except BaseException:
         writer.shutdown(cancel_futures=True)
         staged.discard()
@@ -124,15 +145,38 @@ def train_study(
     try:
         with clock.phase("save"):
             saved.result()  # a failed write surfaces here, before anything says the run is done
-            write_run(staged.path, gpu, prepared, field, log, settings, source)
+            write_run(staged.path, gpu, prepared, field, log, settings, source, latent)
             staged.commit()
     except OSError as error:
         staged.discard()
-        kept = keep_trained_run(folder, gpu, prepared, field, log, settings, source)
+        kept = keep_trained_run(folder, gpu, prepared, field, log, settings, source, latent)
         raise RunNotSavedError(folder, staged.error(error), kept) from error
     except BaseException:
         staged.discard()
         raise
     finally:
         writer.shutdown()
-    return TrainedRun(folder, prepared, field, trainer.renderer, settings, views, log, clock)
+    return TrainedRun(folder, prepared, field, renderer or trainer.renderer, settings, views, log, clock)
+
+
+def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appearance: PretrainedAppearance,
+                          trainer: Trainer, clock: PhaseClock, progress: Progress | None, tuning: bool = True):
+    """The fitted field's latent appearance (the encoder over the study, then, where ``tuning``, the optional
+    fine-tune of the grid and the decoder) and its renderer, set up as a finished field's pictures are."""
+    from ..appearance.latent_scene import fine_tune, latent_renderer
+
+    with clock.phase("latent grid"):
+        latent = appearance.encode_study(gpu, prepared, field)
+        gpu.device.wait()
+    if tuning and appearance.fine_tune_steps:
+        with clock.phase("fine-tune"):
+            losses = fine_tune(trainer, latent, appearance.fine_tune_steps, progress)
+            gpu.device.wait()
+        trainer.log.rows.append({"step": trainer.config.geometry.steps + appearance.fine_tune_steps, "stage": 2,
+                                 "loss": losses[-1] if losses else float("nan")})
+    with clock.phase("picture settings"):
+        c = trainer.config
+        renderer = latent_renderer(gpu, prepared, field, latent, c.max_samples, c.render_cell_mm,
+                                   c.render_shade_weight)
+        gpu.device.wait()
+    return latent, renderer

@@ -106,8 +106,8 @@ class TrainedRun:
 
 #: What a run folder holds (train_study and evaluate write them). Only a folder holding nothing else is
 #: replaced whole by a new run: a file of the user's in it is never deleted.
-RUN_ENTRIES = frozenset({"run.json", "model.safetensors", "gaussians.safetensors", "train_log.json", "metrics.json",
-                         "reference"})
+RUN_ENTRIES = frozenset({"run.json", "model.safetensors", "gaussians.safetensors", "appearance.safetensors",
+                         "train_log.json", "metrics.json", "reference"})
 
 
 def is_run_folder(folder: Path) -> bool:
@@ -117,10 +117,10 @@ def is_run_folder(folder: Path) -> bool:
 
 
 def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
-              settings: RunSettings, source: str | None) -> None:
+              settings: RunSettings, source: str | None, latent=None) -> None:
     """Save a trained field with its training log and ``run.json`` into ``folder``, the three files all or
     none (``source``: the study's file, so that ``evaluate`` can prepare the study again; None for a study
-    held in memory)."""
+    held in memory). ``latent``: the study's pretrained appearance, saved beside the model with them."""
     from ..field.model_io import StudyGeometry, encode_model
 
     extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
@@ -140,6 +140,10 @@ def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: Neu
         "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }, indent=2) + "\n"
     with atomic_files() as files:
+        if latent is not None:
+            from ..appearance.latent_scene import APPEARANCE_FILE, appearance_bytes
+
+            files.write_bytes(folder / APPEARANCE_FILE, appearance_bytes(latent, latent.source_digest))
         files.write_bytes(folder / "model.safetensors", model)
         files.write_text(folder / "train_log.json", train_log)
         files.write_text(folder / "run.json", run)
@@ -166,7 +170,7 @@ def recovery_places() -> list[Path]:
 
 
 def keep_trained_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
-                     settings: RunSettings, source: str | None) -> Path | None:
+                     settings: RunSettings, source: str | None, latent=None) -> Path | None:
     """Write a trained run (without its reference views, which ``evaluate`` renders again) into the first of
     :func:`recovery_places` that takes it: a long training is not lost to a full or read-only disk. The
     folder written, or None."""
@@ -178,7 +182,7 @@ def keep_trained_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, fie
             kept = place / f"{name}-{number}"
         try:
             with atomic_folder(kept) as staging:
-                write_run(staging, gpu, prepared, field, log, settings, source)
+                write_run(staging, gpu, prepared, field, log, settings, source, latent)
         except Exception as error:  # whatever it is, the error that brought us here is the one to report
             logging.getLogger(__name__).warning("could not keep the trained run in %s: %s", place, error)
             continue
@@ -194,15 +198,23 @@ def load_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> Tr
     folder = Path(folder)
     settings: RunSettings = read_run(folder)["settings"]
     field = load_field(gpu, folder / "model.safetensors", prepared)
-    return TrainedRun(folder, prepared, field, run_renderer(gpu, prepared, field, settings), settings)
+    return TrainedRun(folder, prepared, field, run_renderer(gpu, prepared, field, settings, folder), settings)
 
 
-def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, settings: RunSettings) -> DiffRenderer:
+def run_renderer(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, settings: RunSettings,
+                 folder: Path | None = None) -> DiffRenderer:
     """The renderer of a trained field as it was trained: with shadows from its own learned meshes if the
-    run's references had shadows."""
+    run's references had shadows; with the pretrained appearance where the run ``folder`` holds one."""
     config = training_schedule(settings.preset)
-    renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.render_cell_mm,
-                              shade_weight=config.render_shade_weight)  # as Trainer.use_picture_settings
+    if folder is not None and (Path(folder) / "appearance.safetensors").is_file():
+        from ..appearance.latent_scene import APPEARANCE_FILE, latent_renderer, load_appearance
+
+        latent = load_appearance(gpu, Path(folder) / APPEARANCE_FILE, field)
+        renderer = latent_renderer(gpu, prepared, field, latent, config.max_samples, config.render_cell_mm,
+                                   config.render_shade_weight)
+    else:
+        renderer = field_renderer(gpu, prepared, field, config.max_samples, occupancy_cell_mm=config.render_cell_mm,
+                                  shade_weight=config.render_shade_weight)  # as Trainer.use_picture_settings
     if settings.shadows:
         from ..render.style import RenderStyle
 
@@ -236,7 +248,7 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     from .evaluate import geometry_metrics
     from .trainer import score_views
 
-    renderer = renderer or run_renderer(gpu, prepared, field, settings)
+    renderer = renderer or run_renderer(gpu, prepared, field, settings, folder)
     metrics: dict[str, Any] = score_views(renderer, views, views.held_out, rendered)
     geometry = geometry_metrics(field, prepared)
     keys = dict.fromkeys(key for g in geometry.values() for key in g)  # dice, distances, volumes, pieces, ...
@@ -249,6 +261,8 @@ def run_metrics(gpu: GpuContext, folder: Path, prepared: PreparedStudy, field: N
     metrics["device"] = gpu.report.adapter
     metrics["backend"] = gpu.backend
     metrics["model_bytes"] = (folder / "model.safetensors").stat().st_size
+    if (folder / "appearance.safetensors").is_file():
+        metrics["appearance_bytes"] = (folder / "appearance.safetensors").stat().st_size
     metrics["preset"] = settings.preset
     metrics["image_size"] = settings.size
     metrics["study_shape"] = list(prepared.study.shape)

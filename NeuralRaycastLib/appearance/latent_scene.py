@@ -1,0 +1,230 @@
+"""A fitted field's geometry with the pretrained appearance, as a scene of the differentiable renderer
+(shaders/latent_render.slang), and what a study needs to get there: the pretrained weights, the encoder run
+over the study into its latent grid, and the grid saved beside the run's model (``appearance.safetensors``).
+
+The field's own appearance network is left as it was (untrained): the latent scene replaces it for every
+picture of the run (evaluate, render)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..field.field import NeuralField, field_source
+from ..gpu.device import GpuContext
+from ..paths import shader_dir
+from ..render.scene import WorkLists
+from .latent import GridLayout, LatentAppearance, LatentConfig, LatentConfigError, pack_half
+from .pretrain import WEIGHTS_KEY, WeightsFileError, latent_inputs, read_weights
+
+APPEARANCE_FILE = "appearance.safetensors"
+APPEARANCE_FORMAT = "neuralraycast-latent-grid"
+APPEARANCE_VERSION = 1
+
+_MODULES: dict[tuple[int, str], Any] = {}
+
+
+def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig, cooperative: bool = False):
+    """The field's kernels (the geometry network on tensor cores where ``cooperative``) with the latent appearance
+    and its scene, compiled once per process, device and sizes."""
+    lines = [f"#define {name} {value}" for name, value in config.defines().items()]
+    lines.append(field_source(field.layout, ("sdf_fit",), cooperative=cooperative))
+    lines += [(shader_dir() / f"{part}.slang").read_text() for part in ("latent_appearance", "latent_render")]
+    source = "\n".join(lines)
+    name = "latent_scene_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+    key = (id(gpu.device), name)
+    if key not in _MODULES:
+        _MODULES[key] = gpu.load_module_from_source(name, source, field.layout.kernels.structures)
+    return _MODULES[key]
+
+
+class LatentFieldScene:
+    """The field's distances and normals (on tensor cores where the field's networks are), the latent grid's
+    appearance."""
+
+    def __init__(self, gpu: GpuContext, field: NeuralField, latent: LatentAppearance) -> None:
+        if latent.config.structures < field.structures:
+            raise LatentConfigError(f"the pretrained appearance holds {latent.config.structures} structures, the "
+                                    f"study has {field.structures}")
+        self.field, self.latent, self.cooperative = field, latent, bool(field.cooperative)
+        self.module = latent_scene_module(gpu, field, latent.config, self.cooperative)
+
+    @property
+    def structures(self) -> int:
+        return self.field.structures
+
+    def struct(self) -> dict[str, Any]:
+        return {"field": self.field.shader_struct(self.cooperative, geometry_network_gradients=False),
+                "latent": self.latent.shader_struct()}
+
+    def distances(self, grid: Any, buffers: dict) -> None:
+        if self.cooperative:  # the tiled copy of the geometry network, made once for a finished field
+            self.field.upload_tiled_networks(unless_current=True)
+        self.module.latentFieldDistances(grid, self.struct(), buffers)
+
+    def surface(self, grid: Any, buffers: dict) -> None:
+        self.module.latentFieldSurface(grid, self.struct(), buffers)
+
+    def backward_appearance(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
+        """The shaded segments' albedo and specular gradients into the decoder and the latent grid."""
+        if lists.shaded:
+            self.module.latentAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
+
+    def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
+        """The geometry is the field's, trained by its own fit: only the appearance takes gradients here."""
+        self.backward_appearance(lists, buffers, timings)
+
+
+def latent_renderer(gpu: GpuContext, prepared, field: NeuralField, latent: LatentAppearance, max_samples: int,
+                    occupancy_cell_mm: float, shade_weight: float):
+    """The differentiable renderer of the field with the latent appearance, in the study's default style,
+    samples placed where the learned distances put a surface (as the field's own renderer)."""
+    from ..field.field_render import field_occupancy
+    from ..render.neural_render import DiffRenderer
+    from ..render.reference_render import march_settings
+    from ..render.style import RenderStyle
+
+    style = RenderStyle.default(prepared.structures, prepared.channel_names)
+    settings = march_settings(prepared, style)
+    box = np.array([list(settings["boxMin"]), list(settings["boxMax"])], np.float64)
+    occupancy = field_occupancy(field, box, occupancy_cell_mm, float(settings["epsilon"]))
+    return DiffRenderer(gpu, LatentFieldScene(gpu, field, latent),
+                        style.shader_look(prepared.structures, prepared.channel_names), style.shader_lighting(),
+                        settings, occupancy, max_samples=max_samples, shade_weight=shade_weight)
+
+
+def study_grid(field: NeuralField) -> GridLayout:
+    """The latent grid of a study: over the field's box, at its finest cell (the resolution its SDF has)."""
+    origin = np.asarray(field.layout.origin, np.float64)
+    return GridLayout.over(np.stack([origin, origin + np.asarray(field.layout.extent)]), field.layout.finest_cell_mm)
+
+
+@dataclass
+class PretrainedAppearance:
+    """Pretrained weights, read and checked, for ``fit --appearance pretrained``."""
+
+    config: LatentConfig
+    parameters: np.ndarray
+    digest: str
+    fine_tune_steps: int = 0  # image steps on the grid and the decoder after the encoder (0: none)
+
+    @classmethod
+    def read(cls, path: str | Path, fine_tune_steps: int = 0) -> PretrainedAppearance:
+        if fine_tune_steps < 0:
+            raise ValueError(f"fine-tune steps must be 0 or more (got {fine_tune_steps})")
+        config, parameters, metadata = read_weights(path)
+        return cls(config, parameters, str(metadata["sha256"]), int(fine_tune_steps))
+
+    def encode_study(self, gpu: GpuContext, prepared, field: NeuralField) -> LatentAppearance:
+        """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
+        training."""
+        if len(prepared.structures) > self.config.structures:
+            raise LatentConfigError(f"the pretrained appearance holds {self.config.structures} structures, the "
+                                    f"study has {len(prepared.structures)}")
+        latent = LatentAppearance(gpu, self.config, study_grid(field), self.parameters)
+        latent.encode(latent_inputs(prepared), np.linalg.inv(prepared.affine))
+        latent.source_digest = self.digest
+        return latent
+
+
+def appearance_bytes(latent: LatentAppearance, digest: str) -> bytes:
+    """A study's latent appearance: the networks' parameters and the fp16 grid, with its sizes and layout."""
+    from safetensors.numpy import save
+
+    parameters = np.ascontiguousarray(latent.parameters(), np.float32)
+    codes = np.ascontiguousarray(latent.grid_codes().astype(np.float16))
+    metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": latent.config.as_dict(),
+                "grid": {"origin": list(latent.grid.origin), "dims": list(latent.grid.dims),
+                         "cell_mm": latent.grid.cell_mm},
+                "pretrained_sha256": digest,
+                "sha256": hashlib.sha256(parameters.tobytes() + codes.tobytes()).hexdigest()}
+    return save({"parameters": parameters, "grid": codes}, metadata={WEIGHTS_KEY: json.dumps(metadata)})
+
+
+def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> LatentAppearance:
+    """A run's latent appearance on the device, checked against its digest and the field's box."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="numpy") as handle:
+            metadata = json.loads((handle.metadata() or {})[WEIGHTS_KEY])
+            parameters = np.asarray(handle.get_tensor("parameters"), np.float32)
+            codes = np.asarray(handle.get_tensor("grid"), np.float16)
+        config = LatentConfig.from_dict(metadata["latent"])
+        grid = GridLayout(tuple(map(float, metadata["grid"]["origin"])), tuple(map(int, metadata["grid"]["dims"])),
+                          float(metadata["grid"]["cell_mm"]))  # type: ignore[arg-type]
+    except Exception as error:  # damaged headers, short files and missing keys raise several types
+        raise WeightsFileError(f"{path}: not a latent appearance file ({error})") from error
+    if metadata.get("format") != APPEARANCE_FORMAT or metadata.get("version") != APPEARANCE_VERSION:
+        raise WeightsFileError(f"{path}: not a file of version {APPEARANCE_VERSION} of {APPEARANCE_FORMAT}")
+    if hashlib.sha256(parameters.tobytes() + codes.tobytes()).hexdigest() != metadata.get("sha256"):
+        raise WeightsFileError(f"{path}: the stored values do not match their digest (altered or damaged)")
+    if grid != study_grid(field) or codes.shape != (grid.vertices, config.latent):
+        raise WeightsFileError(f"{path}: the latent grid is not over this run's field; fit the run again")
+    latent = LatentAppearance(gpu, config, grid, parameters)
+    latent.codes.copy_from_numpy(pack_half(codes))
+    latent.source_digest = str(metadata.get("pretrained_sha256", ""))
+    return latent
+
+
+
+class FineTune:
+    """Adam on a study's latent grid (on the device, from an fp32 copy of its codes; the grid keeps fp16) and on
+    the decoder (here: a few thousand parameters); the encoder is left as pretrained."""
+
+    def __init__(self, latent: LatentAppearance, rate_grid: float = 2e-3, rate_decoder: float = 2e-4) -> None:
+        import slangpy as spy
+
+        self.latent, self.rate_grid, self.rate_decoder = latent, rate_grid, rate_decoder
+        device, size = latent.gpu.device, latent.grid.vertices * latent.config.latent
+        self.master = spy.Tensor.from_numpy(device, np.ascontiguousarray(latent.grid_codes().reshape(-1)))
+        self.m = spy.Tensor.zeros(device, shape=(size,), dtype=float)
+        self.v = spy.Tensor.zeros(device, shape=(size,), dtype=float)
+        self.values = latent.parameters().astype(np.float64)
+        self.decoder = slice(latent.config.decoder_offset, latent.config.count)
+        self.dm, self.dv = np.zeros_like(self.values), np.zeros_like(self.values)
+        self.steps = 0
+
+    def step(self, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8) -> None:
+        """One Adam update from the gradients the last backward pass left; they are zeroed."""
+        import slangpy as spy
+
+        self.steps += 1
+        c1, c2 = 1.0 / (1.0 - beta1**self.steps), 1.0 / (1.0 - beta2**self.steps)
+        latent = self.latent
+        words = latent.grid.vertices * latent.config.latent // 2
+        latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
+                                     self.master.storage.device_address, self.m.storage.device_address,
+                                     self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2, epsilon)
+        gradient = latent.gradients().astype(np.float64)
+        latent.grads.copy_from_numpy(np.zeros(latent.config.count, np.float32))
+        d = self.decoder
+        self.dm[d] = beta1 * self.dm[d] + (1 - beta1) * gradient[d]
+        self.dv[d] = beta2 * self.dv[d] + (1 - beta2) * gradient[d] ** 2
+        self.values[d] -= self.rate_decoder * (self.dm[d] * c1) / (np.sqrt(self.dv[d] * c2) + epsilon)
+        latent.set_parameters(self.values.astype(np.float32))
+
+
+def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None) -> list[float]:
+    """``steps`` image steps of the trainer's schedule on the latent grid and the decoder, the geometry frozen:
+    the trainer renders through the latent scene meanwhile. Returns each step's loss."""
+    c = trainer.config
+    trainer.renderer = latent_renderer(trainer.gpu, trainer.prepared, trainer.field, latent, c.max_samples,
+                                       c.occupancy_cell_mm, c.shade_weight)
+    optimiser, losses = FineTune(latent), []
+    for step in range(steps):
+        terms = trainer.image_step(geometry=False)
+        if not np.isfinite(terms["loss"]):
+            latent.zero_gradients()
+            continue
+        optimiser.step()
+        losses.append(float(terms["loss"]))
+        if progress is not None and (step % 10 == 0 or step == steps - 1):
+            progress(f"fine-tune: step {step + 1}/{steps} loss {losses[-1]:.4f}", (step + 1) / steps)
+    return losses
