@@ -29,6 +29,10 @@ def test_fit_names_a_missing_weights_file_and_refuses_pretrained_options_without
     assert main(["fit", str(phantom_study_dir), "--out", str(out), "--fine-tune", "10"]) == 2
     message = capsys.readouterr().err.strip()
     assert "\n" not in message and "--appearance pretrained" in message
+    assert main(["fit", str(phantom_study_dir), "--out", str(out), "--appearance", "pretrained",
+                 "--representation", "gaussians"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message and "--representation" in message
     assert not out.exists()
 
 

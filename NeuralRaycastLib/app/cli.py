@@ -273,6 +273,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
 def _pretrained_appearance(args: argparse.Namespace):
     """``fit --appearance pretrained``'s weights, read and checked before the device opens (None for the
     per-study appearance network)."""
+    if args.appearance == "pretrained" and args.representation == "gaussians":
+        raise ValueError("--appearance pretrained is for the field (--representation field); the Gaussians carry "
+                         "their own colours: leave one of them out")
     if args.appearance != "pretrained":
         if args.weights is not None or args.fine_tune:
             raise ValueError("--weights and --fine-tune are for --appearance pretrained; leave them out or add "
