@@ -135,12 +135,17 @@ class GridLayout:
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def latent_module(gpu: GpuContext, config: LatentConfig, parts: tuple[str, ...] = LATENT_PARTS):
-    """Compile (once per process, device and sizes) the latent appearance's kernels."""
+def latent_source(config: LatentConfig, parts: tuple[str, ...] = LATENT_PARTS) -> str:
+    """The latent appearance's module source: its sizes as defines, then the shader files ``parts``."""
     config.check()
     lines = [f"#define {name} {value}" for name, value in config.defines().items()]
     lines += [(shader_dir() / f"{part}.slang").read_text() for part in parts]
-    source = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def latent_module(gpu: GpuContext, config: LatentConfig, parts: tuple[str, ...] = LATENT_PARTS):
+    """Compile (once per process, device and sizes) the latent appearance's kernels."""
+    source = latent_source(config, parts)
     name = "latent_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:

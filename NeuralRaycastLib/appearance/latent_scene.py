@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..field.field import NeuralField, field_source
+from ..field.field import FieldLayout, NeuralField, field_source
 from ..gpu.device import GpuContext
 from ..paths import shader_dir
 from ..render.scene import WorkLists
@@ -29,13 +29,18 @@ APPEARANCE_VERSION = 1
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig, cooperative: bool = False):
-    """The field's kernels (the geometry network on tensor cores where ``cooperative``) with the latent appearance
-    and its scene, compiled once per process, device and sizes."""
+def latent_scene_source(layout: FieldLayout, config: LatentConfig, cooperative: bool = False) -> str:
+    """The module source of the field's kernels (the geometry network on tensor cores where ``cooperative``)
+    with the latent appearance and its scene."""
     lines = [f"#define {name} {value}" for name, value in config.defines().items()]
-    lines.append(field_source(field.layout, ("sdf_fit",), cooperative=cooperative))
+    lines.append(field_source(layout, ("sdf_fit",), cooperative=cooperative))
     lines += [(shader_dir() / f"{part}.slang").read_text() for part in ("latent_appearance", "latent_render")]
-    source = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig, cooperative: bool = False):
+    """:func:`latent_scene_source`'s kernels, compiled once per process, device and sizes."""
+    source = latent_scene_source(field.layout, config, cooperative)
     name = "latent_scene_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:

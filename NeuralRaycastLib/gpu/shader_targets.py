@@ -43,7 +43,11 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "segment_lists": ("listSegments",),
     "segment_shadows": ("segmentVisibility",),
     "sphere_scene": ("sphereDistances", "sphereSurface", "sphereBackwardDistances", "sphereBackwardSurface"),
+    "gaussians": ("renderRays", "renderRaysBackward", "renderCamera"),
 }
+#: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
+LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam")
+LATENT_SCENE_KERNELS = ("latentFieldDistances", "latentFieldSurface", "latentAppearanceBackward")
 #: The kernels of a field module (field/field.py's field_source: sdf_fit, then field_render).
 FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "gradientsAt", "fieldDistances",
                  "fieldSurface", "fieldBackwardDistances", "fieldBackwardSurface", "fieldAppearanceBackward")
@@ -59,6 +63,7 @@ HLSL_UNREACHABLE = {
     "composite": "float atomics through pointers; Slang's HLSL emitter fails on compositeRay (internal error)",
     "ray_samples": "Slang's HLSL emitter fails on placeSamples (internal error: unexpected IR opcode)",
     "sphere_scene": "float atomics through pointers (the gradients' addGradient)",
+    "gaussians": "float atomics through pointers (the gradients' addGradient)",
     "field": "vector loads through cast pointers (params.slang's readPair), float atomics through pointers",
 }
 #: Parameter modifiers that do not change how an argument is passed.
@@ -320,17 +325,40 @@ def compile_field_module(target: str, variant: FieldVariant) -> list[TargetFailu
                          module_defines(target, structure_slots(variant.structures)))
 
 
+def compile_latent_modules(target: str) -> list[TargetFailure]:
+    """The pretrained appearance's kernels for ``target``: its own module, and the field's with its scene (a GPU's
+    field sizes, four structures)."""
+    from ..appearance.latent import LatentConfig, latent_source
+    from ..appearance.latent_scene import latent_scene_source
+    from .device import structure_slots
+
+    config = LatentConfig()
+    layout = _field_layout(FieldVariant(small=False, structures=4))
+    defines = module_defines(target, structure_slots(4))
+    with tempfile.TemporaryDirectory() as name:
+        return (_failures(_library(), Path(name), "latent", latent_source(config), LATENT_KERNELS, target, defines)
+                + _failures(_library(), Path(name), "latent_scene", latent_scene_source(layout, config),
+                            LATENT_SCENE_KERNELS, target, defines))
+
+
 def named_module_source(name: str) -> str:
     return (shader_dir() / f"{name}.slang").read_text()
 
 
 def field_module_source(variant: FieldVariant) -> str:
     """The field module's source (field/field.py's field_source) of ``variant``, for a study of two channels."""
+    from ..field.field import field_source
+
+    return field_source(_field_layout(variant), cooperative=variant.cooperative == 1,
+                        frozen_geometry=variant.cooperative == 2)
+
+
+def _field_layout(variant: FieldVariant):
+    """The field layout of ``variant`` for a study of two channels."""
     import dataclasses
 
-    from ..field.field import FieldConfig, FieldLayout, field_config_for, field_source
+    from ..field.field import FieldConfig, FieldLayout, field_config_for
 
     config = field_config_for(2.0, small=variant.small)
     config = FieldConfig(dataclasses.replace(config.encoding, hash=variant.hash), config.network)
-    layout = FieldLayout.build(config, np.array([[0, 0, 0], [180, 220, 180]], float), variant.structures, 2)
-    return field_source(layout, cooperative=variant.cooperative == 1, frozen_geometry=variant.cooperative == 2)
+    return FieldLayout.build(config, np.array([[0, 0, 0], [180, 220, 180]], float), variant.structures, 2)
