@@ -82,10 +82,10 @@ class StructureOccupancy:
             chunk = points[first : first + CHUNK]
             with device_memory(f"the occupancy of {len(chunk):,} points"):
                 results = spy.Tensor.zeros(self.scene.gpu.device, shape=(len(chunk) * (k + 1),), dtype=float)
+            uploaded = self._points(chunk)  # held until the results are read: the kernel sees only its address
             self.scene.module.occupancyAt(spy.grid((len(chunk),)), self.scene.shader_struct(),
                                           self.scene.grid_struct(), self.logits.storage.device_address, k,
-                                          self._points(chunk).storage.device_address, len(chunk),
-                                          results.storage.device_address)
+                                          uploaded.storage.device_address, len(chunk), results.storage.device_address)
             parts.append(np.asarray(results.to_numpy()).reshape(len(chunk), k + 1))
         values = np.concatenate(parts) if parts else np.zeros((0, k + 1), np.float32)
         return values[:, :k], values[:, k]
@@ -97,10 +97,11 @@ class StructureOccupancy:
         device, count = self.scene.gpu.device, len(points)
         d = spy.Tensor.from_numpy(device, np.ascontiguousarray(d_occupancy, np.float32).reshape(-1))
         grads = spy.Tensor.zeros(device, shape=(self.scene.count * self.structures,), dtype=float)
+        uploaded = self._points(points)  # held until the gradients are read: the kernel sees only its address
         self.scene.module.occupancyBackward(spy.grid((count,)), self.scene.shader_struct(), self.scene.grid_struct(),
                                             self.logits.storage.device_address, self.structures,
-                                            self._points(points).storage.device_address, count,
-                                            d.storage.device_address, grads.storage.device_address)
+                                            uploaded.storage.device_address, count, d.storage.device_address,
+                                            grads.storage.device_address)
         return np.asarray(grads.to_numpy()).reshape(self.scene.count, self.structures)
 
 
