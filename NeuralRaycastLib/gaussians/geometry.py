@@ -106,15 +106,16 @@ class StructureOccupancy:
 
 
 def surface_samples(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` RAS points within two voxels of some structure's surface, jittered in their voxels, and at
-    each the inside (1) or outside (0) of every structure from the boundary maps: (M, 3), (M, K)."""
+    """``count`` voxel centres (RAS) within two voxels of some structure's surface, and at each the inside (1)
+    or outside (0) of every structure from the boundary maps: (M, 3), (M, K). Centres, where the labels are
+    known and Dice counts, rather than points between them, where the maps are interpolated across a surface."""
     voxel = float(np.min(prepared.spacing))
     near = np.argwhere((np.abs(prepared.boundary) < 2.0 * voxel).any(axis=0))
     if not len(near):
         raise ValueError("the study has no structure surface to train the Gaussians' structure weights on")
-    ijk = near[rng.integers(0, len(near), count)] + rng.uniform(-0.5, 0.5, (count, 3))
+    ijk = near[rng.integers(0, len(near), count)]
     points = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
-    inside = sample_at(prepared.boundary, prepared.affine, points).reshape(len(prepared.boundary), -1).T < 0
+    inside = prepared.boundary[:, ijk[:, 0], ijk[:, 1], ijk[:, 2]].T < 0
     return points, inside.astype(np.float32)
 
 

@@ -53,9 +53,9 @@ REPRESENTATION = "gaussians"
 SCHEDULES = {
     "quick": GaussianTrainConfig(steps=150, patches=8, initial=3000, eval_every=50, densify_every=30),
     "standard": GaussianTrainConfig(steps=1000, patches=32, initial=60_000, max_gaussians=1_000_000,
-                                    eval_every=250, densify_every=100),
+                                    eval_every=250, densify_every=100, structure_steps=300),
     "high": GaussianTrainConfig(steps=6000, patches=64, initial=100_000, max_gaussians=2_000_000,
-                                eval_every=500, densify_every=100),
+                                eval_every=500, densify_every=100, structure_steps=600),
 }
 
 
