@@ -337,7 +337,7 @@ def _refuse_gaussian_run(folder: str, what: str) -> None:
     """A command the Gaussian branch does not offer yet: one line saying so, before any work."""
     if _is_gaussian_run(folder):
         raise ValueError(f"{folder} is a Gaussian run ({what} is for field runs only so far); use 'evaluate' or "
-                         "'render' on it, or fit a field run")
+                         "'render' or 'mesh' on it, or fit a field run")
 
 
 def cmd_cohort(args: argparse.Namespace) -> int:
@@ -741,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
     p.add_argument("--representation", choices=["field", "gaussians"], default="field",
                    help="what to train: the neural field (signed distances and appearance; default) or ray-traced "
-                        "anisotropic Gaussians (gaussians.safetensors; 'evaluate' and 'render' take their runs)")
+                        "anisotropic Gaussians (gaussians.safetensors; evaluate, render and mesh take its runs)")
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
@@ -856,7 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mesh", help="triangle meshes (marching cubes, RAS mm): a run's learned surfaces or a "
                                     "study's segmentation")
     device_option(p)
-    p.add_argument("study", help="run folder written by 'fit' (learned surfaces), or study folder / manifest.json")
+    p.add_argument("study", help="run folder written by 'fit' (learned surfaces; a Gaussian run's from its structure "
+                   "weights), or study folder / manifest.json")
     p.add_argument("--out", required=True, help="output folder")
     overwrite_option(p)
     p.add_argument("--formats", nargs="+", default=["vtp"], choices=["vtp", "stl", "obj", "ply"],
