@@ -1,6 +1,7 @@
 """The Gaussian branch on the command line: ``fit --representation gaussians`` on the phantom with the quick
-preset, then ``evaluate`` and ``render`` on its run folder, and the refusals (a damaged model file, commands the
-branch does not offer yet) as one line and exit status 2."""
+preset, then ``evaluate`` (pictures and geometry per structure), ``render`` and ``mesh`` on its run folder, and
+the refusals (a damaged model file, a model file without structure weights, commands the branch does not offer
+yet) as one line and exit status 2."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import pytest
 
 from NeuralRaycastLib.app.cli import main
 
+STRUCTURES = ("brain", "whole_tumor", "tumor_core", "enhancing_tumor")
+
 pytestmark = pytest.mark.gpu
 
 #: What the quick preset's Gaussians reach on the phantom's held-out view in this test's 60 steps on lavapipe
 #: (20.6 dB; 15 dB before training), less a margin for another device's rounding.
 HELD_OUT_PSNR_DB = 19.5
+#: The whole tumour's Dice from the Gaussians' structure weights in the same run (0.916 on lavapipe; 0.886 from
+#: the boundary maps at the Gaussians' centres alone, before the occupancy loss), less a margin.
+WHOLE_TUMOR_DICE = 0.89
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +41,8 @@ def test_fit_writes_a_gaussian_run_folder(gaussian_run, capsys):
     assert json.loads((run / "run.json").read_text())["representation"] == "gaussians"
     log = json.loads((run / "train_log.json").read_text())
     assert log["steps"] == 60 and not log["cancelled"] and log["gaussians"] > 0
+    (_, first), *_, (last_step, last) = log["structure_losses"]  # the structure weights' occupancy loss
+    assert last_step == 59 and last < 0.8 * first
     assert (run / "reference" / "cameras.json").is_file()
 
 
@@ -48,6 +56,13 @@ def test_evaluate_scores_the_held_out_view(gaussian_run, capsys):
     assert 0 < metrics["heldout_ssim"] <= 1
     assert metrics["model_bytes"] == (run / "gaussians.safetensors").stat().st_size
     assert json.loads((run / "metrics.json").read_text())["heldout_psnr"] == metrics["heldout_psnr"]
+    assert set(metrics["dice"]) == set(STRUCTURES)
+    assert metrics["dice"]["whole_tumor"] >= WHOLE_TUMOR_DICE, metrics["dice"]
+    assert metrics["dice"]["brain"] >= WHOLE_TUMOR_DICE, metrics["dice"]
+    for name in STRUCTURES:
+        assert 0 < metrics["hd95_mm"][name] < 10 and 0 < metrics["mean_surface_distance_mm"][name] < 4, name
+        assert metrics["learned_volume_ml"][name] == pytest.approx(metrics["label_volume_ml"][name], rel=0.35), name
+        assert metrics["pieces_kept"][name] == metrics["label_pieces"][name] >= 1, name
     # the score the training logged for its last step is the one evaluate finds again
     assert json.loads((run / "train_log.json").read_text())["heldout_psnr"] == pytest.approx(metrics["heldout_psnr"],
                                                                                              abs=1e-3)
@@ -60,13 +75,59 @@ def test_render_writes_the_views(gaussian_run, tmp_path, capsys):
     assert (out / "contact_sheet.png").is_file() and (out / "cameras.json").is_file()
 
 
+def test_mesh_writes_a_mesh_per_structure(gaussian_run, tmp_path, capsys):
+    from NeuralRaycastLib.mesh.mesh import read_mesh_polydata
+
+    _, run = gaussian_run
+    out = tmp_path / "meshes"
+    assert main(["mesh", str(run), "--out", str(out), "--formats", "vtp", "stl"]) == 0
+    assert {p.name for p in out.iterdir()} == {f"{name}.{kind}" for name in STRUCTURES for kind in ("vtp", "stl")}
+    for name in STRUCTURES:
+        polydata = read_mesh_polydata(out / f"{name}.vtp")
+        assert polydata.GetNumberOfPolys() > 100, name
+        low, high = polydata.GetBounds()[::2], polydata.GetBounds()[1::2]
+        assert all(h - lo > 10 for lo, h in zip(low, high, strict=True)), name  # a closed surface, not a speck
+
+
+def version_1_run(run, folder):
+    """A copy of ``run`` whose model file is as version 1 wrote it: no structure weights."""
+    from safetensors import safe_open
+    from safetensors.numpy import load, save
+
+    from NeuralRaycastLib.field.model_io import METADATA_KEY, _digest
+
+    folder.mkdir()
+    for entry in ("run.json", "train_log.json"):
+        (folder / entry).write_bytes((run / entry).read_bytes())
+    tensors = load((run / "gaussians.safetensors").read_bytes())
+    with safe_open(str(run / "gaussians.safetensors"), framework="numpy") as handle:
+        metadata = json.loads(handle.metadata()[METADATA_KEY])
+    del tensors["structures"]
+    metadata.update(format_version=1, tensors_sha256=_digest(tensors))
+    (folder / "gaussians.safetensors").write_bytes(save(tensors, metadata={METADATA_KEY: json.dumps(metadata)}))
+    return folder
+
+
+def test_a_model_without_structure_weights_renders_but_geometry_is_refused(gaussian_run, tmp_path, capsys):
+    _, run = gaussian_run
+    old = version_1_run(run, tmp_path / "old")
+    assert main(["render", str(old), "--views", "1", "--size", "16", "16", "--out", str(tmp_path / "views")]) == 0
+    for command in (["mesh", str(old), "--out", str(tmp_path / "m")], ["evaluate", str(old)]):
+        capsys.readouterr()
+        assert main(command) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1, error
+        assert str(old / "gaussians.safetensors") in error and "structure weights" in error and "fit" in error
+    assert not (tmp_path / "m").exists() and not (old / "metrics.json").exists()
+
+
 def test_damaged_model_and_field_only_commands_are_refused_in_one_line(gaussian_run, tmp_path, capsys):
     _, run = gaussian_run
     capsys.readouterr()
-    assert main(["mesh", str(run), "--out", str(tmp_path / "m")]) == 2
+    assert main(["export", str(run), "--out", str(tmp_path / "e")]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and str(run) in error and "Gaussian run" in error
-    assert not (tmp_path / "m").exists()
+    assert not (tmp_path / "e").exists()
 
     damaged = tmp_path / "damaged"
     damaged.mkdir()

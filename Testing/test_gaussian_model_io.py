@@ -1,5 +1,6 @@
 """Gaussian model files: written and read back exactly, and refused (ModelFileError naming the file) when they
-come from an unknown version, hold tensors of the wrong shape, or were made for another study."""
+come from an unknown version, hold tensors of the wrong shape, or were made for another study; files of version
+1 (before the structure weights) still read, without them."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def model(count: int = 5) -> GaussianModel:
     geometry = StudyGeometry(np.eye(4), (10, 12, 8), np.array([[0.0, 0, 0], [9, 11, 7]]), ["t1"], ["brain"],
                              [(0.8, 0.7, 0.6)])
     grid = GridShape.for_box(geometry.bounds, 2.0)
-    return GaussianModel(gaussians, grid, 0.7, MarchSettings(0.4, 1e-3), geometry, {"preset": "quick"})
+    return GaussianModel(gaussians, grid, 0.7, MarchSettings(0.4, 1e-3), geometry, {"preset": "quick"},
+                         rng.normal(size=(count, 1)).astype(np.float32))
 
 
 def test_round_trip_is_exact(tmp_path):
     written = model()
     read = load_gaussians(save_gaussians(tmp_path / "g.safetensors", written), written.geometry)
     assert read.gaussians.flat().tobytes() == written.gaussians.flat().tobytes()
+    assert read.structures.tobytes() == written.structures.tobytes()
     assert (read.grid, read.density_scale, read.march, read.extra) == (written.grid, 0.7, written.march,
                                                                         {"preset": "quick"})
 
@@ -74,4 +77,26 @@ def test_non_finite_gaussians_are_not_written(tmp_path):
     broken.gaussians.positions[0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         save_gaussians(tmp_path / "g.safetensors", broken)
+    assert not (tmp_path / "g.safetensors").exists()
+
+
+def test_version_1_file_reads_without_structure_weights(tmp_path):
+    def as_version_1(metadata, tensors):
+        metadata.update(format_version=1)
+        del tensors["structures"]
+
+    read = load_gaussians(rewritten(tmp_path, as_version_1))
+    assert read.structures is None
+    assert read.gaussians.flat().tobytes() == model().gaussians.flat().tobytes()
+
+
+def test_structure_weights_of_the_wrong_shape_are_refused(tmp_path):
+    path = rewritten(tmp_path, lambda m, t: t.update(structures=np.zeros((5, 2), np.float32)))
+    with pytest.raises(ModelFileError, match="tensor 'structures'") as error:
+        load_gaussians(path)
+    assert path in str(error.value)
+    without = model()
+    without.structures = None
+    with pytest.raises(ValueError, match="structure weights"):
+        save_gaussians(tmp_path / "g.safetensors", without)
     assert not (tmp_path / "g.safetensors").exists()

@@ -337,7 +337,7 @@ def _refuse_gaussian_run(folder: str, what: str) -> None:
     """A command the Gaussian branch does not offer yet: one line saying so, before any work."""
     if _is_gaussian_run(folder):
         raise ValueError(f"{folder} is a Gaussian run ({what} is for field runs only so far); use 'evaluate' or "
-                         "'render' on it, or fit a field run")
+                         "'render' or 'mesh' on it, or fit a field run")
 
 
 def cmd_cohort(args: argparse.Namespace) -> int:
@@ -514,6 +514,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def _evaluate_gaussians(gpu, args: argparse.Namespace) -> int:
     from ..gaussians.run import evaluate_gaussian_run
+    from ..train.evaluate import shown
 
     metrics = evaluate_gaussian_run(gpu, args.run_folder, ConsoleProgress("evaluate"))
     if args.json:
@@ -521,6 +522,11 @@ def _evaluate_gaussians(gpu, args: argparse.Namespace) -> int:
         return 0
     print(f"held-out PSNR {metrics['heldout_psnr']:.2f} dB, SSIM {metrics['heldout_ssim']:.4f}; "
           f"{metrics['gaussians']:,} Gaussians, model {metrics['model_bytes'] / 1e6:.1f} MB")
+    print(f"{'structure':18s} {'Dice':>6s} {'mean mm':>8s} {'HD95 mm':>8s} {'label ml':>9s} {'learned ml':>10s}")
+    for name, dice in metrics["dice"].items():
+        print(f"{name:18s} {dice:6.3f} {shown(metrics['mean_surface_distance_mm'][name], '8.2f'):>8s} "
+              f"{shown(metrics['hd95_mm'][name], '8.2f'):>8s} {metrics['label_volume_ml'][name]:9.2f} "
+              f"{metrics['learned_volume_ml'][name]:10.2f}")
     print(f"written to {Path(args.run_folder) / 'metrics.json'}")
     return 0
 
@@ -528,9 +534,13 @@ def _evaluate_gaussians(gpu, args: argparse.Namespace) -> int:
 def cmd_mesh(args: argparse.Namespace) -> int:
     from ..mesh.mesh import mesh_prepared, write_meshes
 
-    _refuse_gaussian_run(args.study, "mesh")
     check_output(args.out, args.study, overwrite=args.overwrite)
-    if (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
+    if _is_gaussian_run(args.study):  # the Gaussians' structure weights
+        from ..gaussians.run import open_gaussian_run
+
+        run = open_gaussian_run(_device(args), args.study, ConsoleProgress("prepare"), geometry=True)
+        meshes = run.meshes(args.smooth, args.decimate)
+    elif (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
         from ..train.run_folder import open_run
 
         run = open_run(_device(args), args.study, ConsoleProgress("prepare"))
@@ -731,7 +741,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (initialisation, batches)")
     p.add_argument("--representation", choices=["field", "gaussians"], default="field",
                    help="what to train: the neural field (signed distances and appearance; default) or ray-traced "
-                        "anisotropic Gaussians (gaussians.safetensors; 'evaluate' and 'render' take their runs)")
+                        "anisotropic Gaussians (gaussians.safetensors; evaluate, render and mesh take its runs)")
     p.add_argument("--shadows", action="store_true",
                    help="reference views with key-light shadows; the field is shaded through meshes of its own "
                         "surfaces, re-extracted as it trains, so shadows are not learned as colour")
@@ -846,7 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mesh", help="triangle meshes (marching cubes, RAS mm): a run's learned surfaces or a "
                                     "study's segmentation")
     device_option(p)
-    p.add_argument("study", help="run folder written by 'fit' (learned surfaces), or study folder / manifest.json")
+    p.add_argument("study", help="run folder written by 'fit' (learned surfaces; a Gaussian run's from its structure "
+                   "weights), or study folder / manifest.json")
     p.add_argument("--out", required=True, help="output folder")
     overwrite_option(p)
     p.add_argument("--formats", nargs="+", default=["vtp"], choices=["vtp", "stl", "obj", "ply"],

@@ -4,6 +4,11 @@ As the field's files (field/model_io.py): a format name and version, the study's
 settings (grid, density scale, segment length) and a SHA-256 of the tensor bytes, all checked before
 anything is used; a file that is truncated, tampered with, from an unknown version or for another study is
 refused with a ModelFileError naming it, never half-loaded.
+
+Version 2 adds the Gaussians' structure weights (a tensor ``structures`` of one logit per Gaussian and
+structure of the study's geometry): the geometry of ``evaluate`` and ``mesh``. Version 1 files are still
+read, without structure weights (``structures`` None): they render and score pictures, and the geometry
+commands refuse them in one line (fit again for Dice and meshes).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from ..files import write_bytes
 from .scene import GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 #: The tensors and the shape of one Gaussian's part of each.
 TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (4, 3)}
 
@@ -34,12 +39,19 @@ class GaussianModel:
     march: MarchSettings
     geometry: StudyGeometry
     extra: dict[str, Any]
+    #: (N, K) structure logits, K the geometry's structures (None for files of version 1).
+    structures: np.ndarray | None = None
 
 
 def encode_gaussians(model: GaussianModel) -> bytes:
     from safetensors.numpy import save
 
     tensors = {name: np.ascontiguousarray(getattr(model.gaussians, name), np.float32) for name in TENSORS}
+    expected = (model.gaussians.count, len(model.geometry.structures))
+    if model.structures is None or np.shape(model.structures) != expected:
+        raise ValueError(f"structure weights of shape {np.shape(model.structures)}, expected {expected} (a logit per "
+                         "Gaussian and structure); nothing was written")
+    tensors["structures"] = np.ascontiguousarray(model.structures, np.float32)
     if not all(np.isfinite(t).all() for t in tensors.values()):
         raise ValueError("the Gaussians hold NaN or infinity; nothing was written")
     metadata = {
@@ -84,11 +96,12 @@ def _settings(path: Path, metadata: dict[str, Any]) -> tuple[int, GridShape, flo
 def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> GaussianModel:
     """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
     path = Path(path)
-    tensors, metadata, _ = read_checked(path, FORMAT, READABLE_VERSIONS)
+    tensors, metadata, version = read_checked(path, FORMAT, READABLE_VERSIONS)
     count, grid, density, march, geometry = _settings(path, metadata)
-    if set(tensors) != set(TENSORS):
-        raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(TENSORS)}")
-    for name, shape in TENSORS.items():
+    shapes = {**TENSORS, "structures": (len(geometry.structures),)} if version >= 2 else TENSORS
+    if set(tensors) != set(shapes):
+        raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(shapes)}")
+    for name, shape in shapes.items():
         if tensors[name].dtype != np.float32 or tensors[name].shape != (count, *shape):
             raise ModelFileError(f"{path}: tensor '{name}' is {tensors[name].dtype}{tensors[name].shape}, expected "
                                  f"float32{(count, *shape)}")
@@ -99,4 +112,6 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
     if expected is not None and (problems := geometry.mismatches(expected)):
         raise ModelFileError(f"{path}: made for a different study: " + "; ".join(problems))
     gaussians = GaussianSet(**{name: tensors[name] for name in TENSORS})
-    return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}))
+    structures = tensors.get("structures")
+    return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}),
+                         structures)

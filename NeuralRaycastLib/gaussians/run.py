@@ -35,6 +35,13 @@ from ..train.run_folder import (
     read_run,
     reference_views_for_run,
 )
+from .geometry import (
+    StructureTrainConfig,
+    gaussian_geometry_metrics,
+    gaussian_meshes,
+    occupancy_distances,
+    train_structure_weights,
+)
 from .model_io import GaussianModel, encode_gaussians, load_gaussians
 from .scene import GaussianScene
 from .train import GaussianTrainConfig, GaussianTrainLog, score_views, train_gaussians
@@ -46,9 +53,9 @@ REPRESENTATION = "gaussians"
 SCHEDULES = {
     "quick": GaussianTrainConfig(steps=150, patches=8, initial=3000, eval_every=50, densify_every=30),
     "standard": GaussianTrainConfig(steps=1000, patches=32, initial=60_000, max_gaussians=1_000_000,
-                                    eval_every=250, densify_every=100),
+                                    eval_every=250, densify_every=100, structure_steps=300),
     "high": GaussianTrainConfig(steps=6000, patches=64, initial=100_000, max_gaussians=2_000_000,
-                                eval_every=500, densify_every=100),
+                                eval_every=500, densify_every=100, structure_steps=600),
 }
 
 
@@ -69,11 +76,23 @@ class GaussianRun:
     scene: GaussianScene
     settings: RunSettings
     log: GaussianTrainLog | None = None
+    #: (N, K) structure logits (None for a model file written before the Gaussians carried them).
+    structures: np.ndarray | None = None
 
     def render(self, camera: Camera) -> RenderedImage:
         """The Gaussians' picture (premultiplied RGBA; no depth nor normals yet: zeros)."""
         rgba = self.scene.render(camera).astype(np.float32)
         return RenderedImage(rgba, np.zeros(rgba.shape[:2], np.float32), np.zeros((*rgba.shape[:2], 3), np.float32))
+
+    def distances(self) -> np.ndarray:
+        """(K, I, J, K) signed distances (mm) of the structures' insides from the Gaussians' structure weights."""
+        if self.structures is None:
+            raise without_structure_weights(self.folder / MODEL_FILE)
+        return occupancy_distances(self.scene, self.structures, self.prepared)
+
+    def meshes(self, smoothing_iterations: int = 0, decimation: float = 0.0) -> list:
+        """One mesh per structure (mesh/mesh.py's Mesh), as a field run's ``meshes``."""
+        return gaussian_meshes(self.distances(), self.prepared, smoothing_iterations, decimation)
 
 
 def fit_gaussians(gpu: GpuContext, study: Study | str | Path, out: str | Path, settings: RunSettings | None = None,
@@ -90,31 +109,35 @@ def fit_gaussians(gpu: GpuContext, study: Study | str | Path, out: str | Path, s
         prepared = prepare_for_run(study, settings, progress)
         with device_memory(f"this run ({memory_budget(gpu).describe()})"):
             views = reference_views_for_run(gpu, prepared, settings, progress)
-            scene, log = train_gaussians(gpu, prepared, views, config or gaussian_schedule(settings), progress,
-                                         should_stop)
+            config = config or gaussian_schedule(settings)
+            scene, log = train_gaussians(gpu, prepared, views, config, progress, should_stop)
+            structures, structure_losses = train_structure_weights(scene, prepared, StructureTrainConfig(
+                steps=0 if log.cancelled else config.structure_steps, seed=config.seed), should_stop)
         save_reference_views(views, staged.path / "reference", arrays=False)
-        write_gaussian_run(staged.path, gpu, prepared, scene, log, settings, source)
+        write_gaussian_run(staged.path, gpu, prepared, scene, log, settings, source, structures, structure_losses)
         staged.commit()
     except BaseException:
         staged.discard()
         raise
-    return GaussianRun(folder, prepared, scene, settings, log)
+    return GaussianRun(folder, prepared, scene, settings, log, structures)
 
 
 def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, scene: GaussianScene,
-                       log: GaussianTrainLog, settings: RunSettings, source: str | None) -> None:
-    """The model, its training log and ``run.json``, all or none."""
+                       log: GaussianTrainLog, settings: RunSettings, source: str | None, structures: np.ndarray,
+                       structure_losses: list[tuple[int, float]]) -> None:
+    """The model with its structure weights, its training log and ``run.json``, all or none."""
     from ..field.model_io import StudyGeometry
 
     extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
     model = encode_gaussians(GaussianModel(scene.gaussians(), scene.grid, scene.density_scale, scene.march,
-                                           StudyGeometry.from_prepared(prepared), extra))
+                                           StudyGeometry.from_prepared(prepared), extra, structures))
     heldout = log.scores[-1][1] if log.scores else None
     train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds,
                             "eval_seconds": log.eval_seconds, "steps": log.steps,
                             "cancelled": log.cancelled, "gaussians": scene.count, "cap": log.cap,
                             "counts": log.counts, "scores": log.scores, "heldout_psnr": heldout,
-                            "losses": log.losses[-50:]}, indent=1) + "\n"
+                            "losses": log.losses[-50:],
+                            "structure_losses": structure_losses[::10] + structure_losses[-1:]}, indent=1) + "\n"
     run = json.dumps({"version": RUN_VERSION, "representation": REPRESENTATION, "study": source,
                       "settings": asdict(settings), "device": gpu.report.as_dict(),
                       "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n"
@@ -124,9 +147,16 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
         files.write_text(folder / "run.json", run)
 
 
-def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> GaussianRun:
+def without_structure_weights(path: Path) -> ValueError:
+    return ValueError(f"{path} was written before the Gaussians carried structure weights (format version 1): it "
+                      "has pictures but no geometry; fit the study again for Dice and meshes")
+
+
+def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None, *,
+                      geometry: bool = False) -> GaussianRun:
     """A Gaussian run folder's scene on its study, prepared again from the study file in ``run.json``; the model
-    file's study geometry must match (ModelFileError otherwise)."""
+    file's study geometry must match (ModelFileError otherwise). With ``geometry``, a model file without
+    structure weights is refused before the study is prepared."""
     from ..field.model_io import StudyGeometry
 
     folder = Path(folder)
@@ -135,20 +165,28 @@ def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | 
         raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
                          "use it where it was trained")
     model = load_gaussians(folder / MODEL_FILE)  # a damaged file is refused before the study is prepared
+    if geometry and model.structures is None:
+        raise without_structure_weights(folder / MODEL_FILE)
     prepared = prepare_for_run(run["study"], run["settings"], progress)
     if problems := model.geometry.mismatches(StudyGeometry.from_prepared(prepared)):
         raise ModelFileError(f"{folder / MODEL_FILE}: made for a different study: " + "; ".join(problems))
     scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march)
-    return GaussianRun(folder, prepared, scene, run["settings"])
+    return GaussianRun(folder, prepared, scene, run["settings"], structures=model.structures)
 
 
 def evaluate_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:
-    """Held-out PSNR / SSIM against freshly rendered reference views, with the training time, the number of
-    Gaussians and the model's bytes; also written to ``metrics.json``."""
-    run = open_gaussian_run(gpu, folder, progress)
+    """Held-out PSNR / SSIM against freshly rendered reference views, the geometry per structure as a field
+    run's (Dice, surface distances, volumes, pieces: each figure by structure name), with the training time,
+    the number of Gaussians and the model's bytes; also written to ``metrics.json``. A model file without
+    structure weights (version 1) is refused before any picture is rendered."""
+    run = open_gaussian_run(gpu, folder, progress, geometry=True)
+    distances = run.distances()
     views: ReferenceViews = reference_views_for_run(gpu, run.prepared, run.settings, progress)
     metrics: dict[str, Any] = {"representation": REPRESENTATION,
                                **score_views(run.scene, views, views.held_out)}
+    geometry = gaussian_geometry_metrics(distances, run.prepared)
+    for key in dict.fromkeys(key for figures in geometry.values() for key in figures):
+        metrics[key] = {name: figures.get(key) for name, figures in geometry.items()}
     log_path = run.folder / "train_log.json"
     log = json.loads(log_path.read_text()) if log_path.exists() else {}
     metrics.update(train_seconds=log.get("seconds"), gaussians=run.scene.count,

@@ -53,6 +53,7 @@ class GaussianTrainConfig:
     prune_opacity: float = 0.01  # sigmoid of the density logit below which a Gaussian is dropped
     max_scale_voxels: float = 6.0  # Gaussians whose largest standard deviation passes this are dropped
     eval_every: int = 100
+    structure_steps: int = 60  # of the structure weights' occupancy loss, once the Gaussians are placed
     seed: int = 0
 
 

@@ -1,0 +1,223 @@
+"""Per-structure geometry from the Gaussians: structure weights, their occupancy, Dice and meshes.
+
+Each Gaussian carries a logit per structure of the study. The occupancy of structure k at x is the Gaussians'
+structure weights averaged by their shapes there (shaders/gaussians.slang, ``occupancyAt``), trained against
+the inside / outside of the prepared study's boundary maps (B_k(x) < 0) at points near the surfaces. On the
+study's grid, voxels no Gaussian covers take the occupancy of the nearest covered voxel (the Gaussians lie on
+the surfaces, so the inside of a large structure is reached only that way); the inside {o_k > 1/2} then gives
+a signed distance (mm) that train/evaluate.py's functions and mesh/mesh.py's helpers take as they take the
+field's learned distances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..gpu.device import device_memory
+from ..grid import sample_at
+from ..mesh.mesh import Mesh, extract_surface, grid_points, mesh_sdf_grid
+from ..progress import ShouldStop
+from ..study.preprocess import PreparedStudy, structure_mask
+from .scene import GaussianScene
+
+#: A voxel is covered where the Gaussians' summed shapes reach this (a Gaussian's peak is about 1).
+COVERED = 0.05
+#: Logit per voxel of signed distance at the Gaussian's centre when the weights start.
+INITIAL_LOGIT_PER_VOXEL = 2.0
+#: Points per occupancy call: bounds the device buffers on a large study grid.
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class StructureTrainConfig:
+    steps: int = 60
+    points: int = 4096
+    rate: float = 0.1
+    seed: int = 0
+
+
+def initial_structure_logits(prepared: PreparedStudy, positions: np.ndarray) -> np.ndarray:
+    """(N, K) logits from the boundary maps at the Gaussians' centres: inside (B_k < 0) positive, a voxel in
+    or out worth ``INITIAL_LOGIT_PER_VOXEL``."""
+    voxel = float(np.min(prepared.spacing))
+    distances = sample_at(prepared.boundary, prepared.affine, np.asarray(positions, np.float64)).reshape(
+        len(prepared.boundary), -1)
+    return np.clip(-INITIAL_LOGIT_PER_VOXEL * distances.T / voxel, -8.0, 8.0).astype(np.float32)
+
+
+class StructureOccupancy:
+    """A scene's Gaussians with their structure logits on the device: occupancy at points and its backward."""
+
+    def __init__(self, scene: GaussianScene, logits: np.ndarray) -> None:
+        self.scene = scene
+        self.set_logits(logits)
+
+    def set_logits(self, logits: np.ndarray) -> None:
+        import slangpy as spy
+
+        logits = np.asarray(logits, np.float32)
+        if logits.ndim != 2 or len(logits) != self.scene.count:
+            raise ValueError(f"structure logits of shape {logits.shape} for {self.scene.count} Gaussians")
+        self.structures = logits.shape[1]
+        with device_memory(f"the structure weights of {self.scene.count:,} Gaussians"):
+            self.logits = spy.Tensor.from_numpy(self.scene.gpu.device, np.ascontiguousarray(logits).reshape(-1))
+
+    def _points(self, points: np.ndarray) -> Any:
+        import slangpy as spy
+
+        flat = np.ascontiguousarray(np.asarray(points, np.float32).reshape(-1))
+        with device_memory(f"{len(flat) // 3:,} points"):
+            return spy.Tensor.from_numpy(self.scene.gpu.device, flat)
+
+    def occupancy(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(M, K) occupancy and (M,) coverage at RAS points (M, 3), in chunks."""
+        import slangpy as spy
+
+        points = np.asarray(points, np.float32).reshape(-1, 3)
+        k, parts = self.structures, []
+        for first in range(0, len(points), CHUNK):
+            chunk = points[first : first + CHUNK]
+            with device_memory(f"the occupancy of {len(chunk):,} points"):
+                results = spy.Tensor.zeros(self.scene.gpu.device, shape=(len(chunk) * (k + 1),), dtype=float)
+            uploaded = self._points(chunk)  # held until the results are read: the kernel sees only its address
+            self.scene.module.occupancyAt(spy.grid((len(chunk),)), self.scene.shader_struct(),
+                                          self.scene.grid_struct(), self.logits.storage.device_address, k,
+                                          uploaded.storage.device_address, len(chunk), results.storage.device_address)
+            parts.append(np.asarray(results.to_numpy()).reshape(len(chunk), k + 1))
+        values = np.concatenate(parts) if parts else np.zeros((0, k + 1), np.float32)
+        return values[:, :k], values[:, k]
+
+    def backward(self, points: np.ndarray, d_occupancy: np.ndarray) -> np.ndarray:
+        """(N, K) ∂loss/∂logits of a loss whose ∂/∂o_k at the points is ``d_occupancy`` (M, K)."""
+        import slangpy as spy
+
+        device, count = self.scene.gpu.device, len(points)
+        d = spy.Tensor.from_numpy(device, np.ascontiguousarray(d_occupancy, np.float32).reshape(-1))
+        grads = spy.Tensor.zeros(device, shape=(self.scene.count * self.structures,), dtype=float)
+        uploaded = self._points(points)  # held until the gradients are read: the kernel sees only its address
+        self.scene.module.occupancyBackward(spy.grid((count,)), self.scene.shader_struct(), self.scene.grid_struct(),
+                                            self.logits.storage.device_address, self.structures,
+                                            uploaded.storage.device_address, count, d.storage.device_address,
+                                            grads.storage.device_address)
+        return np.asarray(grads.to_numpy()).reshape(self.scene.count, self.structures)
+
+
+def surface_samples(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` voxel centres (RAS) within two voxels of some structure's surface, and at each the inside (1)
+    or outside (0) of every structure from the boundary maps: (M, 3), (M, K). Centres, where the labels are
+    known and Dice counts, rather than points between them, where the maps are interpolated across a surface."""
+    voxel = float(np.min(prepared.spacing))
+    near = np.argwhere((np.abs(prepared.boundary) < 2.0 * voxel).any(axis=0))
+    if not len(near):
+        raise ValueError("the study has no structure surface to train the Gaussians' structure weights on")
+    ijk = near[rng.integers(0, len(near), count)]
+    points = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
+    inside = prepared.boundary[:, ijk[:, 0], ijk[:, 1], ijk[:, 2]].T < 0
+    return points, inside.astype(np.float32)
+
+
+def occupancy_loss(occupancy: np.ndarray, coverage: np.ndarray, inside: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean squared difference of the occupancy and the labels' inside at the covered points, and its
+    gradient (uncovered points add nothing: no Gaussian there to move)."""
+    covered = (coverage >= COVERED)[:, None]
+    count = max(int(covered.sum()) * occupancy.shape[1], 1)
+    difference = np.where(covered, occupancy - inside, 0.0)
+    return float((difference**2).sum() / count), (2.0 * difference / count).astype(np.float32)
+
+
+def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, config: StructureTrainConfig | None = None,
+                            should_stop: ShouldStop | None = None) -> tuple[np.ndarray, list[tuple[int, float]]]:
+    """The Gaussians' (N, K) structure logits: started from the boundary maps at their centres, then Adam on the
+    occupancy loss at points near the surfaces; the losses by step. A stop keeps the logits reached."""
+    config = config or StructureTrainConfig()
+    rng = np.random.default_rng(config.seed)
+    logits = initial_structure_logits(prepared, scene.gaussians().positions)
+    occupancy = StructureOccupancy(scene, logits)
+    m, v, losses = np.zeros_like(logits), np.zeros_like(logits), []
+    for step in range(config.steps):
+        if should_stop is not None and should_stop():
+            break
+        points, inside = surface_samples(prepared, config.points, rng)
+        values, coverage = occupancy.occupancy(points)
+        loss, d_values = occupancy_loss(values, coverage, inside)
+        gradient = occupancy.backward(points, d_values)
+        m = 0.9 * m + 0.1 * gradient
+        v = 0.999 * v + 0.001 * gradient**2
+        t = step + 1
+        logits = logits - config.rate * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        occupancy.set_logits(logits)
+        losses.append((step, loss))
+    return logits.astype(np.float32), losses
+
+
+def filled_occupancy(occupancy: np.ndarray, coverage: np.ndarray) -> np.ndarray:
+    """(K, I, J, K) occupancy where every voxel no Gaussian covers takes that of the nearest covered voxel
+    (all outside where none is covered)."""
+    from scipy.ndimage import distance_transform_edt
+
+    covered = coverage >= COVERED
+    if not covered.any():
+        return np.zeros_like(occupancy)
+    if covered.all():
+        return occupancy
+    nearest = distance_transform_edt(~covered, return_distances=False, return_indices=True)
+    return occupancy[(slice(None), *nearest)]
+
+
+def signed_distances(inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """A signed distance (mm, negative inside) of a voxel mask whose zero level runs halfway between its inside
+    and outside voxels' centres."""
+    from scipy.ndimage import distance_transform_edt
+
+    half = 0.5 * float(np.min(spacing))
+    if not inside.any():
+        return np.full(inside.shape, 1e3, np.float32)
+    if inside.all():
+        return np.full(inside.shape, -1e3, np.float32)
+    outward = distance_transform_edt(~inside, sampling=spacing) - half
+    inward = distance_transform_edt(inside, sampling=spacing) - half
+    return np.where(inside, -inward, outward).astype(np.float32)
+
+
+def occupancy_distances(scene: GaussianScene, logits: np.ndarray, prepared: PreparedStudy) -> np.ndarray:
+    """(K, I, J, K): the signed distance (mm) of each structure's inside {o_k > 1/2} on the study's grid."""
+    shape = prepared.study.shape
+    values, coverage = StructureOccupancy(scene, logits).occupancy(grid_points(prepared.affine, shape).reshape(-1, 3))
+    occupancy = np.moveaxis(values, 1, 0).reshape(-1, *shape)
+    filled = filled_occupancy(occupancy, coverage.reshape(shape))
+    spacing = np.linalg.norm(np.asarray(prepared.affine, np.float64)[:3, :3], axis=0)
+    return np.stack([signed_distances(o > 0.5, spacing) for o in filled])
+
+
+def gaussian_geometry_metrics(distances: np.ndarray, prepared: PreparedStudy) -> dict[str, dict[str, Any]]:
+    """Per structure name: Dice, mean surface distance, HD95, volumes, pieces and (the phantom) the distances to
+    the exact surfaces and the ceilings, as train/evaluate.py figures them for a field, from the Gaussians'
+    signed distances on the study grid."""
+    from ..train.evaluate import ceilings, exact_surface_distances, kept_label, pieces, surface_figures
+
+    results: dict[str, dict[str, Any]] = {}
+    for k, structure in enumerate(prepared.structures):
+        if prepared.study.labels is not None or structure.from_mask:
+            truth = structure_mask(structure, prepared.study.labels, prepared.mask)
+            kept = kept_label(structure, prepared)
+        else:
+            truth = kept = prepared.boundary[k] < 0
+        distance = lambda points, k=k: sample_at(distances[k], prepared.affine, points)  # noqa: E731
+        figures = surface_figures(distances[k], distance, truth, kept, prepared.boundary[k], prepared.affine)
+        vertices, _ = extract_surface(distances[k], prepared.affine)
+        results[structure.name] = {
+            **figures,
+            **pieces(truth, distances[k] < 0, prepared.affine),
+            **exact_surface_distances(prepared.study.exact_surfaces, structure.name, vertices),
+            **ceilings(prepared, structure.name, truth, kept, prepared.boundary[k], figures["dice"]),
+        }
+    return results
+
+
+def gaussian_meshes(distances: np.ndarray, prepared: PreparedStudy, smoothing_iterations: int = 0,
+                    decimation: float = 0.0) -> list[Mesh]:
+    """One mesh per structure of the Gaussians' signed distances (empty where a structure has no inside)."""
+    return mesh_sdf_grid(distances, prepared.affine, prepared.structures, smoothing_iterations, decimation)

@@ -1,0 +1,77 @@
+"""Geometry from the Gaussians: the structure weights' occupancy (shaders/gaussians.slang's occupancyAt and its
+hand-written backward) against a float64 reference and central differences on the tiny scene of
+test_gaussian_gradients.py, and the signed distances that Dice and meshes are taken from."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from field_reference import central_difference
+from gaussian_reference import occupancy
+from test_gaussian_gradients import BOX, tiny_set
+
+from NeuralRaycastLib.gaussians.geometry import StructureOccupancy, filled_occupancy, occupancy_loss, signed_distances
+from NeuralRaycastLib.gaussians.scene import GaussianScene, GridShape, MarchSettings
+
+pytestmark = pytest.mark.gpu
+
+STRUCTURES = 3
+POINTS = 40
+
+
+@pytest.fixture(scope="module")
+def weighted(gpu):
+    gaussians = tiny_set()
+    scene = GaussianScene(gpu, gaussians, GridShape.for_box(BOX, 2.5), density_scale=0.8, march=MarchSettings(0.25))
+    logits = np.random.default_rng(4).normal(0.0, 1.5, (gaussians.count, STRUCTURES)).astype(np.float32)
+    points = np.random.default_rng(5).uniform(BOX[0], BOX[1], (POINTS, 3)).astype(np.float32)
+    return StructureOccupancy(scene, logits), logits.astype(np.float64), points.astype(np.float64)
+
+
+def test_occupancy_is_the_float64_reference(weighted):
+    occupied, logits, points = weighted
+    values, cover = occupied.occupancy(points)
+    expected, expected_cover = occupancy(occupied.scene.parameters(), occupied.scene.count, logits, points)
+    assert (expected_cover > 0.05).sum() >= POINTS // 3, "the points should meet the Gaussians"
+    np.testing.assert_allclose(cover, expected_cover, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_occupancy_backward_matches_central_differences(weighted):
+    """∂(Σ w·o)/∂logits by hand on the device against central differences of the reference; the Gaussian no
+    point reaches gets none."""
+    occupied, logits, points = weighted
+    weights = np.random.default_rng(6).normal(size=(POINTS, STRUCTURES))
+    gradient = occupied.backward(points, weights).astype(np.float64)
+    params, n = occupied.scene.parameters().astype(np.float64), occupied.scene.count
+
+    def loss(flat: np.ndarray) -> float:
+        return float((occupancy(params, n, flat.reshape(n, STRUCTURES), points)[0] * weights).sum())
+
+    flat = logits.reshape(-1)
+    numeric = central_difference(loss, flat, np.eye(flat.size), 1e-6)
+    assert np.abs(numeric).max() > 0.05
+    np.testing.assert_allclose(gradient.reshape(-1), numeric, rtol=1e-3, atol=1e-5)
+    assert not gradient[6].any()  # the Gaussian far outside the box
+
+
+def test_occupancy_loss_leaves_out_uncovered_points():
+    values = np.array([[0.9, 0.2], [0.0, 0.0], [0.4, 0.6]])
+    loss, d = occupancy_loss(values, np.array([1.0, 0.0, 0.5]), np.array([[1, 0], [1, 1], [0, 1]], np.float32))
+    assert loss == pytest.approx((0.01 + 0.04 + 0.16 + 0.16) / 4)
+    assert not d[1].any() and d[0, 0] < 0 < d[2, 0]
+
+
+def test_uncovered_voxels_take_the_nearest_covered_occupancy_and_give_a_signed_distance():
+    """A shell of covered voxels, inside occupied: its hollow fills as inside, the outside stays out, and the
+    zero level lies halfway between the last inside and first outside voxel centres."""
+    shape = (12, 12, 12)
+    ijk = np.indices(shape).transpose(1, 2, 3, 0) - 5.5
+    radius = np.linalg.norm(ijk, axis=-1)
+    coverage = np.where(np.abs(radius - 4) < 1, 1.0, 0.0)
+    occupancy_grid = np.where(radius < 4, 0.9, 0.1)[None]
+    filled = filled_occupancy(occupancy_grid, coverage)
+    assert (filled[0][radius < 3] == 0.9).all() and (filled[0][radius > 5] == 0.1).all()
+    distances = signed_distances(filled[0] > 0.5, np.array([2.0, 2.0, 2.0]))
+    assert (distances[radius < 4] < 0).all() and (distances[radius >= 4] > 0).all()
+    assert np.abs(distances[(radius >= 3.5) & (radius < 4)]).min() == pytest.approx(1.0)
