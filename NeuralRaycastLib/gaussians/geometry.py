@@ -20,7 +20,7 @@ from ..gpu.device import device_memory
 from ..grid import sample_at
 from ..mesh.mesh import Mesh, extract_surface, grid_points, mesh_sdf_grid
 from ..progress import ShouldStop
-from ..study.preprocess import PreparedStudy, structure_mask
+from ..study.preprocess import PreparedStudy
 from .scene import GaussianScene
 
 #: A voxel is covered where the Gaussians' summed shapes reach this (a Gaussian's peak is about 1).
@@ -196,15 +196,11 @@ def gaussian_geometry_metrics(distances: np.ndarray, prepared: PreparedStudy) ->
     """Per structure name: Dice, mean surface distance, HD95, volumes, pieces and (the phantom) the distances to
     the exact surfaces and the ceilings, as train/evaluate.py figures them for a field, from the Gaussians'
     signed distances on the study grid."""
-    from ..train.evaluate import ceilings, exact_surface_distances, kept_label, pieces, surface_figures
+    from ..train.evaluate import ceilings, exact_surface_distances, pieces, structure_labels, surface_figures
 
     results: dict[str, dict[str, Any]] = {}
     for k, structure in enumerate(prepared.structures):
-        if prepared.study.labels is not None or structure.from_mask:
-            truth = structure_mask(structure, prepared.study.labels, prepared.mask)
-            kept = kept_label(structure, prepared)
-        else:
-            truth = kept = prepared.boundary[k] < 0
+        truth, kept = structure_labels(prepared, k)
         distance = lambda points, k=k: sample_at(distances[k], prepared.affine, points)  # noqa: E731
         figures = surface_figures(distances[k], distance, truth, kept, prepared.boundary[k], prepared.affine)
         vertices, _ = extract_surface(distances[k], prepared.affine)

@@ -124,6 +124,16 @@ def shown(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def structure_labels(prepared: PreparedStudy, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Structure ``k``'s label as segmented, and the pieces of it a surface keeps (both the inside of its
+    boundary map where the study has no label for it)."""
+    structure = prepared.structures[k]
+    if prepared.study.labels is not None or structure.from_mask:
+        return structure_mask(structure, prepared.study.labels, prepared.mask), kept_label(structure, prepared)
+    inside = prepared.boundary[k] < 0
+    return inside, inside
+
+
 def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, dict[str, float | None]]:
     """Per structure name: ``dice``, ``mean_surface_distance_mm``, ``hd95_mm``, the volumes (:func:`volumes`),
     ``volume_level_mm`` (:func:`volume_levels`), the pieces (:func:`pieces`) and, on the phantom, the distances
@@ -133,11 +143,7 @@ def geometry_metrics(field: NeuralField, prepared: PreparedStudy) -> dict[str, d
     learned, levels = learned_surfaces(field, prepared)
     results: dict[str, dict[str, float | None]] = {}
     for k, structure in enumerate(prepared.structures):
-        if prepared.study.labels is not None or structure.from_mask:
-            truth = structure_mask(structure, prepared.study.labels, prepared.mask)
-            kept = kept_label(structure, prepared)
-        else:
-            truth = kept = prepared.boundary[k] < 0
+        truth, kept = structure_labels(prepared, k)
         learned_vertices, _ = extract_surface(learned[k], prepared.affine)
         distances = lambda points, k=k: field.distances(points)[:, k] - levels[k]  # noqa: E731
         figures = surface_figures(learned[k], distances, truth, kept, prepared.boundary[k], prepared.affine)
