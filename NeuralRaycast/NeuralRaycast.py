@@ -36,6 +36,8 @@ README_URL = "https://github.com/SlicerNeuralRaycast/SlicerNeuralRaycast#readme"
 #: that loading this file imports nothing but Slicer; a test checks they match the library's.
 PRESETS = ("auto", "quick", "standard", "high")
 DEVICES = ("auto", "cuda", "vulkan")
+#: What a run trains: the neural field, or ray-traced Gaussians (``fit --representation``).
+REPRESENTATIONS = ("field", "gaussians")
 #: What to lower when a run does not fit the GPU's memory, in the module's words.
 MEMORY_ADVICE = ("raise the GPU memory setting if the GPU has more free, or choose the quick preset or a coarser "
                  "study")
@@ -230,6 +232,8 @@ class NeuralRaycastParameterNode:
     shadows - train on views lit with key-light shadows (the field is shaded through its own meshes).
     pretrainedAppearance - fit the surfaces only and take the appearance from the shipped pretrained weights
         (no appearance training; not with shadows).
+    representation - field (signed distances and appearance network) or gaussians (ray-traced Gaussians; not
+        with shadows or the pretrained appearance; no live view or web page).
     runFolder - where the trained model is saved (empty: a new folder under ~/NeuralRaycast/runs);
         the scene keeps it, so the model can be reloaded after the scene is.
     meshSmoothing - smoothing iterations of the learned surfaces' models.
@@ -252,6 +256,7 @@ class NeuralRaycastParameterNode:
     iterations: Annotated[int, WithinRange(0, 1_000_000)] = 0
     shadows: bool = False
     pretrainedAppearance: bool = False
+    representation: Annotated[str, Choice(list(REPRESENTATIONS))] = "field"
     runFolder: pathlib.Path
     meshSmoothing: Annotated[int, WithinRange(0, 100)] = 10
     outputRender: vtkMRMLVectorVolumeNode
@@ -287,6 +292,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._pollTimer = None
         self._killTimer = None
         self._liveView = None
+        self._fieldToolTips = None
 
     def setup(self) -> None:
         """Called when the user opens the module the first time and the widget is initialized."""
@@ -405,8 +411,18 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.renderButton.enabled = trained
         self.ui.modelsButton.enabled = trained
         self.ui.segmentationButton.enabled = trained
-        self.ui.liveViewButton.enabled = trained
-        self.ui.shareButton.enabled = trained
+        self._enableFieldButtons(trained)
+
+    def _enableFieldButtons(self, enabled: bool) -> None:
+        """The live view and the web page need a field: off, saying why, for a model of Gaussians."""
+        buttons = (self.ui.liveViewButton, self.ui.shareButton)
+        if self._fieldToolTips is None:  # the .ui's own, shown again for a field
+            self._fieldToolTips = [button.toolTip for button in buttons]
+        gaussians = enabled and self.logic.isGaussianRun(self.logic.run)
+        why = _("The model is of Gaussians: the live view and the web page are for field models only so far")
+        for button, toolTip in zip(buttons, self._fieldToolTips, strict=True):
+            button.enabled = enabled and not gaussians
+            button.toolTip = why if gaussians else toolTip
 
     def _resetProgress(self) -> None:
         self.ui.progressBar.setRange(0, 100)
@@ -437,8 +453,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.segmentationButton.enabled = not running and self.logic.run is not None
         if running:  # the live view shows the last model; a new one replaces it when the run is done
             self.ui.liveViewButton.checked = False
-        self.ui.liveViewButton.enabled = not running and self.logic.run is not None
-        self.ui.shareButton.enabled = not running and self.logic.run is not None
+        self._enableFieldButtons(not running and self.logic.run is not None)
         if running:
             self.ui.applyButton.text = _("Cancel")
             self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")
@@ -473,6 +488,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
                 runFolder=parameters.runFolder,
                 resampleToReference=resample,
                 pretrainedAppearance=parameters.pretrainedAppearance,
+                representation=parameters.representation,
             )
             self._jobInputs = {
                 "volumes": [node.GetID() for node in parameters.volumeNodes()],
@@ -636,7 +652,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def onShareButton(self) -> None:
         """Write the trained model as a web page, to a file the user names; the page's path in the results."""
         run = self.logic.run
-        if run is None or self._running:
+        if run is None or self._running or self.logic.isGaussianRun(run):  # the button is off for these
             return
         path, confirmed = self._askPagePath(str(run.folder))
         if not path:
@@ -1156,14 +1172,16 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def train(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto", device: str = "auto",
               seed: int = 0, iterations: int = 0, runFolder: str | None = None, progress=None, shouldStop=None,
               views: int = 0, size: int = 0, config=None, resampleToReference: bool = False, shadows: bool = False,
-              brainMaskNode=None, gpuMemory: str = "", pretrainedAppearance: bool = False):
-        """Read the study from the scene, train a field (blocking) and save it in ``runFolder``.
+              brainMaskNode=None, gpuMemory: str = "", pretrainedAppearance: bool = False,
+              representation: str = "field"):
+        """Read the study from the scene, train a field or Gaussians (blocking) and save it in ``runFolder``.
 
         :param progress: optional ``callback(message, fraction)``; the widget uses it to keep Slicer responsive.
         :param shouldStop: optional ``callback() -> bool`` polled between steps; a cancel keeps and saves the
             state reached (``run.log.cancelled`` is then True).
         :param views, size: number and pixel size of the reference views (0: the preset's).
-        :param config: a ``NeuralRaycastLib.train.trainer.TrainConfig`` replacing the preset's schedule (scripting).
+        :param config: a ``NeuralRaycastLib.train.trainer.TrainConfig`` (for Gaussians a
+            ``NeuralRaycastLib.gaussians.train.GaussianTrainConfig``) replacing the preset's schedule (scripting).
         :param resampleToReference: resample volumes on other grids onto the reference (else an error).
         :param shadows: train on views lit with key-light shadows, shading the field through its own meshes.
         :param brainMaskNode: optional brain mask volume (see ``studyFromNodes``).
@@ -1171,7 +1189,10 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             steps and the study's grid are sized to it, and a run that cannot fit raises GpuMemoryError.
         :param pretrainedAppearance: fit the surfaces only, the appearance from the shipped pretrained weights
             (``fit --appearance pretrained``); not with ``shadows``.
-        :return: ``NeuralRaycastLib.train.run_folder.TrainedRun`` (also kept as ``self.run``). The scene is not changed.
+        :param representation: ``field`` or ``gaussians`` (``fit --representation``; not with ``shadows`` or
+            ``pretrainedAppearance``).
+        :return: ``NeuralRaycastLib.train.run_folder.TrainedRun`` (a ``GaussianRun`` for Gaussians; also kept as
+            ``self.run``). The scene is not changed.
         Raises ValueError for bad inputs, GpuUnavailableError without a device, TrainingError if the loss
         stays non-finite, WarmUpCancelled if cancelled while the kernels compile (nothing trained then).
         On a GPU that has not compiled this run's kernels yet, they are compiled first in worker processes
@@ -1185,6 +1206,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         # The inputs first: a missing volume is reported as such, also where no GPU (or slangpy) is there.
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
+        self.checkRepresentation(representation, shadows, pretrainedAppearance)
         appearance = self.pretrainedAppearance(shadows) if pretrainedAppearance else None
         gpu = self.gpuContext(device, gpuMemory)
         settings = self.runSettings(gpu, preset, seed, iterations, views, size, shadows)
@@ -1197,13 +1219,34 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         # other non-empty folder is refused before any work.
         replace = os.path.isfile(os.path.join(folder, "run.json"))
         try:
-            self.run = train_study(gpu, study, folder, settings, progress, shouldStop, warm_up=python is not None,
-                                   worker_python=python, config=config, overwrite=replace, appearance=appearance)
+            if representation == "gaussians":
+                from NeuralRaycastLib.gaussians.run import fit_gaussians
+
+                self.run = fit_gaussians(gpu, study, folder, settings, progress, shouldStop, config=config,
+                                         overwrite=replace)
+            else:
+                self.run = train_study(gpu, study, folder, settings, progress, shouldStop,
+                                       warm_up=python is not None, worker_python=python, config=config,
+                                       overwrite=replace, appearance=appearance)
         except GpuMemoryError as error:  # the advice in the module's words, not the command line's
             raise GpuMemoryError(str(error).replace(LOWER, MEMORY_ADVICE)) from error
-        logging.info(f"Trained '{study.name}' ({settings.preset} preset) in {time.time() - startTime:.1f} s "
-                     f"into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
+        logging.info(f"Trained '{study.name}' ({representation}, {settings.preset} preset) in "
+                     f"{time.time() - startTime:.1f} s into {folder}{' (cancelled)' if self.run.log.cancelled else ''}")
         return self.run
+
+    @staticmethod
+    def checkRepresentation(representation: str = "field", shadows: bool = False,
+                            pretrainedAppearance: bool = False) -> None:
+        """Refuse, before any work, what the Gaussians do not offer (the command line refuses the same)."""
+        if representation not in REPRESENTATIONS:
+            raise ValueError(f"Unknown representation '{representation}': choose one of {', '.join(REPRESENTATIONS)}")
+        if representation != "gaussians":
+            return
+        if pretrainedAppearance:
+            raise ValueError("the pretrained appearance is for the field; the Gaussians carry their own colours: "
+                             "untick the pretrained appearance or choose the field")
+        if shadows:
+            raise ValueError("shadows are not available with the Gaussians yet: untick shadows or choose the field")
 
     @staticmethod
     def pretrainedAppearance(shadows: bool = False):
@@ -1218,7 +1261,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def startTraining(self, volumeNodes, segmentationNode, probabilityNode=None, preset: str = "auto",
                       device: str = "auto", seed: int = 0, iterations: int = 0, runFolder: str | None = None,
                       views: int = 0, size: int = 0, resampleToReference: bool = False, shadows: bool = False,
-                      brainMaskNode=None, gpuMemory: str = "", pretrainedAppearance: bool = False) -> "TrainingJob":
+                      brainMaskNode=None, gpuMemory: str = "", pretrainedAppearance: bool = False,
+                      representation: str = "field") -> "TrainingJob":
         """Start training in a worker process (``PythonSlicer -m NeuralRaycastLib.app.entry fit --progress-json``,
         the command line's own training); returns at once with the job (see :class:`TrainingJob`).
 
@@ -1234,6 +1278,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
+        self.checkRepresentation(representation, shadows, pretrainedAppearance)  # refused before a worker starts
         if pretrainedAppearance:
             self.pretrainedAppearance(shadows)  # refused here, before a worker starts
         python = self.workerPython()
@@ -1255,6 +1300,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 command.append("--shadows")
             if pretrainedAppearance:
                 command += ["--appearance", "pretrained"]
+            if representation != "field":
+                command += ["--representation", representation]
             if os.path.isfile(os.path.join(folder, "run.json")):
                 command.append("--overwrite")  # training again into the last run's folder replaces that run
             worker = WorkerProcess(command, env=self.workerEnvironment())
@@ -1292,8 +1339,35 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         study = self.studyFromNodes(volumeNodes, segmentationNode, probabilityNode, resampleToReference,
                                     brainMaskNode)
         prepared = prepare_for_run(study, settings)
-        self.run = load_run(self.gpuContext(device, gpuMemory), folder, prepared)
+        if self.isGaussianFolder(folder):
+            from NeuralRaycastLib.gaussians.run import load_gaussian_run
+
+            self.run = load_gaussian_run(self.gpuContext(device, gpuMemory), folder, prepared)
+        else:
+            self.run = load_run(self.gpuContext(device, gpuMemory), folder, prepared)
         return self.run
+
+    @staticmethod
+    def isGaussianFolder(folder) -> bool:
+        """Whether a run folder holds Gaussians (``fit --representation gaussians``) rather than a field."""
+        from NeuralRaycastLib.gaussians.run import is_gaussian_run
+
+        return bool(folder) and is_gaussian_run(str(folder))
+
+    @staticmethod
+    def isGaussianRun(run) -> bool:
+        """Whether a trained or loaded run is of Gaussians: no field, so no live view or web page."""
+        from NeuralRaycastLib.gaussians.run import GaussianRun
+
+        return isinstance(run, GaussianRun)
+
+    def _requireFieldRun(self, what: str):
+        """The run, refused in one line where it is of Gaussians (``what`` needs the field)."""
+        run = self._requireRun()
+        if self.isGaussianRun(run):
+            raise ValueError(f"The model in {run.folder} is of Gaussians: {what} is for field models only so far; "
+                             "use Render, Models and Segmentation on it, or train a field")
+        return run
 
     def sharePage(self, runFolder, path, overwrite: bool = False, device: str = "auto", gpuMemory: str = ""):
         """Write a trained run as one self-contained web page that renders it live in a browser with WebGPU (what
@@ -1311,6 +1385,9 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         folder = str(runFolder or "")
         if folder in ("", "."):
             raise ValueError("No model folder given: train a model (Train) or load one (Load model) first")
+        if (self._isLoadedRun(folder) and self.isGaussianRun(self.run)) or self.isGaussianFolder(folder):
+            raise ValueError(f"The model in {folder} is of Gaussians: the web page is for field models only so far; "
+                             "share a field model")
         run = self.run if self._isLoadedRun(folder) else self._openSharedRun(folder, device, gpuMemory)
         page = write_page(run, out)
         logging.info(f"Web page of the model in {folder} written to {page} ({page.stat().st_size / 1e6:.1f} MB)")
@@ -1346,10 +1423,12 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             raise RuntimeError("No trained model: train one (Apply) or load a model folder first")
         return self.run
 
-    @staticmethod
-    def trainingSummary(run) -> str:
+    @classmethod
+    def trainingSummary(cls, run) -> str:
         lines = [f"Model folder: {run.folder}", f"Preset: {run.settings.preset}, study "
                  f"{' x '.join(map(str, run.prepared.study.shape))} voxels"]
+        if cls.isGaussianRun(run):
+            return "\n".join(lines + cls._gaussianSummary(run))
         if run.log is not None:
             cancelled = " (cancelled, the state reached is kept)" if run.log.cancelled else ""
             lines.append(f"Training: {run.log.seconds:.1f} s{cancelled}")
@@ -1357,6 +1436,24 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
             if score is not None:
                 lines.append(f"Held-out PSNR: {score:.2f} dB, SSIM {run.log.last('heldout_ssim'):.3f}")
         return "\n".join(lines)
+
+    @staticmethod
+    def _gaussianSummary(run) -> list[str]:
+        """A Gaussian run's lines, from the training log its folder keeps (a loaded run has no log in memory)."""
+        import json
+
+        lines = [f"Representation: Gaussians ({run.scene.count:,}); no live view or web page"]
+        logPath = os.path.join(str(run.folder), "train_log.json")
+        if not os.path.isfile(logPath):
+            return lines
+        with open(logPath, encoding="utf-8") as file:
+            log = json.load(file)
+        cancelled = " (cancelled, the state reached is kept)" if log.get("cancelled") else ""
+        if log.get("seconds") is not None:
+            lines.append(f"Training: {float(log['seconds']):.1f} s{cancelled}")
+        if log.get("heldout_psnr") is not None:
+            lines.append(f"Held-out PSNR: {float(log['heldout_psnr']):.2f} dB")
+        return lines
 
     # -- results into the scene -----------------------------------------------------------------------
 
@@ -1534,7 +1631,11 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         from NeuralRaycastLib.train.structure_table import PIECE_COLUMNS, STRUCTURE_COLUMNS, piece_rows, structure_rows
 
         run = self._requireRun()
-        if metrics is None:
+        if metrics is None and self.isGaussianRun(run):  # from the Gaussians' structure weights
+            from NeuralRaycastLib.gaussians.geometry import gaussian_geometry_metrics
+
+            metrics = gaussian_geometry_metrics(run.distances(), run.prepared)
+        elif metrics is None:
             from NeuralRaycastLib.train.evaluate import geometry_metrics
 
             metrics = geometry_metrics(run.field, run.prepared)
@@ -1582,7 +1683,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def liveRender(self, camera) -> np.ndarray:
         """The trained field from ``camera`` as the live view shows it: straight-alpha bytes (H, W, 4), the rows
         from the bottom, made on the device."""
-        return self._requireRun().renderer.render_picture(camera)
+        return self._requireFieldRun("the live view").renderer.render_picture(camera)
 
     def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0,
                        maxSide: int | None = None):
@@ -1597,7 +1698,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         from NeuralRaycastLib.render.camera import MAX_VIEW_SIZE
         from NeuralRaycastLib.render.live_view import LiveView
 
-        run = self._requireRun()
+        run = self._requireFieldRun("the live view")
         if maxSide is None:
             report = getattr(getattr(run.renderer, "gpu", None), "report", None)
             maxSide = LIVE_SIDE_SOFTWARE if getattr(report, "software", False) else MAX_VIEW_SIZE

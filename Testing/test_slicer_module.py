@@ -88,9 +88,13 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     parameters.shadows = True
     parameters.meshSmoothing = 3
     parameters.gpuMemory = "6G"
+    assert parameters.representation == "field"
+    parameters.representation = "gaussians"
     parameters.runFolder = tmp_path / "run"
     with pytest.raises(ValueError):
         parameters.preset = "fastest"  # not a choice
+    with pytest.raises(ValueError):
+        parameters.representation = "splats"  # not a choice
     with pytest.raises(ValueError):
         parameters.meshSmoothing = 1000  # out of range
 
@@ -110,7 +114,7 @@ def test_a_saved_and_reloaded_scene_keeps_the_parameters(module, scene, self_tes
     assert reloaded.inputVolume.GetName() == "T1 scan"
     assert reloaded.inputSegmentation.GetName() == segmentation.GetName()
     assert (reloaded.preset, reloaded.seed, reloaded.iterations, reloaded.meshSmoothing) == ("quick", 7, 123, 3)
-    assert reloaded.shadows is True and reloaded.gpuMemory == "6G"
+    assert reloaded.shadows is True and reloaded.gpuMemory == "6G" and reloaded.representation == "gaussians"
     assert reloaded.runFolder == tmp_path / "run"
     assert reloaded.volumeNodes() == [reloaded.inputVolume]
 
@@ -492,6 +496,64 @@ def test_the_pretrained_appearance_trains_in_the_worker_and_is_refused_with_shad
     assert not (tmp_path / "run").exists()
 
 
+def test_gaussians_train_in_the_worker_and_are_refused_with_shadows_or_the_pretrained_appearance_before_it_starts(
+        module, scene, self_test, tmp_path):
+    volume, segmentation = _study_in_scene(self_test)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    refusals = ((dict(shadows=True), "shadows are not available with the Gaussians yet: untick shadows or choose "
+                                     "the field"),
+                (dict(pretrainedAppearance=True), "the pretrained appearance is for the field; the Gaussians carry "
+                                                  "their own colours: untick the pretrained appearance or choose "
+                                                  "the field"))
+    for options, message in refusals:
+        with pytest.raises(ValueError) as refused:
+            logic.startTraining([volume], segmentation, preset="quick", representation="gaussians",
+                                runFolder=tmp_path / "refused", **options)
+        assert str(refused.value) == message
+        with pytest.raises(ValueError, match=message.split(":")[0]):  # the blocking training refuses the same
+            logic.train([volume], segmentation, representation="gaussians", runFolder=tmp_path / "refused",
+                         **options)
+    with pytest.raises(ValueError, match="Unknown representation 'splats': choose one of field, gaussians"):
+        logic.startTraining([volume], segmentation, representation="splats", runFolder=tmp_path / "refused")
+    assert not (tmp_path / "refused").exists() and node_ids(scene) == before
+    job = logic.startTraining([volume], segmentation, preset="quick", representation="gaussians",
+                              runFolder=tmp_path / "run")
+    try:
+        command = job.worker.command
+        assert command[command.index("--representation") + 1] == "gaussians" and "--progress-json" in command
+        assert "--shadows" not in command and "--appearance" not in command
+    finally:
+        job.kill()
+    job = logic.startTraining([volume], segmentation, preset="quick", runFolder=tmp_path / "field")
+    try:
+        assert "--representation" not in job.worker.command  # the field, as before
+    finally:
+        job.kill()
+    assert not (tmp_path / "run").exists() and node_ids(scene) == before
+
+
+def test_the_command_line_refuses_gaussians_with_shadows_in_the_stream_the_worker_reads(
+        module, scene, self_test, tmp_path, capsys):
+    """The worker's own refusal, should a caller skip the Logic's: one error event and exit status 2, before the
+    device opens and with no run folder left."""
+    import json
+
+    from NeuralRaycastLib.app.cli import main
+    from NeuralRaycastLib.study.study import write_study
+
+    volume, segmentation = _study_in_scene(self_test)
+    manifest = write_study(module.NeuralRaycastLogic().studyFromNodes([volume], segmentation), tmp_path / "study")
+    capsys.readouterr()
+    code = main(["fit", str(manifest), "--representation", "gaussians", "--shadows", "--progress-json",
+                 "--out", str(tmp_path / "run")])
+    assert code == 2
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert events == [{"event": "error", "message": "--shadows is not available with --representation gaussians "
+                                                    "yet; leave one of them out"}]
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(os.name == "nt", reason="signals as on POSIX")
 def test_a_worker_that_dies_is_one_clear_message_and_the_scene_is_unchanged(module, scene, self_test, tmp_path):
     import signal
@@ -650,7 +712,8 @@ def test_the_ui_binds_every_widget_to_its_parameter_both_ways(module, scene, sel
     assert set(bound) == set(module.NeuralRaycastParameterNode.allParameters)
     volume, _array, _affine = self_test._syntheticVolume("t1")
     edits = {"preset": "high", "device": "vulkan", "gpuMemory": "6G", "seed": 11, "iterations": 900,
-             "shadows": True, "pretrainedAppearance": True, "meshSmoothing": 4, "labelmapOversampling": 3,
+             "shadows": True, "pretrainedAppearance": True, "representation": "gaussians", "meshSmoothing": 4,
+             "labelmapOversampling": 3,
              "runFolder": tmp_path / "run",
              "inputSegmentation": self_test._newSegmentation(volume),
              "outputRender": scene.AddNewNodeByClass("vtkMRMLVectorVolumeNode", "render")}
@@ -662,6 +725,7 @@ def test_the_ui_binds_every_widget_to_its_parameter_both_ways(module, scene, sel
         bound[name].user_sets(value)
         assert getattr(parameters, name) == value, name
     assert bound["preset"].items == list(module.PRESETS)
+    assert bound["representation"].items == ["field", "gaussians"]
     assert bound["seed"].maximum == 2**31 - 1
     parameters.meshSmoothing = 7  # and the parameter shows in its widget
     assert bound["meshSmoothing"].value == 7

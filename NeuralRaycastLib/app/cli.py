@@ -272,10 +272,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
 def _pretrained_appearance(args: argparse.Namespace):
     """``fit --appearance pretrained``'s weights, read and checked before the device opens (None for the
-    per-study appearance network)."""
+    per-study appearance network); the options the Gaussians do not take are refused here too."""
     if args.appearance == "pretrained" and args.representation == "gaussians":
         raise ValueError("--appearance pretrained is for the field (--representation field); the Gaussians carry "
                          "their own colours: leave one of them out")
+    if args.shadows and args.representation == "gaussians":
+        raise ValueError("--shadows is not available with --representation gaussians yet; leave one of them out")
     if args.appearance != "pretrained":
         if args.weights is not None or args.fine_tune:
             raise ValueError("--weights and --fine-tune are for --appearance pretrained; leave them out or add "
@@ -313,13 +315,20 @@ def _fit_gaussians(gpu, args: argparse.Namespace, settings) -> int:
     """``fit --representation gaussians``: the Gaussian branch into a run folder of its own kind."""
     from ..gaussians.run import fit_gaussians
     from ..progress import CancelOnInterrupt
+    from .worker import JsonLines, StopOnStdin
 
-    if args.shadows or args.progress_json:
-        raise ValueError("--shadows and --progress-json are not available with --representation gaussians yet")
+    # The worker's stream (the Slicer module trains through it) as the field's: progress, stop on stdin, done.
+    stream = JsonLines() if args.progress_json else None
+    stdin_stop = StopOnStdin() if args.progress_json else None
     with CancelOnInterrupt() as cancel:
-        run = fit_gaussians(gpu, args.study, args.out, settings, ConsoleProgress(f"fit gaussians {gpu.backend}"),
-                            cancel, overwrite=args.overwrite)
+        should_stop = cancel if stdin_stop is None else (lambda: cancel() or stdin_stop())
+        run = fit_gaussians(gpu, args.study, args.out, settings,
+                            stream or ConsoleProgress(f"fit gaussians {gpu.backend}"), should_stop,
+                            overwrite=args.overwrite)
     log = run.log
+    if stream is not None:
+        stream.write({"event": "done", "run_folder": str(run.folder), "cancelled": bool(log.cancelled),
+                      "seconds": log.seconds, "heldout_psnr": log.scores[-1][1] if log.scores else None})
     if log.cancelled:
         raise Cancelled(f"cancelled after {log.seconds:.1f} s of training; the state reached is saved in {run.folder}")
     psnr = f", held-out PSNR {log.scores[-1][1]:.2f} dB" if log.scores else ""

@@ -195,3 +195,18 @@ def evaluate_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progres
                    study_shape=list(run.prepared.study.shape))
     write_text(run.folder / "metrics.json", strict_json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def load_gaussian_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStudy) -> GaussianRun:
+    """A Gaussian run folder's scene on a study the caller prepared (as ``load_run`` for a field: a Slicer
+    scene's study, whose file the run recorded may be gone); the model file's study geometry must match
+    (ModelFileError otherwise)."""
+    from ..field.model_io import StudyGeometry
+
+    folder = Path(folder)
+    run = read_run(folder)
+    model = load_gaussians(folder / MODEL_FILE)
+    if problems := model.geometry.mismatches(StudyGeometry.from_prepared(prepared)):
+        raise ModelFileError(f"{folder / MODEL_FILE}: made for a different study: " + "; ".join(problems))
+    scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march)
+    return GaussianRun(folder, prepared, scene, run["settings"], structures=model.structures)
