@@ -763,6 +763,51 @@ def test_a_worker_trains_into_a_run_folder_and_leaves_the_scene_unchanged(module
     assert outcome.run_folder == str(tmp_path / "run") and (tmp_path / "run" / "model.safetensors").is_file()
     assert any("held-out PSNR" in message for message in reports) and outcome.heldout_psnr > 10
     assert node_ids(scene) == before and logic.run is None
+
+
+@pytest.mark.gpu
+def test_a_gaussian_run_from_the_worker_loads_with_models_and_tables_and_refuses_the_live_view_and_web_page(
+        widget, scene, self_test, tmp_path):
+    """Gaussians chosen: the worker trains them (its progress read), the run loads on the scene's study, its
+    models, segmentation, tables and render come from the Gaussians; the live view and the web page, which need
+    a field, are off with the reason and refused in one line."""
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path / "sample"), spacing=4.0)
+    logic = widget.logic
+    job = logic.startTraining(volumes, segmentation, preset="quick", iterations=6, views=4, size=32,
+                              representation="gaussians", runFolder=tmp_path / "run")
+    reports = []
+    outcome = job.wait(lambda message, fraction: reports.append(message))
+    assert outcome.state == "done", outcome.message
+    assert (tmp_path / "run" / "gaussians.safetensors").is_file() and outcome.heldout_psnr > 10
+    assert any(message.startswith("Gaussians: step 6") for message in reports), reports
+
+    run = logic.loadRun(tmp_path / "run", volumes, segmentation)
+    assert logic.isGaussianRun(run)
+    summary = logic.trainingSummary(run)
+    assert "Representation: Gaussians" in summary and "Held-out PSNR" in summary
+    widget._checkCanApply()
+    assert widget.ui.renderButton.enabled and widget.ui.modelsButton.enabled and widget.ui.segmentationButton.enabled
+    for button in (widget.ui.liveViewButton, widget.ui.shareButton):
+        assert not button.enabled and "Gaussians" in button.toolTip
+    cameraNode = scene.AddNewNodeByClass("vtkMRMLCameraNode", "3D view camera")
+    centre = run.prepared.bounds.mean(axis=0)
+    cameraNode.SetFocalPoint(*centre)
+    cameraNode.SetPosition(*(centre + (0.0, -600.0, 0.0)))
+    cameraNode.SetViewUp(0.0, 0.0, 1.0)
+    camera = logic.cameraFromNode(cameraNode, (24, 16))
+    with pytest.raises(ValueError, match="is of Gaussians: the live view is for field models only so far"):
+        logic.liveRender(camera)
+    with pytest.raises(ValueError, match="is of Gaussians: the web page is for field models only so far"):
+        logic.sharePage(run.folder, tmp_path / "page.html")
+    assert not (tmp_path / "page.html").exists()
+
+    render = logic.renderCamera(camera)
+    assert render.GetImageData().GetDimensions()[:2] == (24, 16)
+    models = logic.createModels(smoothingIterations=0)
+    assert models and all(model.GetPolyData().GetNumberOfPoints() > 0 for model in models)
+    logic.createSegmentation(oversampling=1, smoothingIterations=0, referenceVolumeNode=volumes[0])
+    structures, _pieces = logic.createResultsTables()
+    assert structures.GetTable().GetNumberOfRows() == len(run.prepared.structures)
 # --- the learned surfaces as Slicer data: segmentation, tables, live view ------------------------------------
 
 
