@@ -97,6 +97,11 @@ class StudyGeometry:
             problems.append(f"structures {self.structures} vs {other.structures}")
         return problems
 
+    def check_matches(self, other: StudyGeometry, path: Path) -> None:
+        """Refuse (ModelFileError naming ``path``, the model file) a model made for a study other than ``other``."""
+        if problems := self.mismatches(other):
+            raise ModelFileError(f"{path}: made for a different study: " + "; ".join(problems))
+
 
 @dataclass
 class ModelFile:
@@ -247,8 +252,8 @@ def load_model(path: str | Path, expected: StudyGeometry | None = None) -> Model
     parameters = np.concatenate([tensors[name] for name in segments]).astype(np.float32)
     if not np.all(np.isfinite(parameters)):
         raise ModelFileError(f"{path}: parameters contain NaN or infinity")
-    if expected is not None and (problems := geometry.mismatches(expected)):
-        raise ModelFileError(f"{path}: made for a different study: " + "; ".join(problems))
+    if expected is not None:
+        geometry.check_matches(expected, path)
     return ModelFile(config, layout, geometry, parameters, dict(metadata.get("extra") or {}), precision)
 
 

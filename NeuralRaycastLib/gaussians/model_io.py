@@ -109,8 +109,8 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
         raise ModelFileError(f"{path}: the Gaussians do not match their checksum (file modified or damaged)")
     if not all(np.isfinite(t).all() for t in tensors.values()):
         raise ModelFileError(f"{path}: the Gaussians contain NaN or infinity")
-    if expected is not None and (problems := geometry.mismatches(expected)):
-        raise ModelFileError(f"{path}: made for a different study: " + "; ".join(problems))
+    if expected is not None:
+        geometry.check_matches(expected, path)
     gaussians = GaussianSet(**{name: tensors[name] for name in TENSORS})
     structures = tensors.get("structures")
     return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}),

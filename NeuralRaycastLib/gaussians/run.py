@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import strict_json
-from ..field.model_io import ModelFileError
+from ..field.model_io import StudyGeometry
 from ..files import StagedFolder, atomic_files, write_text
 from ..gpu.device import GpuContext, device_memory, memory_budget
 from ..outputs import check_output
@@ -126,8 +126,6 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
                        log: GaussianTrainLog, settings: RunSettings, source: str | None, structures: np.ndarray,
                        structure_losses: list[tuple[int, float]]) -> None:
     """The model with its structure weights, its training log and ``run.json``, all or none."""
-    from ..field.model_io import StudyGeometry
-
     extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
     model = encode_gaussians(GaussianModel(scene.gaussians(), scene.grid, scene.density_scale, scene.march,
                                            StudyGeometry.from_prepared(prepared), extra, structures))
@@ -157,8 +155,6 @@ def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | 
     """A Gaussian run folder's scene on its study, prepared again from the study file in ``run.json``; the model
     file's study geometry must match (ModelFileError otherwise). With ``geometry``, a model file without
     structure weights is refused before the study is prepared."""
-    from ..field.model_io import StudyGeometry
-
     folder = Path(folder)
     run = read_run(folder)
     if not run.get("study"):
@@ -168,10 +164,7 @@ def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | 
     if geometry and model.structures is None:
         raise without_structure_weights(folder / MODEL_FILE)
     prepared = prepare_for_run(run["study"], run["settings"], progress)
-    if problems := model.geometry.mismatches(StudyGeometry.from_prepared(prepared)):
-        raise ModelFileError(f"{folder / MODEL_FILE}: made for a different study: " + "; ".join(problems))
-    scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march)
-    return GaussianRun(folder, prepared, scene, run["settings"], structures=model.structures)
+    return _run_on(gpu, folder, run["settings"], model, prepared)
 
 
 def evaluate_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> dict[str, Any]:
@@ -201,12 +194,14 @@ def load_gaussian_run(gpu: GpuContext, folder: str | Path, prepared: PreparedStu
     """A Gaussian run folder's scene on a study the caller prepared (as ``load_run`` for a field: a Slicer
     scene's study, whose file the run recorded may be gone); the model file's study geometry must match
     (ModelFileError otherwise)."""
-    from ..field.model_io import StudyGeometry
-
     folder = Path(folder)
-    run = read_run(folder)
-    model = load_gaussians(folder / MODEL_FILE)
-    if problems := model.geometry.mismatches(StudyGeometry.from_prepared(prepared)):
-        raise ModelFileError(f"{folder / MODEL_FILE}: made for a different study: " + "; ".join(problems))
+    return _run_on(gpu, folder, read_run(folder)["settings"], load_gaussians(folder / MODEL_FILE), prepared)
+
+
+def _run_on(gpu: GpuContext, folder: Path, settings: RunSettings, model: GaussianModel,
+            prepared: PreparedStudy) -> GaussianRun:
+    """The run folder's Gaussians on ``prepared``, refused (ModelFileError) where they were made for another
+    study."""
+    model.geometry.check_matches(StudyGeometry.from_prepared(prepared), folder / MODEL_FILE)
     scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march)
-    return GaussianRun(folder, prepared, scene, run["settings"], structures=model.structures)
+    return GaussianRun(folder, prepared, scene, settings, structures=model.structures)
