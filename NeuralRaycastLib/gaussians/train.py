@@ -19,7 +19,6 @@ from ..gpu.memory_budget import MemoryBudget
 from ..progress import Progress, ShouldStop
 from ..render.camera import Camera
 from ..render.image_loss import patch_loss_and_gradient
-from ..render.metrics import psnr, ssim
 from ..render.patches import PatchSampler
 from ..render.reference_views import ReferenceViews
 from ..study.preprocess import PreparedStudy
@@ -260,15 +259,7 @@ def render_picture(scene: GaussianScene, camera: Camera) -> np.ndarray:
 
 def score_views(scene: GaussianScene, views: ReferenceViews, indices: list[int]) -> dict[str, float]:
     """Mean PSNR and SSIM of the scene's pictures against the reference views ``indices``."""
-    if not indices:
-        raise ValueError(f"no held-out view to score (of {len(views.images)} views); render more views, or hold "
-                         "out more of them")
-    psnrs, ssims = [], []
-    for index in indices:
-        image, reference = render_picture(scene, views.cameras[index]), views.images[index].rgb()
-        psnrs.append(psnr(image, reference))
-        ssims.append(ssim(image, reference))
-    return {"heldout_psnr": float(np.mean(psnrs)), "heldout_ssim": float(np.mean(ssims))}
+    return views.score(lambda index: render_picture(scene, views.cameras[index]), indices)
 
 
 def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ..study.preprocess import PreparedStudy
 from ..study.study import map_in_threads
 from .camera import Camera, orbit_cameras, split_views
 from .image import RenderedImage
-from .metrics import contact_sheet, depth_picture, normal_picture, save_png
+from .metrics import contact_sheet, depth_picture, normal_picture, psnr, save_png, ssim
 from .reference_render import ReferenceRenderer
 from .style import RenderStyle
 
@@ -54,6 +55,19 @@ class ReferenceViews:
 
         map_in_threads(fill, range(len(self.images)))
         return out
+
+    def score(self, picture: Callable[[int], np.ndarray], indices: list[int]) -> dict[str, float]:
+        """Mean PSNR and SSIM of ``picture(index)`` (an RGB picture of view ``index``, from whatever renders it)
+        against the views ``indices``; ValueError where there is none to score."""
+        if not indices:
+            raise ValueError(f"no held-out view to score (of {len(self.images)} views); render more views, or "
+                             "hold out more of them")
+        psnrs, ssims = [], []
+        for index in indices:
+            image, reference = picture(index), self.images[index].rgb()
+            psnrs.append(psnr(image, reference))
+            ssims.append(ssim(image, reference))
+        return {"heldout_psnr": float(np.mean(psnrs)), "heldout_ssim": float(np.mean(ssims))}
 
 
 def render_reference_views(

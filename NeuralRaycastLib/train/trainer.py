@@ -44,7 +44,6 @@ from ..gpu.device import GpuContext, GpuMemoryError, PassClock, memory_budget
 from ..gpu.memory_budget import LOWER
 from ..progress import Note, Progress, ShouldStop
 from ..render.image_loss import DeviceImageLoss, albedo_consistency_and_gradient
-from ..render.metrics import psnr, ssim
 from ..render.neural_render import SHADE_WEIGHT, DiffRenderer
 from ..render.patches import PatchSampler, pack_cameras
 from ..render.reference_render import march_settings
@@ -202,17 +201,12 @@ def score_views(renderer: DiffRenderer, views: ReferenceViews, indices: list[int
     """Mean PSNR and SSIM of the renderer's pictures against the reference views ``indices``
     (``rendered``: RGB pictures already made, by view index, so they are not rendered twice; ``rays_per_pass``:
     the bands' rays, default the renderer's)."""
-    if not indices:
-        raise ValueError(f"no held-out view to score (of {len(views.images)} views); render more views, or hold "
-                         "out more of them")
-    psnrs, ssims = [], []
-    for index in indices:
-        image = (rendered[index] if rendered and index in rendered
-                 else renderer.render(views.cameras[index], rays_per_pass).rgb())
-        reference = views.images[index].rgb()
-        psnrs.append(psnr(image, reference))
-        ssims.append(ssim(image, reference))
-    return {"heldout_psnr": float(np.mean(psnrs)), "heldout_ssim": float(np.mean(ssims))}
+    def picture(index: int) -> np.ndarray:
+        if rendered and index in rendered:
+            return rendered[index]
+        return renderer.render(views.cameras[index], rays_per_pass).rgb()
+
+    return views.score(picture, indices)
 
 
 class Trainer:
