@@ -511,10 +511,11 @@ def test_evaluate_says_the_exact_surfaces_ceiling_and_the_volume_left_out(tmp_pa
 
 
 def test_scoring_without_a_held_out_view_is_refused():
+    from NeuralRaycastLib.render.reference_views import ReferenceViews
     from NeuralRaycastLib.train.trainer import score_views
 
     with pytest.raises(ValueError, match="no held-out view to score \\(of 3 views\\)"):
-        score_views(None, SimpleNamespace(images=[None] * 3), [])
+        score_views(None, ReferenceViews(cameras=[], images=[None] * 3, training=[0, 1, 2], held_out=[]), [])
 
 
 # --- a signal at a random point of fit ---------------------------------------------------------------------
