@@ -404,3 +404,4 @@ def test_held_out_views_are_rendered_in_the_training_steps_buffers(gpu, phantom_
     assert trainer.renderer.batch(1) is buffers and buffers.capacity == rays
     whole = score_views(trainer.renderer, views, views.held_out)
     assert scores["heldout_psnr"] == pytest.approx(whole["heldout_psnr"], abs=1e-3)
+    assert scores["heldout_ssim"] == pytest.approx(whole["heldout_ssim"], abs=1e-5)

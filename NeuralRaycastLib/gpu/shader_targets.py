@@ -37,6 +37,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "composite": ("compositeRay", "compositeSegmentBackward", "finishPixel", "packPicture"),
     "device_check": ("deviceCheck",),
     "image_loss": ("imageLossPixel", "imageLossPatchSums", "imageLossGradient"),
+    "view_score": ("viewScorePixel", "viewScoreRows"),
     "mesh_shadows": ("meshKeyVisibility", "meshKeyVisibilityByGrid", "meshAmbientVisibility"),
     "ray_samples": ("cameraRays", "patchRays", "clearLists", "placeSamples"),
     "reference_render": ("renderReference", "renderReferenceMeshShadows"),

@@ -341,6 +341,12 @@ class DiffRenderer:
         shaded segments than it had room for, the view renders again, counted (and later views have the room)."""
         return image_from_planes(self._frame_planes(camera, rays_per_pass, timings), camera.height, camera.width)
 
+    def render_on_device(self, camera: Camera, rays_per_pass: int | None = None):
+        """One view's G-buffer planes (image.py's PLANE_FLOATS per pixel, RGBA first), left on the device for
+        work there (render/view_score.py); the tensor is the renderer's own, overwritten by its next view."""
+        self._frame_planes(camera, rays_per_pass, read=False)
+        return self._planes
+
     def render_picture(self, camera: Camera) -> np.ndarray:
         """One view as a screen shows it: (H, W, 4) straight-alpha bytes, the rows from the bottom (as VTK
         images start). Made on the device from the G-buffer (shaders/composite.slang's packPicture), so only a

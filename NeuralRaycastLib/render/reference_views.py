@@ -56,12 +56,16 @@ class ReferenceViews:
         map_in_threads(fill, range(len(self.images)))
         return out
 
-    def score(self, picture: Callable[[int], np.ndarray], indices: list[int]) -> dict[str, float]:
-        """Mean PSNR and SSIM of ``picture(index)`` (an RGB picture of view ``index``, from whatever renders it)
-        against the views ``indices``; ValueError where there is none to score."""
+    def check_scorable(self, indices: list[int]) -> None:
+        """ValueError where ``indices`` names no view to score."""
         if not indices:
             raise ValueError(f"no held-out view to score (of {len(self.images)} views); render more views, or "
                              "hold out more of them")
+
+    def score(self, picture: Callable[[int], np.ndarray], indices: list[int]) -> dict[str, float]:
+        """Mean PSNR and SSIM of ``picture(index)`` (an RGB picture of view ``index``, from whatever renders it)
+        against the views ``indices``; ValueError where there is none to score."""
+        self.check_scorable(indices)
         psnrs, ssims = [], []
         for index in indices:
             image, reference = picture(index), self.images[index].rgb()

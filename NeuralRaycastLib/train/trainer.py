@@ -49,6 +49,7 @@ from ..render.patches import PatchSampler, pack_cameras
 from ..render.reference_render import march_settings
 from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
+from ..render.view_score import DeviceViewScorer
 from ..study.preprocess import PreparedStudy
 from .memory import schedule_within_budget
 
@@ -231,6 +232,7 @@ class Trainer:
                                        config.occupancy_cell_mm, from_boundary=True, shade_weight=config.shade_weight)
         self.sampler = PatchSampler(views.targets(), views.training, config.patch_size, seed=config.seed)
         self.image_loss = DeviceImageLoss(gpu, config.patch_size)
+        self._scorer: DeviceViewScorer | None = None  # made at the first evaluation
         self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
         self.log = TrainLog(memory={"budget_bytes": budget.bytes, "budget_source": budget.source,
                                     "held_bytes": budget.held, "preset_patches": config.patches,
@@ -339,8 +341,10 @@ class Trainer:
         band sized for rendering alone would replace them with larger ones that the following steps then fill
         with their gradients on top (what set the peak under a memory budget)."""
         rays = self.config.patches * self.config.patch_size**2
-        return score_views(self.renderer, self.views, self.views.held_out if indices is None else indices,
-                           rays_per_pass=rays)
+        if self._scorer is None:
+            self._scorer = DeviceViewScorer(self.gpu)
+        return self._scorer.score(self.renderer, self.views, self.views.held_out if indices is None else indices,
+                                  rays_per_pass=rays)
 
     def refresh_meshes(self) -> None:
         """Mesh the learned surfaces (on a grid at most ``mesh_grid_mm`` apart) and shadow the key light with
