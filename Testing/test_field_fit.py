@@ -115,3 +115,33 @@ def test_field_queries_run_in_chunks_the_memory_budget_holds(gpu, phantom_setup,
     assert max(sizes) // 3 * per_point <= (1 * MIB) // 4 < len(points) * per_point  # in more than one chunk
     np.testing.assert_array_equal(chunked[0], whole[0])
     np.testing.assert_array_equal(chunked[1], whole[1])
+
+
+def test_the_occupancy_grid_query_is_the_distances_at_its_corners(gpu, phantom_setup, monkeypatch):
+    """field_occupancy asks the device for min_k |s_k| at the grid's corners (made there, chunked under a
+    small budget); the values and the occupied cells are those of the distances at the same points, inside
+    the field's box and beyond it."""
+    from NeuralRaycastLib.field.field_render import field_occupancy
+    from NeuralRaycastLib.gpu.memory_budget import MIB, MemoryBudget
+    from NeuralRaycastLib.render.occupancy import Occupancy
+    from NeuralRaycastLib.render.style import BAND_WIDTHS
+
+    prepared, _points, _exact = phantom_setup
+    field = make_field(gpu, prepared)
+    box = np.asarray(prepared.bounds, np.float64) + np.array([[-7.0, -3.0, -5.0], [4.0, 6.0, 2.0]])  # past the box
+    cell = 3.7
+    cells = Occupancy.grid_cells(box, cell)
+    corners = (int(cells[0]) + 1, int(cells[1]) + 1, int(cells[2]) + 1)
+    axes = [box[0, a] + np.arange(corners[a]) * cell for a in range(3)]
+    z, y, x = np.meshgrid(axes[2], axes[1], axes[0], indexing="ij")
+    expected = np.abs(field.distances(np.stack([x, y, z], axis=-1).reshape(-1, 3))).min(axis=1)
+    monkeypatch.setattr(gpu, "memory", MemoryBudget(1 * MIB, "--gpu-memory"))  # in chunks
+    got = field.nearest_on_grid(box[0], cell, corners)
+    assert got.shape == (corners[2], corners[1], corners[0])
+    np.testing.assert_allclose(got.reshape(-1), expected, rtol=1e-5, atol=1e-4)
+    occupancy = field_occupancy(field, box, cell, epsilon_mm=0.5)
+    reference = Occupancy.from_distances(field.distances, box, cell, BAND_WIDTHS * 0.5, 1.5)
+    assert occupancy.cells.shape == reference.cells.shape and occupancy.fraction > 0
+    assert np.mean(occupancy.cells != reference.cells) < 1e-3
+    with pytest.raises(ValueError, match="corner values of shape"):
+        Occupancy.from_nearest(got[:-1], box, cell, 1.0)

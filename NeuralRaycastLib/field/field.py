@@ -628,6 +628,28 @@ class NeuralField:
         distances = self._query("distancesAt", clamped, self.structures)
         return distances.reshape(-1, self.structures) + beyond[:, None]
 
+    def nearest_on_grid(self, origin: np.ndarray, cell_mm: float, corners: tuple[int, int, int]) -> np.ndarray:
+        """min_k |s_k| (float32, shape (z, y, x)) at the corners ``origin + cell_mm · (x, y, z)`` of a grid of
+        ``corners`` (x, y, z) points: what the renderer's occupancy needs of the field (field_render.py),
+        the points made on the device and one value a point read back, in chunks as :meth:`_query`'s.
+        Outside the field's box, as :meth:`distances`."""
+        import slangpy as spy
+
+        count = int(np.prod(corners))
+        low = np.asarray(self.layout.origin, np.float64)
+        high = low + np.asarray(self.layout.extent, np.float64)
+        chunk = max(1024, memory_budget(self.gpu).share("band") // 4)
+        out = np.empty(count, np.float32)
+        for first in range(0, count, chunk):
+            size = min(chunk, count - first)
+            with device_memory(f"the field's values at {size:,} grid points"):
+                result = spy.Tensor.zeros(self.gpu.device, shape=(size,), dtype=float)
+            self.module.nearestOnGrid(spy.grid((size,)), size, first, self.shader_struct(),
+                                      spy.float3(*(float(v) for v in origin)), float(cell_mm), spy.int3(*corners),
+                                      spy.float3(*low), spy.float3(*high), result.storage.device_address)
+            out[first:first + size] = np.asarray(result.to_numpy())
+        return out.reshape(corners[2], corners[1], corners[0])
+
     def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
         """∇s_k (N, K, 3) by tetrahedral differences (the same ones the Eikonal term uses)."""
         step = float(step_mm or self.default_step_mm())

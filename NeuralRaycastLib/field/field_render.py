@@ -132,4 +132,6 @@ def field_occupancy(field: NeuralField, box: np.ndarray, cell_mm: float, epsilon
                     lipschitz: float = 1.5) -> Occupancy:
     """Where the learned distances put a surface (refreshed as training goes); a margin for a field
     that is not yet exactly 1-Lipschitz."""
-    return Occupancy.from_distances(field.distances, box, cell_mm, BAND_WIDTHS * epsilon_mm, lipschitz)
+    corners = tuple(int(n) + 1 for n in Occupancy.grid_cells(box, cell_mm))
+    nearest = field.nearest_on_grid(np.asarray(box, np.float64)[0], cell_mm, corners)
+    return Occupancy.from_nearest(nearest, box, cell_mm, BAND_WIDTHS * epsilon_mm, lipschitz)

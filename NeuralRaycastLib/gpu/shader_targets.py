@@ -50,8 +50,9 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam")
 LATENT_SCENE_KERNELS = ("latentFieldDistances", "latentFieldSurface", "latentAppearanceBackward")
 #: The kernels of a field module (field/field.py's field_source: sdf_fit, then field_render).
-FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "gradientsAt", "fieldDistances",
-                 "fieldSurface", "fieldBackwardDistances", "fieldBackwardSurface", "fieldAppearanceBackward")
+FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "nearestOnGrid", "gradientsAt",
+                 "fieldDistances", "fieldSurface", "fieldBackwardDistances", "fieldBackwardSurface",
+                 "fieldAppearanceBackward")
 #: Those a field module has only with its geometry network on tensor cores (FIELD_COOPERATIVE, CUDA's).
 COOPERATIVE_FIELD_KERNELS = ("networksToTiled", "networkGradientsFromTiled", "geometryTiledCount",
                              "geometryGradientLength", "appearanceTiledCount")

@@ -45,11 +45,28 @@ class Occupancy:
         are at most that); occupied where some corner's value is (the interpolation never goes below its
         corners' least)."""
         box = np.asarray(box, np.float64)
-        dims = np.maximum(np.ceil((box[1] - box[0]) / cell_mm).astype(int), 1)
+        dims = cls.grid_cells(box, cell_mm)
         axes = [box[0, a] + np.arange(dims[a] + 1) * cell_mm for a in range(3)]
         z, y, x = np.meshgrid(axes[2], axes[1], axes[0], indexing="ij")
         corners = np.stack([x, y, z], axis=-1).reshape(-1, 3)
         nearest = np.min(np.abs(distances(corners)), axis=1).reshape(dims[2] + 1, dims[1] + 1, dims[0] + 1)
+        return cls.from_nearest(nearest, box, cell_mm, band_mm, lipschitz)
+
+    @staticmethod
+    def grid_cells(box: np.ndarray, cell_mm: float) -> np.ndarray:
+        """Cells (x, y, z) of ``cell_mm`` covering ``box`` (their corners are one more a side)."""
+        box = np.asarray(box, np.float64)
+        return np.maximum(np.ceil((box[1] - box[0]) / cell_mm).astype(int), 1)
+
+    @classmethod
+    def from_nearest(cls, nearest: np.ndarray, box: np.ndarray, cell_mm: float, band_mm: float,
+                     lipschitz: float = 1.0) -> Occupancy:
+        """As :meth:`from_distances`, given min_k |d_k| at the corners of :meth:`grid_cells` (z, y, x)."""
+        box = np.asarray(box, np.float64)
+        dims = cls.grid_cells(box, cell_mm)
+        expected = (dims[2] + 1, dims[1] + 1, dims[0] + 1)
+        if nearest.shape != expected:
+            raise ValueError(f"corner values of shape {nearest.shape}, expected {expected}")
         lowest = nearest[:-1, :-1, :-1]
         for dz, dy, dx in np.ndindex(2, 2, 2):
             lowest = np.minimum(lowest, nearest[dz:dz + dims[2], dy:dy + dims[1], dx:dx + dims[0]])
