@@ -180,8 +180,8 @@ def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> La
 
 
 class FineTune:
-    """Adam on a study's latent grid (on the device, from an fp32 copy of its codes; the grid keeps fp16) and on
-    the decoder (here: a few thousand parameters); the encoder is left as pretrained."""
+    """Adam on a study's latent grid (from an fp32 copy of its codes; the grid keeps fp16) and on the decoder, both
+    on the device: a step reads nothing back. The encoder is left as pretrained."""
 
     def __init__(self, latent: LatentAppearance, rate_grid: float = 2e-3, rate_decoder: float = 2e-4) -> None:
         import slangpy as spy
@@ -191,9 +191,9 @@ class FineTune:
         self.master = spy.Tensor.from_numpy(device, np.ascontiguousarray(latent.grid_codes().reshape(-1)))
         self.m = spy.Tensor.zeros(device, shape=(size,), dtype=float)
         self.v = spy.Tensor.zeros(device, shape=(size,), dtype=float)
-        self.values = latent.parameters().astype(np.float64)
-        self.decoder = slice(latent.config.decoder_offset, latent.config.count)
-        self.dm, self.dv = np.zeros_like(self.values), np.zeros_like(self.values)
+        decoder = latent.config.count - latent.config.decoder_offset
+        self.dm = spy.Tensor.zeros(device, shape=(decoder,), dtype=float)
+        self.dv = spy.Tensor.zeros(device, shape=(decoder,), dtype=float)
         self.steps = 0
 
     def step(self, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8) -> None:
@@ -207,13 +207,11 @@ class FineTune:
         latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
                                      self.master.storage.device_address, self.m.storage.device_address,
                                      self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2, epsilon)
-        gradient = latent.gradients().astype(np.float64)
-        latent.grads.copy_from_numpy(np.zeros(latent.config.count, np.float32))
-        d = self.decoder
-        self.dm[d] = beta1 * self.dm[d] + (1 - beta1) * gradient[d]
-        self.dv[d] = beta2 * self.dv[d] + (1 - beta2) * gradient[d] ** 2
-        self.values[d] -= self.rate_decoder * (self.dm[d] * c1) / (np.sqrt(self.dv[d] * c2) + epsilon)
-        latent.set_parameters(self.values.astype(np.float32))
+        count = latent.config.count
+        latent.module.latentParameterAdam(spy.grid((count,)), count, latent.config.decoder_offset,
+                                          latent.values.storage.device_address, latent.grads.storage.device_address,
+                                          self.dm.storage.device_address, self.dv.storage.device_address,
+                                          self.rate_decoder, beta1, beta2, c1, c2, epsilon)
 
 
 def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None) -> list[float]:

@@ -125,7 +125,7 @@ def train_study(
             with clock.phase("field and trainer"):
                 field = NeuralField(gpu, layout, seed=settings.seed)
                 trainer = Trainer(gpu, prepared, field, views, schedule)
-            with clock.phase("train"):
+            with clock.phase("train" if appearance is None else "SDF fit"):
                 log = trainer.run(progress, should_stop)
             latent = renderer = None
             if appearance is not None:  # a cancelled fit's geometry gets its appearance too: a run that renders
@@ -165,7 +165,7 @@ def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appeara
     fine-tune of the grid and the decoder) and its renderer, set up as a finished field's pictures are."""
     from ..appearance.latent_scene import fine_tune, latent_renderer
 
-    with clock.phase("latent grid"):
+    with clock.phase("encode"):
         latent = appearance.encode_study(gpu, prepared, field)
         gpu.device.wait()
     if tuning and appearance.fine_tune_steps:

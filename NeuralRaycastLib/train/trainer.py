@@ -382,12 +382,14 @@ class Trainer:
             self.log.rows.append({"step": step, "stage": 1, "sdf": loss})
         if geometry.cancelled:
             return self._finish(start, cancelled=True)
+        steps = c.appearance_steps + c.joint_steps
+        if not steps:  # the geometry alone (a pretrained appearance follows): no render stage to set up
+            return self._finish(start, cancelled=False)
         self.refresh_occupancy()
         if c.shadows:
             self.refresh_meshes()
 
         # stages 2 and 3: through the renderer
-        steps = c.appearance_steps + c.joint_steps
         adam, sdf = self.render_optimisers(steps)
         good = self.field.parameters()
         rate, bad = 1.0, 0
