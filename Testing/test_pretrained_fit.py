@@ -83,3 +83,29 @@ def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appea
     assert (tmp_path / "run" / "appearance.safetensors").is_file()
     assert isinstance(run.renderer.scene, LatentFieldScene)
     assert not [row for row in run.log.rows if row.get("stage") == 2]  # neither a fine-tune nor a score
+
+
+def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gpu, phantom_study_dir, tmp_path):
+    """``neuralraycast warmup``'s parts cover the pretrained route: after the SDF fit's part and the pretrained
+    appearance's, a whole ``fit --appearance pretrained --fine-tune`` (encoder, fine-tune, held-out score, save)
+    builds no Slang module and no kernel in this process (counted at slangpy's entry points)."""
+    from test_study_kernels import counted_compiles
+
+    from NeuralRaycastLib.appearance.latent_scene import PretrainedAppearance
+    from NeuralRaycastLib.appearance.pretrain import SHIPPED_WEIGHTS
+    from NeuralRaycastLib.train import warmup
+    from NeuralRaycastLib.train.presets import RunSettings, training_schedule
+    from NeuralRaycastLib.train.run import train_study
+    from NeuralRaycastLib.train.run_folder import prepare_for_run
+
+    settings = RunSettings.for_device(gpu, "quick", views=4, size=32)
+    prepared = prepare_for_run(phantom_study_dir, settings)
+    views = warmup.tiny_views(gpu, prepared)
+    for part in ("fit", "pretrained"):
+        warmup.warm_up_part(gpu, prepared, views, settings, part)
+    appearance = PretrainedAppearance.read(SHIPPED_WEIGHTS, fine_tune_steps=2)
+    with counted_compiles() as compiled:
+        run = train_study(gpu, phantom_study_dir, tmp_path / "run", settings, warm_up=False, appearance=appearance,
+                          config=training_schedule("quick", settings.seed).with_total_steps(3))
+    assert compiled == {"modules": [], "pipelines": []}
+    assert (run.folder / "appearance.safetensors").is_file() and run.log.last("heldout_psnr") is not None
