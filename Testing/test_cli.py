@@ -181,7 +181,8 @@ def test_a_cancelled_warm_up_stops_its_workers(tmp_path, monkeypatch):
     with pytest.raises(WarmUpCancelled, match="nothing was trained"):
         _parts_in_processes("study", RunSettings("standard"), None, 4, lambda message, fraction: reports.append(
             message), should_stop, str(worker))
-    assert reports and reports[-1].startswith(f"0 of {len(warmup.PARTS)} parts compiled, 4 compiling")  # alive while it compiles
+    parts = len(warmup.PARTS)
+    assert reports and reports[-1].startswith(f"0 of {parts} parts compiled, 4 compiling")  # alive while it compiles
     started = [int(pid) for pid in pids.read_text().split()]
     assert len(started) == 4
     for pid in started:

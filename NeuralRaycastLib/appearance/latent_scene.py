@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,14 +118,21 @@ class PretrainedAppearance:
     config: LatentConfig
     parameters: np.ndarray
     digest: str
-    fine_tune_steps: int = 0  # image steps on the grid and the decoder after the encoder (0: none)
+    fine_tune_steps: int = 0  # image steps on the grid and the decoder after the encoder (0: no step limit)
+    fine_tune_seconds: float = 0.0  # or as many steps as this wall clock holds, whichever ends first (0: no limit)
 
     @classmethod
-    def read(cls, path: str | Path, fine_tune_steps: int = 0) -> PretrainedAppearance:
+    def read(cls, path: str | Path, fine_tune_steps: int = 0, fine_tune_seconds: float = 0.0) -> PretrainedAppearance:
         if fine_tune_steps < 0:
             raise ValueError(f"fine-tune steps must be 0 or more (got {fine_tune_steps})")
+        if not (fine_tune_seconds >= 0 and math.isfinite(fine_tune_seconds)):
+            raise ValueError(f"fine-tune seconds must be 0 or more (got {fine_tune_seconds})")
         config, parameters, metadata = read_weights(path)
-        return cls(config, parameters, str(metadata["sha256"]), int(fine_tune_steps))
+        return cls(config, parameters, str(metadata["sha256"]), int(fine_tune_steps), float(fine_tune_seconds))
+
+    @property
+    def fine_tunes(self) -> bool:
+        return bool(self.fine_tune_steps or self.fine_tune_seconds)
 
     def encode_study(self, gpu: GpuContext, prepared, field: NeuralField) -> LatentAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
@@ -214,20 +223,28 @@ class FineTune:
                                           self.rate_decoder, beta1, beta2, c1, c2, epsilon)
 
 
-def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None) -> list[float]:
-    """``steps`` image steps of the trainer's schedule on the latent grid and the decoder, the geometry frozen:
-    the trainer renders through the latent scene meanwhile. Returns each step's loss."""
+def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None, seconds: float = 0.0) -> list[float]:
+    """Image steps of the trainer's schedule on the latent grid and the decoder, the geometry frozen: ``steps`` of
+    them, or as many as ``seconds`` of wall clock hold (a step ends with its loss read back, so the clock holds
+    its device work), whichever ends first (0: no limit of that kind). The trainer renders through the latent
+    scene meanwhile. Returns each step's loss."""
+    if not (steps or seconds):
+        return []
+    start = time.perf_counter()
     c = trainer.config
     trainer.renderer = latent_renderer(trainer.gpu, trainer.prepared, trainer.field, latent, c.max_samples,
                                        c.occupancy_cell_mm, c.shade_weight)
-    optimiser, losses = FineTune(latent), []
-    for step in range(steps):
+    optimiser, losses, step = FineTune(latent), [], 0
+    while True:
+        done = max(step / steps if steps else 0.0, (time.perf_counter() - start) / seconds if seconds else 0.0)
+        if done >= 1.0:
+            return losses
         terms = trainer.image_step(geometry=False)
+        step += 1
         if not np.isfinite(terms["loss"]):
             latent.zero_gradients()
             continue
         optimiser.step()
         losses.append(float(terms["loss"]))
-        if progress is not None and (step % 10 == 0 or step == steps - 1):
-            progress(f"fine-tune: step {step + 1}/{steps} loss {losses[-1]:.4f}", (step + 1) / steps)
-    return losses
+        if progress is not None and step % 10 == 1:
+            progress(f"fine-tune: step {step} loss {losses[-1]:.4f}", min(done, 1.0))
