@@ -108,3 +108,19 @@ def test_fine_tune_seconds_must_be_a_time_and_need_the_pretrained_route(phantom_
         message = capsys.readouterr().err.strip()
         assert "\n" not in message and named in message, message
     assert not out.exists()
+
+
+def test_the_cohort_made_in_several_processes_is_the_cohort_made_in_one(tmp_path):
+    """``pretrain`` generates and prepares its studies side by side where there are cores: the same studies, in the
+    cohort's order, as one process makes (so the same seed still gives the same weights)."""
+    from NeuralRaycastLib.appearance.pretrain import prepare_cohort
+
+    config = PretrainConfig(studies=1, max_voxels=32)
+    alone = prepare_cohort(config, tmp_path / "one", jobs=1)
+    side_by_side = prepare_cohort(config, tmp_path / "two", jobs=2)
+    assert len(alone) == len(side_by_side) == 1
+    for a, b in zip(alone, side_by_side, strict=True):
+        assert a.structures == b.structures and a.channel_names == b.channel_names
+        np.testing.assert_array_equal(a.affine, b.affine)
+        np.testing.assert_array_equal(a.boundary, b.boundary)
+        np.testing.assert_array_equal(np.asarray(a.channels), np.asarray(b.channels))
