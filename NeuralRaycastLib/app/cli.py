@@ -275,7 +275,8 @@ def _print_time_to_renderable(run, appearance) -> None:
     phase (the held-out score's own renders are no phase: they come after the model is made)."""
     phases = [phase for phase in run.phases.phases if phase.name not in NOT_TO_RENDERABLE]
     steps = int(run.log.last("fine_tune_steps") or 0)
-    trained = f"{steps} fine-tune steps" if appearance.fine_tunes else "no appearance training"
+    trained = (f"{steps} fine-tune step{'' if steps == 1 else 's'}" if appearance.fine_tunes
+               else "no appearance training")
     breakdown = " · ".join(f"{phase.name} {phase.seconds:.2f} s" for phase in phases)
     print(f"study to renderable model: {sum(phase.seconds for phase in phases):.2f} s (kernels compiled; "
           f"pretrained appearance, {trained}): {breakdown}")
