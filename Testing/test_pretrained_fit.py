@@ -43,7 +43,11 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--appearance",
                  "pretrained", "--no-warmup"]) == 0
     printed = capsys.readouterr().out
-    assert "study to renderable model" in printed
+    # The time to a renderable model, phase by phase: the evaluation's reference views and a compile left out.
+    line = next(line for line in printed.splitlines() if line.startswith("study to renderable model: "))
+    summary, phases = line.split("): ", 1)
+    assert all(f"{phase} " in phases for phase in ("boundary maps", "SDF fit", "encode", "save")), line
+    assert "reference views" not in phases and "compile" not in phases and "no appearance training" in summary
     log = json.loads((out / "train_log.json").read_text())
     assert log["rays"] == 0  # no appearance training: not one ray rendered for a training step
     psnr = [row["heldout_psnr"] for row in log["rows"] if "heldout_psnr" in row]

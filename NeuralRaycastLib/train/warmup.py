@@ -4,7 +4,8 @@ A run's kernels fall into parts: the SDF fit (stage 1); the rendering stages' fo
 appearance backward (stage 2) and evaluation renders; the joint backward's two passes (stage 3: the scene's
 backward through the distances, and through the normals and appearance), each a part of its own, the
 slowest kernels to compile (split in two, that backward compiles beside the other parts and the warm-up
-ends sooner than with it as one part; BENCHMARKS.md); and a joint step, which then only loads them. One step of
+ends sooner than with it as one part; BENCHMARKS.md); a joint step, which then only loads them; and the
+pretrained appearance's kernels (``fit --appearance pretrained``: encoder, fine-tune, its pictures). One step of
 each part is run on tiny views with a fresh field: what is compiled is exactly what training calls. The joint
 backward's kernels are compiled by a launch over an empty batch (every entry past the end of its list: nothing
 is computed), so they need no forward pass first. Slang and the GPU compiler work on one kernel at a time in

@@ -12,13 +12,15 @@
 #      shipped  fit --appearance pretrained (the weights the package ships)
 #    The first fit of a study is a pretrained one, so its boundary maps are computed afresh there.
 # 3. frame-rate --size 1024 1024 of the network and pretrained runs, evaluate (PSNR / SSIM / Dice) of each run,
-#    the model and latent-grid bytes, and each command's wall time (/usr/bin/time).
+#    the model and latent-grid bytes, and each command's wall time (/usr/bin/time). The sample's fits and frame
+#    times come first; the shipped weights' fits, the other frame times and the evaluations follow.
 # Steps run in order of importance and are skipped (said in steps.txt) once $BUDGET_S seconds have passed, so
 # the script stays under about 4 minutes.
 #
 # Output under $OUT: summary.md (the table), pretrained-16.safetensors (the new weights, to ship if better),
 # pretrained.tar.gz (every command's output, train logs, metrics, timings).
 set -u
+shopt -s nullglob
 N=${N:-python3 -m NeuralRaycastLib.app.entry}
 OUT=${OUT:?set OUT to the folder for the results}
 STUDIES=${STUDIES:-16}
@@ -69,7 +71,8 @@ sha256sum "$W"/repro-*.safetensors "$WEIGHTS" "$ROOT/NeuralRaycastLib/appearance
     >> "$R/reproducible.txt" 2>&1
 [ -f "$WEIGHTS" ] || WEIGHTS=$ROOT/NeuralRaycastLib/appearance/pretrained.safetensors  # so the fits still run
 
-# 2. The fits, study by study.
+# 2. The fits, study by study, then the 1024² frame times of the sample's runs; the shipped weights' fits, the
+#    other frame times and the evaluations after them (skipped first where the budget runs out).
 STUDY_NAMES="icbm0 icbm7 phantom11"
 for s in $STUDY_NAMES; do
     study=$W/studies/$s
@@ -77,15 +80,17 @@ for s in $STUDY_NAMES; do
     step "fit-$s-new+ft" $N fit "$study" --out "$W/runs/$s-new+ft" --appearance pretrained --weights "$WEIGHTS" \
         --fine-tune-seconds "$FT_SECONDS"
     step "fit-$s-network" $N fit "$study" --out "$W/runs/$s-network"
-    step "fit-$s-shipped" $N fit "$study" --out "$W/runs/$s-shipped" --appearance pretrained
 done
-
-# 3. Frame rates at 1024², then the evaluations.
+frame_rate() {  # frame_rate STUDY KIND
+    [ -d "$W/runs/$1-$2" ] && step "frame-rate-$1-$2" $N frame-rate "$W/runs/$1-$2" --size 1024 1024 --frames 30 \
+        --json
+}
+for kind in network new+ft new; do frame_rate icbm0 "$kind"; done
 for s in $STUDY_NAMES; do
-    for kind in network new+ft new; do
-        [ -d "$W/runs/$s-$kind" ] && step "frame-rate-$s-$kind" $N frame-rate "$W/runs/$s-$kind" --size 1024 1024 \
-            --frames 30 --json
-    done
+    step "fit-$s-shipped" $N fit "$W/studies/$s" --out "$W/runs/$s-shipped" --appearance pretrained
+done
+for s in icbm7 phantom11; do
+    for kind in network new+ft; do frame_rate "$s" "$kind"; done
 done
 for s in $STUDY_NAMES; do
     for kind in new new+ft network shipped; do
