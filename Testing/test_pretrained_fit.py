@@ -37,11 +37,15 @@ def test_fit_names_a_missing_weights_file_and_refuses_pretrained_options_without
 
 
 def test_the_pretrained_appearance_renders_a_new_study_without_appearance_training(phantom_study_dir, tmp_path,
-                                                                                     capsys):
+                                                                                     capsys, monkeypatch):
     """With the weights the package ships (pretrained on cohort seeds: the study's seed is not among them)."""
+    from NeuralRaycastLib.render.reference_views import ReferenceViews
+
     out = tmp_path / "run"
-    assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--appearance",
-                 "pretrained", "--no-warmup"]) == 0
+    with monkeypatch.context() as patched:  # without a fine-tune no image step runs: the targets are not gathered
+        patched.setattr(ReferenceViews, "targets", lambda views: pytest.fail("the image steps' targets gathered"))
+        assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--appearance",
+                     "pretrained", "--no-warmup"]) == 0
     printed = capsys.readouterr().out
     # The time to a renderable model, phase by phase: the evaluation's reference views and a compile left out.
     line = next(line for line in printed.splitlines() if line.startswith("study to renderable model: "))
