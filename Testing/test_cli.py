@@ -181,7 +181,8 @@ def test_a_cancelled_warm_up_stops_its_workers(tmp_path, monkeypatch):
     with pytest.raises(WarmUpCancelled, match="nothing was trained"):
         _parts_in_processes("study", RunSettings("standard"), None, 4, lambda message, fraction: reports.append(
             message), should_stop, str(worker))
-    assert reports and reports[-1].startswith("0 of 5 parts compiled, 4 compiling")  # alive while it compiles
+    parts = len(warmup.PARTS)
+    assert reports and reports[-1].startswith(f"0 of {parts} parts compiled, 4 compiling")  # alive while it compiles
     started = [int(pid) for pid in pids.read_text().split()]
     assert len(started) == 4
     for pid in started:
@@ -264,7 +265,8 @@ def test_the_fit_forward_and_backward_parts_compile_side_by_side_and_the_joint_s
 
     events: list[tuple[str, str]] = []
     commands: list[list[str]] = []
-    polls_to_finish = {"fit": 8, "appearance": 2, "backward-distances": 5, "backward-surface": 3, "joint": 2}
+    polls_to_finish = {"fit": 8, "appearance": 2, "backward-distances": 5, "backward-surface": 3, "joint": 2,
+                       "pretrained": 4}
 
     class Worker:
         def __init__(self, command, **_):

@@ -69,3 +69,58 @@ def test_pretrain_writes_small_weights_that_the_same_seed_reproduces(tmp_path, c
         read_weights(altered)
     with pytest.raises(WeightsFileError, match="neuralraycast pretrain"):
         read_weights(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize(("steps", "seconds", "expected"), [(0, 0.3, range(3, 8)), (2, 30.0, range(2, 3)),
+                                                            (0, 0.0, range(0, 1))])
+def test_a_fine_tune_ends_at_its_step_limit_or_when_its_seconds_are_up(monkeypatch, steps, seconds, expected):
+    """``fit --fine-tune STEPS --fine-tune-seconds S``: steps of 50 ms stop once S seconds have passed, or at the
+    step limit where that comes first; neither given, none is taken (the renderer is not even set up)."""
+    import time
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.appearance import latent_scene
+
+    made, updates = [], []
+    monkeypatch.setattr(latent_scene, "latent_renderer", lambda *args: made.append(args) or "renderer")
+    monkeypatch.setattr(latent_scene, "FineTune", lambda latent: SimpleNamespace(step=lambda: updates.append(1)))
+
+    def image_step(geometry: bool) -> dict[str, float]:
+        assert not geometry  # the geometry stays as fitted
+        time.sleep(0.05)
+        return {"loss": 0.5}
+
+    trainer = SimpleNamespace(config=SimpleNamespace(max_samples=8, occupancy_cell_mm=4.0, shade_weight=0.01),
+                              gpu=None, prepared=None, field=None, image_step=image_step)
+    start = time.perf_counter()
+    losses = latent_scene.fine_tune(trainer, None, steps, seconds=seconds)
+    assert len(losses) == len(updates) and len(losses) in expected, len(losses)
+    assert time.perf_counter() - start < (seconds or 1.0) + 0.2
+    assert (getattr(trainer, "renderer", None) == "renderer") == bool(made) == (expected.stop > 1)
+
+
+def test_fine_tune_seconds_must_be_a_time_and_need_the_pretrained_route(phantom_study_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    for options, named in ((["--fine-tune-seconds", "2"], "--appearance pretrained"),
+                           (["--appearance", "pretrained", "--fine-tune-seconds", "-1"], "fine-tune seconds"),
+                           (["--appearance", "pretrained", "--fine-tune-seconds", "nan"], "fine-tune seconds")):
+        assert main(["fit", str(phantom_study_dir), "--out", str(out), *options]) == 2
+        message = capsys.readouterr().err.strip()
+        assert "\n" not in message and named in message, message
+    assert not out.exists()
+
+
+def test_the_cohort_made_in_several_processes_is_the_cohort_made_in_one(tmp_path):
+    """``pretrain`` generates and prepares its studies side by side where there are cores: the same studies, in the
+    cohort's order, as one process makes (so the same seed still gives the same weights)."""
+    from NeuralRaycastLib.appearance.pretrain import prepare_cohort
+
+    config = PretrainConfig(studies=1, max_voxels=32)
+    alone = prepare_cohort(config, tmp_path / "one", jobs=1)
+    side_by_side = prepare_cohort(config, tmp_path / "two", jobs=2)
+    assert len(alone) == len(side_by_side) == 1
+    for a, b in zip(alone, side_by_side, strict=True):
+        assert a.structures == b.structures and a.channel_names == b.channel_names
+        np.testing.assert_array_equal(a.affine, b.affine)
+        np.testing.assert_array_equal(a.boundary, b.boundary)
+        np.testing.assert_array_equal(np.asarray(a.channels), np.asarray(b.channels))

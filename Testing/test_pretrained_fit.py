@@ -37,13 +37,21 @@ def test_fit_names_a_missing_weights_file_and_refuses_pretrained_options_without
 
 
 def test_the_pretrained_appearance_renders_a_new_study_without_appearance_training(phantom_study_dir, tmp_path,
-                                                                                     capsys):
+                                                                                     capsys, monkeypatch):
     """With the weights the package ships (pretrained on cohort seeds: the study's seed is not among them)."""
+    from NeuralRaycastLib.render.reference_views import ReferenceViews
+
     out = tmp_path / "run"
-    assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--appearance",
-                 "pretrained", "--no-warmup"]) == 0
+    with monkeypatch.context() as patched:  # without a fine-tune no image step runs: the targets are not gathered
+        patched.setattr(ReferenceViews, "targets", lambda views: pytest.fail("the image steps' targets gathered"))
+        assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--appearance",
+                     "pretrained", "--no-warmup"]) == 0
     printed = capsys.readouterr().out
-    assert "study to renderable model" in printed
+    # The time to a renderable model, phase by phase: the evaluation's reference views and a compile left out.
+    line = next(line for line in printed.splitlines() if line.startswith("study to renderable model: "))
+    summary, phases = line.split("): ", 1)
+    assert all(f"{phase} " in phases for phase in ("boundary maps", "SDF fit", "encode", "save")), line
+    assert "reference views" not in phases and "compile" not in phases and "no appearance training" in summary
     log = json.loads((out / "train_log.json").read_text())
     assert log["rays"] == 0  # no appearance training: not one ray rendered for a training step
     psnr = [row["heldout_psnr"] for row in log["rows"] if "heldout_psnr" in row]
@@ -83,3 +91,29 @@ def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appea
     assert (tmp_path / "run" / "appearance.safetensors").is_file()
     assert isinstance(run.renderer.scene, LatentFieldScene)
     assert not [row for row in run.log.rows if row.get("stage") == 2]  # neither a fine-tune nor a score
+
+
+def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gpu, phantom_study_dir, tmp_path):
+    """``neuralraycast warmup``'s parts cover the pretrained route: after the SDF fit's part and the pretrained
+    appearance's, a whole ``fit --appearance pretrained --fine-tune`` (encoder, fine-tune, held-out score, save)
+    builds no Slang module and no kernel in this process (counted at slangpy's entry points)."""
+    from test_study_kernels import counted_compiles
+
+    from NeuralRaycastLib.appearance.latent_scene import PretrainedAppearance
+    from NeuralRaycastLib.appearance.pretrain import SHIPPED_WEIGHTS
+    from NeuralRaycastLib.train import warmup
+    from NeuralRaycastLib.train.presets import RunSettings, training_schedule
+    from NeuralRaycastLib.train.run import train_study
+    from NeuralRaycastLib.train.run_folder import prepare_for_run
+
+    settings = RunSettings.for_device(gpu, "quick", views=4, size=32)
+    prepared = prepare_for_run(phantom_study_dir, settings)
+    views = warmup.tiny_views(gpu, prepared)
+    for part in ("fit", "pretrained"):
+        warmup.warm_up_part(gpu, prepared, views, settings, part)
+    appearance = PretrainedAppearance.read(SHIPPED_WEIGHTS, fine_tune_steps=2)
+    with counted_compiles() as compiled:
+        run = train_study(gpu, phantom_study_dir, tmp_path / "run", settings, warm_up=False, appearance=appearance,
+                          config=training_schedule("quick", settings.seed).with_total_steps(3))
+    assert compiled == {"modules": [], "pipelines": []}
+    assert (run.folder / "appearance.safetensors").is_file() and run.log.last("heldout_psnr") is not None

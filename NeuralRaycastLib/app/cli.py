@@ -261,13 +261,25 @@ def cmd_fit(args: argparse.Namespace) -> int:
           + (f", held-out PSNR {psnr:.2f} dB" if psnr is not None else "") + f"; run folder {run.folder}")
     print(f"time: {run.phases.summary()}")
     if appearance is not None:
-        # The reference views are the evaluation's, the kernels' compile a first run's, the save after the fact.
-        renderable = sum(phase.seconds for phase in run.phases.phases
-                         if phase.name not in ("compile", "reference views", "save"))
-        trained = (f"{appearance.fine_tune_steps} fine-tune steps" if appearance.fine_tune_steps
-                   else "no appearance training")
-        print(f"study to renderable model: {renderable:.2f} s (kernels compiled; pretrained appearance, {trained})")
+        _print_time_to_renderable(run, appearance)
     return 0
+
+
+#: Phases of a fit that a renderable model does not wait for: a first run's compile, and the reference views
+#: (rendered and written) that only the held-out score and the fine-tune read.
+NOT_TO_RENDERABLE = ("compile", "reference views", "reference views written")
+
+
+def _print_time_to_renderable(run, appearance) -> None:
+    """``fit --appearance pretrained``: the wall clock from the study to the saved renderable model, phase by
+    phase (the held-out score's own renders are no phase: they come after the model is made)."""
+    phases = [phase for phase in run.phases.phases if phase.name not in NOT_TO_RENDERABLE]
+    steps = int(run.log.last("fine_tune_steps") or 0)
+    trained = (f"{steps} fine-tune step{'' if steps == 1 else 's'}" if appearance.fine_tunes
+               else "no appearance training")
+    breakdown = " · ".join(f"{phase.name} {phase.seconds:.2f} s" for phase in phases)
+    print(f"study to renderable model: {sum(phase.seconds for phase in phases):.2f} s (kernels compiled; "
+          f"pretrained appearance, {trained}): {breakdown}")
 
 
 def _pretrained_appearance(args: argparse.Namespace):
@@ -279,16 +291,17 @@ def _pretrained_appearance(args: argparse.Namespace):
     if args.shadows and args.representation == "gaussians":
         raise ValueError("--shadows is not available with --representation gaussians yet; leave one of them out")
     if args.appearance != "pretrained":
-        if args.weights is not None or args.fine_tune:
-            raise ValueError("--weights and --fine-tune are for --appearance pretrained; leave them out or add "
-                             "that option")
+        if args.weights is not None or args.fine_tune or args.fine_tune_seconds:
+            raise ValueError("--weights, --fine-tune and --fine-tune-seconds are for --appearance pretrained; leave "
+                             "them out or add that option")
         return None
     if args.shadows:
         raise ValueError("--shadows is not available with --appearance pretrained yet; leave one of them out")
     from ..appearance.latent_scene import PretrainedAppearance
     from ..appearance.pretrain import SHIPPED_WEIGHTS
 
-    return PretrainedAppearance.read(SHIPPED_WEIGHTS if args.weights is None else args.weights, args.fine_tune)
+    return PretrainedAppearance.read(SHIPPED_WEIGHTS if args.weights is None else args.weights, args.fine_tune,
+                                     args.fine_tune_seconds)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -763,7 +776,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the weights the package ships)")
     p.add_argument("--fine-tune", type=int, default=0, metavar="STEPS",
                    help="with --appearance pretrained: image steps on the latent grid and the decoder after the "
-                        "encoder (default 0: none)")
+                        "encoder (default 0: none; with --fine-tune-seconds, at most this many)")
+    p.add_argument("--fine-tune-seconds", type=float, default=0.0, metavar="S",
+                   help="with --appearance pretrained: fine-tune for this many seconds of wall clock (with "
+                        "--fine-tune, whichever ends first; default 0: no time limit)")
     pieces_options(p)
     warmup_option(p)
     p.add_argument("--progress-json", action="store_true",

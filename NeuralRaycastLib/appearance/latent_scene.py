@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,14 +118,21 @@ class PretrainedAppearance:
     config: LatentConfig
     parameters: np.ndarray
     digest: str
-    fine_tune_steps: int = 0  # image steps on the grid and the decoder after the encoder (0: none)
+    fine_tune_steps: int = 0  # image steps on the grid and the decoder after the encoder (0: no step limit)
+    fine_tune_seconds: float = 0.0  # or as many steps as this wall clock holds, whichever ends first (0: no limit)
 
     @classmethod
-    def read(cls, path: str | Path, fine_tune_steps: int = 0) -> PretrainedAppearance:
+    def read(cls, path: str | Path, fine_tune_steps: int = 0, fine_tune_seconds: float = 0.0) -> PretrainedAppearance:
         if fine_tune_steps < 0:
             raise ValueError(f"fine-tune steps must be 0 or more (got {fine_tune_steps})")
+        if not (fine_tune_seconds >= 0 and math.isfinite(fine_tune_seconds)):
+            raise ValueError(f"fine-tune seconds must be 0 or more (got {fine_tune_seconds})")
         config, parameters, metadata = read_weights(path)
-        return cls(config, parameters, str(metadata["sha256"]), int(fine_tune_steps))
+        return cls(config, parameters, str(metadata["sha256"]), int(fine_tune_steps), float(fine_tune_seconds))
+
+    @property
+    def fine_tunes(self) -> bool:
+        return bool(self.fine_tune_steps or self.fine_tune_seconds)
 
     def encode_study(self, gpu: GpuContext, prepared, field: NeuralField) -> LatentAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
@@ -180,8 +189,8 @@ def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> La
 
 
 class FineTune:
-    """Adam on a study's latent grid (on the device, from an fp32 copy of its codes; the grid keeps fp16) and on
-    the decoder (here: a few thousand parameters); the encoder is left as pretrained."""
+    """Adam on a study's latent grid (from an fp32 copy of its codes; the grid keeps fp16) and on the decoder, both
+    on the device: a step reads nothing back. The encoder is left as pretrained."""
 
     def __init__(self, latent: LatentAppearance, rate_grid: float = 2e-3, rate_decoder: float = 2e-4) -> None:
         import slangpy as spy
@@ -191,9 +200,9 @@ class FineTune:
         self.master = spy.Tensor.from_numpy(device, np.ascontiguousarray(latent.grid_codes().reshape(-1)))
         self.m = spy.Tensor.zeros(device, shape=(size,), dtype=float)
         self.v = spy.Tensor.zeros(device, shape=(size,), dtype=float)
-        self.values = latent.parameters().astype(np.float64)
-        self.decoder = slice(latent.config.decoder_offset, latent.config.count)
-        self.dm, self.dv = np.zeros_like(self.values), np.zeros_like(self.values)
+        decoder = latent.config.count - latent.config.decoder_offset
+        self.dm = spy.Tensor.zeros(device, shape=(decoder,), dtype=float)
+        self.dv = spy.Tensor.zeros(device, shape=(decoder,), dtype=float)
         self.steps = 0
 
     def step(self, beta1: float = 0.9, beta2: float = 0.99, epsilon: float = 1e-8) -> None:
@@ -207,29 +216,35 @@ class FineTune:
         latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
                                      self.master.storage.device_address, self.m.storage.device_address,
                                      self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2, epsilon)
-        gradient = latent.gradients().astype(np.float64)
-        latent.grads.copy_from_numpy(np.zeros(latent.config.count, np.float32))
-        d = self.decoder
-        self.dm[d] = beta1 * self.dm[d] + (1 - beta1) * gradient[d]
-        self.dv[d] = beta2 * self.dv[d] + (1 - beta2) * gradient[d] ** 2
-        self.values[d] -= self.rate_decoder * (self.dm[d] * c1) / (np.sqrt(self.dv[d] * c2) + epsilon)
-        latent.set_parameters(self.values.astype(np.float32))
+        count = latent.config.count
+        latent.module.latentParameterAdam(spy.grid((count,)), count, latent.config.decoder_offset,
+                                          latent.values.storage.device_address, latent.grads.storage.device_address,
+                                          self.dm.storage.device_address, self.dv.storage.device_address,
+                                          self.rate_decoder, beta1, beta2, c1, c2, epsilon)
 
 
-def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None) -> list[float]:
-    """``steps`` image steps of the trainer's schedule on the latent grid and the decoder, the geometry frozen:
-    the trainer renders through the latent scene meanwhile. Returns each step's loss."""
+def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None, seconds: float = 0.0) -> list[float]:
+    """Image steps of the trainer's schedule on the latent grid and the decoder, the geometry frozen: ``steps`` of
+    them, or as many as ``seconds`` of wall clock hold (a step ends with its loss read back, so the clock holds
+    its device work), whichever ends first (0: no limit of that kind). The trainer renders through the latent
+    scene meanwhile. Returns each step's loss."""
+    if not (steps or seconds):
+        return []
+    start = time.perf_counter()
     c = trainer.config
     trainer.renderer = latent_renderer(trainer.gpu, trainer.prepared, trainer.field, latent, c.max_samples,
                                        c.occupancy_cell_mm, c.shade_weight)
-    optimiser, losses = FineTune(latent), []
-    for step in range(steps):
+    optimiser, losses, step = FineTune(latent), [], 0
+    while True:
+        done = max(step / steps if steps else 0.0, (time.perf_counter() - start) / seconds if seconds else 0.0)
+        if done >= 1.0:
+            return losses
         terms = trainer.image_step(geometry=False)
+        step += 1
         if not np.isfinite(terms["loss"]):
             latent.zero_gradients()
             continue
         optimiser.step()
         losses.append(float(terms["loss"]))
-        if progress is not None and (step % 10 == 0 or step == steps - 1):
-            progress(f"fine-tune: step {step + 1}/{steps} loss {losses[-1]:.4f}", (step + 1) / steps)
-    return losses
+        if progress is not None and step % 10 == 1:
+            progress(f"fine-tune: step {step} loss {losses[-1]:.4f}", min(done, 1.0))

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
 import tempfile
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -138,20 +141,48 @@ class CohortStudy:
         return ijk @ affine[:3, :3].T + affine[:3, 3]
 
 
-def prepare_cohort(config: PretrainConfig, folder: Path, progress: Progress | None = None) -> list:
-    """Generate and prepare the cohort's studies (downsampled to ``max_voxels`` a side) in ``folder``."""
+def cohort_jobs(studies: int) -> int:
+    """Processes that generate and prepare the cohort side by side: a study takes seconds of one core (generating
+    and writing its volumes), so a larger cohort is made in about one study's time where there are cores."""
+    return max(1, min(studies, (os.cpu_count() or 1) // 2))
+
+
+def prepare_cohort_study(case: str, seed: int, folder: Path, max_voxels: int):
+    """One study of the cohort, generated in ``folder``, downsampled to ``max_voxels`` a side and prepared."""
     from ..study.cache import load_study_cached
     from ..study.preprocess import prepare
     from ..study.sample import write_sample
     from ..study.study import downsample_study
 
-    prepared = []
-    for index, (case, seed) in enumerate(cohort(config.studies, config.seed)):
+    manifest = write_sample(folder / f"{case}_{seed}", case, seed=seed)
+    return prepare(downsample_study(load_study_cached(manifest), max_voxels))
+
+
+def prepare_cohort(config: PretrainConfig, folder: Path, progress: Progress | None = None,
+                   jobs: int | None = None) -> list:
+    """Generate and prepare the cohort's studies (downsampled to ``max_voxels`` a side) in ``folder``, in
+    ``jobs`` processes at once (default :func:`cohort_jobs`); each study depends on its own case and seed only, so
+    the cohort is the same however many make it."""
+    members = cohort(config.studies, config.seed)
+    jobs = cohort_jobs(len(members)) if jobs is None else max(1, jobs)
+
+    def report(done: int, case: str, seed: int) -> None:
         if progress is not None:
-            progress(f"cohort study {index + 1}/{config.studies}: {case}, seed {seed}", index / config.studies)
-        manifest = write_sample(folder / f"{case}_{seed}", case, seed=seed)
-        prepared.append(prepare(downsample_study(load_study_cached(manifest), config.max_voxels)))
-    return prepared
+            progress(f"cohort study {done}/{config.studies}: {case}, seed {seed}", done / config.studies)
+
+    if jobs == 1:
+        prepared = []
+        for index, (case, seed) in enumerate(members):
+            prepared.append(prepare_cohort_study(case, seed, folder, config.max_voxels))
+            report(index + 1, case, seed)
+        return prepared
+    # Fresh interpreters, not forks: the parent may hold a GPU device already.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(prepare_cohort_study, case, seed, folder, config.max_voxels): (case, seed)
+                   for case, seed in members}
+        for done, future in enumerate(as_completed(futures), 1):
+            report(done, *futures[future])
+        return [future.result() for future in futures]  # in the cohort's order
 
 
 @dataclass

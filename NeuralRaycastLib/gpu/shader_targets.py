@@ -47,7 +47,8 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward"),
 }
 #: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
-LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam")
+LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam",
+                  "latentParameterAdam")
 LATENT_SCENE_KERNELS = ("latentFieldDistances", "latentFieldSurface", "latentAppearanceBackward")
 #: The kernels of a field module (field/field.py's field_source: sdf_fit, then field_render).
 FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "nearestOnGrid", "gradientsAt",

@@ -125,15 +125,16 @@ def train_study(
             with clock.phase("field and trainer"):
                 field = NeuralField(gpu, layout, seed=settings.seed)
                 trainer = Trainer(gpu, prepared, field, views, schedule)
-            with clock.phase("train"):
+            with clock.phase("train" if appearance is None else "SDF fit"):
                 log = trainer.run(progress, should_stop)
             latent = renderer = None
             if appearance is not None:  # a cancelled fit's geometry gets its appearance too: a run that renders
                 latent, renderer = pretrained_appearance(gpu, prepared, field, appearance, trainer, clock, progress,
                                                          tuning=not log.cancelled)
                 if not log.cancelled:
-                    log.rows.append({"step": schedule.geometry.steps + appearance.fine_tune_steps, "stage": 2,
-                                     "seconds": log.seconds, **score_views(renderer, views, views.held_out)})
+                    step = schedule.geometry.steps + int(log.last("fine_tune_steps") or 0)
+                    log.rows.append({"step": step, "stage": 2, "seconds": log.seconds,
+                                     **score_views(renderer, views, views.held_out)})
             else:
                 with clock.phase("picture settings"):
                     trainer.use_picture_settings()
@@ -143,8 +144,9 @@ def train_study(
         raise
     log.phases = clock.as_list()  # train_log.json's record; the save's own time is only in the returned run's
     try:
-        with clock.phase("save"):
+        with clock.phase("reference views written"):  # the pictures of the held-out score, not the model's
             saved.result()  # a failed write surfaces here, before anything says the run is done
+        with clock.phase("save"):
             write_run(staged.path, gpu, prepared, field, log, settings, source, latent)
             staged.commit()
     except OSError as error:
@@ -165,15 +167,15 @@ def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appeara
     fine-tune of the grid and the decoder) and its renderer, set up as a finished field's pictures are."""
     from ..appearance.latent_scene import fine_tune, latent_renderer
 
-    with clock.phase("latent grid"):
+    with clock.phase("encode"):
         latent = appearance.encode_study(gpu, prepared, field)
         gpu.device.wait()
-    if tuning and appearance.fine_tune_steps:
+    if tuning and appearance.fine_tunes:
         with clock.phase("fine-tune"):
-            losses = fine_tune(trainer, latent, appearance.fine_tune_steps, progress)
+            losses = fine_tune(trainer, latent, appearance.fine_tune_steps, progress, appearance.fine_tune_seconds)
             gpu.device.wait()
-        trainer.log.rows.append({"step": trainer.config.geometry.steps + appearance.fine_tune_steps, "stage": 2,
-                                 "loss": losses[-1] if losses else float("nan")})
+        trainer.log.rows.append({"step": trainer.config.geometry.steps + len(losses), "stage": 2,
+                                 "loss": losses[-1] if losses else float("nan"), "fine_tune_steps": len(losses)})
     with clock.phase("picture settings"):
         c = trainer.config
         renderer = latent_renderer(gpu, prepared, field, latent, c.max_samples, c.render_cell_mm,

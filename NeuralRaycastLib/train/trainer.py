@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -220,8 +221,6 @@ class Trainer:
         config: TrainConfig,
         style: RenderStyle | None = None,
     ) -> None:
-        import slangpy as spy
-
         budget = memory_budget(gpu)
         sized, self.memory_note = schedule_within_budget(config, budget, len(prepared.structures))
         self.gpu, self.prepared, self.field, self.views, self.config = gpu, prepared, field, views, sized
@@ -230,13 +229,26 @@ class Trainer:
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
         self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
                                        config.occupancy_cell_mm, from_boundary=True, shade_weight=config.shade_weight)
-        self.sampler = PatchSampler(views.targets(), views.training, config.patch_size, seed=config.seed)
-        self.image_loss = DeviceImageLoss(gpu, config.patch_size)
         self._scorer: DeviceViewScorer | None = None  # made at the first evaluation
-        self._cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
         self.log = TrainLog(memory={"budget_bytes": budget.bytes, "budget_source": budget.source,
                                     "held_bytes": budget.held, "preset_patches": config.patches,
                                     "patches": sized.patches, "sdf_points": sized.geometry.batch})
+
+    # What the image steps read, made at the first that needs them: a fit of the geometry alone (a pretrained
+    # appearance without a fine-tune) never does, and the views' targets are hundreds of MB to gather.
+    @cached_property
+    def sampler(self) -> PatchSampler:
+        return PatchSampler(self.views.targets(), self.views.training, self.config.patch_size, seed=self.config.seed)
+
+    @cached_property
+    def image_loss(self) -> DeviceImageLoss:
+        return DeviceImageLoss(self.gpu, self.config.patch_size)
+
+    @cached_property
+    def _cameras(self):
+        import slangpy as spy
+
+        return spy.Tensor.from_numpy(self.gpu.device, pack_cameras(self.views.cameras).reshape(-1))
 
     # one step of stages 2 and 3 --------------------------------------------------------------------------
     def image_step(self, geometry: bool = True, rows: np.ndarray | None = None,
@@ -386,13 +398,17 @@ class Trainer:
             self.log.rows.append({"step": step, "stage": 1, "sdf": loss})
         if geometry.cancelled:
             return self._finish(start, cancelled=True)
+        steps = c.appearance_steps + c.joint_steps
+        if not steps:  # the geometry alone (a pretrained appearance follows): no render stage to set up
+            return self._finish(start, cancelled=False)
         self.refresh_occupancy()
         if c.shadows:
             self.refresh_meshes()
 
         # stages 2 and 3: through the renderer
-        steps = c.appearance_steps + c.joint_steps
         adam, sdf = self.render_optimisers(steps)
+        for made_now in ("sampler", "image_loss", "_cameras"):  # made here, not in the first step's time
+            getattr(self, made_now)
         good = self.field.parameters()
         rate, bad = 1.0, 0
         for step in range(steps):

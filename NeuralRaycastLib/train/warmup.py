@@ -4,7 +4,8 @@ A run's kernels fall into parts: the SDF fit (stage 1); the rendering stages' fo
 appearance backward (stage 2) and evaluation renders; the joint backward's two passes (stage 3: the scene's
 backward through the distances, and through the normals and appearance), each a part of its own, the
 slowest kernels to compile (split in two, that backward compiles beside the other parts and the warm-up
-ends sooner than with it as one part; BENCHMARKS.md); and a joint step, which then only loads them. One step of
+ends sooner than with it as one part; BENCHMARKS.md); a joint step, which then only loads them; and the
+pretrained appearance's kernels (``fit --appearance pretrained``: encoder, fine-tune, its pictures). One step of
 each part is run on tiny views with a fresh field: what is compiled is exactly what training calls. The joint
 backward's kernels are compiled by a launch over an empty batch (every entry past the end of its list: nothing
 is computed), so they need no forward pass first. Slang and the GPU compiler work on one kernel at a time in
@@ -52,7 +53,7 @@ from ..study.preprocess import PreparedStudy
 from ..study.study import Study, downsample_study, write_study
 from .presets import RunSettings, training_schedule
 from .run_folder import prepare_for_run
-from .trainer import Trainer
+from .trainer import Trainer, score_views
 
 
 class WarmUpCancelled(Cancelled):
@@ -65,6 +66,7 @@ PARTS = {
     "backward-distances": "joint backward: distances (stage 3)",
     "backward-surface": "joint backward: normals and appearance (stage 3)",
     "joint": "joint step (stage 3), its kernels compiled by the other parts",
+    "pretrained": "pretrained appearance: encoder, fine-tune step, pictures (fit --appearance pretrained)",
 }
 #: A part started in its own process only once these parts have ended: the joint step runs the kernels of all
 #: the others, which it then finds in the shader cache instead of compiling them a second time.
@@ -102,6 +104,9 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
     elif part in BACKWARD_PASSES:
         shaded, touched = BACKWARD_PASSES[part]
         compile_scene_backward(trainer, WorkLists(shaded=shaded, touched=touched))
+    elif part == "pretrained":
+        if not settings.shadows:  # the pretrained route does not take shadows (refused before a run)
+            warm_up_pretrained(trainer)
     else:
         adam, sdf = trainer.render_optimisers(2)
         if part == "appearance":
@@ -112,6 +117,23 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
         else:
             trainer.render_step(1, True, adam, sdf)
     gpu.device.wait()
+
+
+def warm_up_pretrained(trainer: Trainer) -> None:
+    """The kernels ``fit --appearance pretrained`` adds to the SDF fit's, at the shipped weights' sizes: the
+    encoder into the latent grid, a fine-tune step (its backward pass compiled over an empty batch, as the joint
+    backward's, so a fresh field with no surface yet still builds it), the finished run's renderer and its
+    held-out score, each called as the run calls it."""
+    from ..appearance.latent_scene import PretrainedAppearance
+    from ..appearance.pretrain import SHIPPED_WEIGHTS
+    from .phases import PhaseClock
+    from .run import pretrained_appearance
+
+    appearance = PretrainedAppearance.read(SHIPPED_WEIGHTS, fine_tune_steps=1)
+    _latent, renderer = pretrained_appearance(trainer.gpu, trainer.prepared, trainer.field, appearance, trainer,
+                                              PhaseClock(), None)
+    compile_scene_backward(trainer, WorkLists(shaded=WAVE, touched=0))  # the fine-tune's renderer: the latent scene
+    score_views(renderer, trainer.views, trainer.views.held_out)
 
 
 def compile_scene_backward(trainer: Trainer, lists: WorkLists) -> None:
@@ -196,6 +218,7 @@ def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
         "version": __version__, "slangpy": gpu.report.slangpy_version, "backend": gpu.backend,
         "adapter": gpu.report.adapter, "defines": layout.kernels.defines(), "preset": settings.preset,
         "shadows": bool(settings.shadows), "cooperative": os.environ.get(COOPERATIVE_ENV, ""),
+        "parts": list(PARTS),  # a warm-up from before a part was added did not compile that part's kernels
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
     digest.update(shader_sources_digest().encode())
