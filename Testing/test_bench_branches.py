@@ -10,7 +10,7 @@ import math
 import pytest
 
 from NeuralRaycastLib.app.cli import main
-from NeuralRaycastLib.bench.branches import BRANCHES, SUITE, branch_rows, run_branch
+from NeuralRaycastLib.bench.branches import BRANCHES, SUITE, branch_rows, run_branch, summary
 from NeuralRaycastLib.bench.report import BenchReport, side_by_side
 from NeuralRaycastLib.train.presets import RunSettings
 
@@ -83,6 +83,10 @@ def test_the_markdown_sets_the_branches_side_by_side(branch_results):
     # the rows table names each row's branch
     assert "| branches | held-out PSNR (gaussians) |" in text
     assert json.loads(json.dumps(report.as_dict()))["rows"][0]["column"] == "field"
+    for result in results:  # the log's line per branch, there even when the suite is stopped later
+        line = summary(result)
+        assert f"held-out {result.metrics['heldout_psnr']:.2f} dB" in line and "frames 16² " in line, line
+        assert f"whole_tumor {result.metrics['dice']['whole_tumor']:.3f}" in line, line
 
 
 def test_a_figure_one_branch_lacks_or_could_not_read_is_marked_not_invented():

@@ -175,9 +175,22 @@ def bench_branches(gpu: GpuContext, prepared, quick: bool, progress) -> list[Ben
             try:
                 results.append(run_branch(gpu, branch, study, Path(work) / branch, settings, frame_sizes(quick),
                                           progress, quick))
+                progress(f"{branch}: done: {summary(results[-1])}", 1.0)  # in the log even if a later part fails
             except Exception as error:  # one branch's failure must not lose the other's figures
                 failed.append(BenchRow(SUITE, f"{branch}: failed", math.nan, "", " ".join(str(error).split())[:200]))
     note = BenchRow(SUITE, "settings", settings.size, "px",
                     f"preset {settings.preset}, {settings.views} views of {settings.size}², one held out in "
                     f"{settings.held_out_every}; Gaussian kernels warmed up first in {warm_up:.1f} s")
     return [note] + branch_rows(results) + failed
+
+
+def summary(result: BranchResult) -> str:
+    """One line of a branch's main figures, for the progress log."""
+    from ..train.evaluate import shown
+
+    metrics = result.metrics
+    frames = ", ".join(f"{size}² {1e3 * sum(seconds) / len(seconds):.2f} ms" for size, seconds in result.frames.items())
+    dice = ", ".join(f"{name} {shown(value, '.3f')}" for name, value in metrics.get("dice", {}).items())
+    return (f"held-out {shown(metrics.get('heldout_psnr'), '.2f')} dB, SSIM {shown(metrics.get('heldout_ssim'), '.4f')}"
+            f", training {shown(metrics.get('train_seconds'), '.1f')} s, fit {result.fit_seconds:.1f} s, frames "
+            f"{frames}, model {metrics.get('model_bytes', 0) / 1e6:.2f} MB, Dice {dice}")
