@@ -41,7 +41,7 @@ def test_each_figure_has_a_row_per_branch_with_what_evaluate_wrote(branch_result
         assert row.column not in by_figure.get(row.metric, {}), row
         by_figure.setdefault(row.metric, {})[row.column] = row.value
     expected = {"held-out PSNR", "held-out SSIM", "training time", "fit wall clock", "frame time 16²",
-                "peak GPU memory while fitting", "model bytes"}
+                "peak GPU memory while fitting", "model size"}
     expected |= {f"{name}: {figure}" for name in STRUCTURES for figure in ("Dice", "mean surface distance", "HD95")}
     assert set(by_figure) == expected
     assert all(set(values) == set(BRANCHES) for values in by_figure.values()), by_figure
@@ -53,7 +53,7 @@ def test_each_figure_has_a_row_per_branch_with_what_evaluate_wrote(branch_result
         assert by_figure["held-out PSNR"][branch] == pytest.approx(written["heldout_psnr"]) and 5 < written[
             "heldout_psnr"] < 60
         assert by_figure["held-out SSIM"][branch] == pytest.approx(written["heldout_ssim"])
-        assert by_figure["model bytes"][branch] == (folder / branch / model[branch]).stat().st_size
+        assert by_figure["model size"][branch] == pytest.approx((folder / branch / model[branch]).stat().st_size / 1e6)
         assert by_figure["training time"][branch] == pytest.approx(written["train_seconds"])
         assert 0 < by_figure["training time"][branch] < by_figure["fit wall clock"][branch]
         assert by_figure["frame time 16²"][branch] > 0
@@ -136,3 +136,29 @@ def test_a_demo_without_the_field_or_with_an_unknown_branch_is_refused_before_an
     assert len(error.splitlines()) == 1, error
     assert error.startswith("neuralraycast demo: error: --branches ") and "'field gaussians'" in error
     assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_a_branch_that_fails_is_a_row_saying_why_and_the_other_keeps_its_figures(branch_results, gpu, monkeypatch):
+    from NeuralRaycastLib.bench import branches
+    from NeuralRaycastLib.study.preprocess import prepare
+    from NeuralRaycastLib.study.study import load_study
+
+    folder, results, _ = branch_results
+    trained = []
+
+    def run_branch_or_fail(gpu, branch, study, out, settings, sizes, progress, quick):
+        trained.append((branch, load_study(study).shape, settings.preset, sizes))
+        if branch == "gaussians":
+            raise RuntimeError("the GPU could not hold\nthe Gaussians")
+        return results[0]
+
+    monkeypatch.setattr(branches, "run_branch", run_branch_or_fail)
+    prepared = prepare(load_study(next((folder / "s").rglob("manifest.json"))))
+    rows = branches.bench_branches(gpu, prepared, True, lambda message, fraction: None)
+    # both branches on the bench's own study, the quick preset and its frames
+    assert trained == [(branch, prepared.study.shape, "quick", (128,)) for branch in BRANCHES]
+    assert rows[0].metric == "settings" and "preset quick, 8 views of 64², 150 steps each" in rows[0].notes
+    assert rows[-1].metric == "gaussians: failed" and rows[-1].notes == "the GPU could not hold the Gaussians"
+    assert [row.metric for row in rows[1:-1]] == [row.metric for row in branch_rows(results[:1])]
+    assert {row.column for row in rows[1:-1]} == {"field"}
