@@ -182,6 +182,6 @@ def gaussian_branch(gpu, manifest: Path, out: Path, settings: RunSettings, views
         comparison["gaussians"] = f"compare/{comparison['view']:03d}_gaussians.png"
         comparison["gaussians_psnr"] = psnr(picture, views.images[comparison["view"]].rgb())
         save_png(picture, out / comparison["gaussians"])
-    milliseconds = frame_ms(run.render, views.cameras[held_out[0]["view"]])
+    milliseconds = frame_ms(run.scene.render, views.cameras[held_out[0]["view"]])  # no padded depth nor normals
     metrics = evaluate_gaussian_run(gpu, run.folder, ConsoleProgress("evaluate (Gaussians)"))
     return branch_column(metrics, milliseconds)

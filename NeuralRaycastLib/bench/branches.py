@@ -91,6 +91,17 @@ def warm_up_gaussians(gpu: GpuContext, study: Path, folder: Path, settings: RunS
     return time.perf_counter() - start
 
 
+#: What a frame of each branch reads back to the host, for the rows' notes.
+READ_BACK = {"field": "colour, depth and normals read back (the field's RenderedImage)",
+             "gaussians": "colour read back (the Gaussians give no depth nor normals yet)"}
+
+
+def picture(branch: str, run: Any):
+    """A branch's own picture of a camera, with its read-back and no conversion after it (the Gaussians' run
+    pads theirs with empty depth and normals, which a frame would then count)."""
+    return run.scene.render if branch == "gaussians" else run.renderer.render
+
+
 def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings: RunSettings,
                sizes: tuple[int, ...], progress: Progress, quick: bool = True) -> BranchResult:
     """Fit, evaluate and time the pictures of one branch, sampling the GPU memory in use through each phase."""
@@ -111,9 +122,10 @@ def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings
             progress(f"{branch}: frames {size}²", 0.0)
             camera = orbit_cameras(run.prepared.bounds, 3, size, size)[1]
             first = time.perf_counter()
-            run.render(camera)
+            render = picture(branch, run)
+            render(camera)
             first_frames[size] = time.perf_counter() - first
-            frames[size] = timed_each(lambda c=camera, r=run.render: r(c), budget, repeats)
+            frames[size] = timed_each(lambda c=camera, r=render: r(c), budget, repeats)
     del run
     gc.collect()
     with clock.phase("evaluate"):
@@ -147,7 +159,8 @@ def _rows_of(result: BranchResult) -> list[BenchRow]:
     for size, seconds in result.frames.items():
         mean = sum(seconds) / len(seconds)
         rows.append(row(f"frame time {size}²", 1e3 * mean, "ms",
-                        f"{frame_notes(seconds)}; first {result.first_frames[size]:.2f} s"))
+                        f"{frame_notes(seconds)}; first {result.first_frames[size]:.2f} s; "
+                        f"{READ_BACK.get(branch, 'read back')}"))
     peak = result.peaks.get("fit")
     others = ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in result.peaks.items()
                        if value is not None and name != "fit")
