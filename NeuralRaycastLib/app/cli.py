@@ -623,7 +623,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     report = run_demo(args.out, args.device, args.case, args.spacing, args.seed, args.preset,
-                      warm_up_first=not args.no_warmup, overwrite=args.overwrite, gpu_memory=args.gpu_memory)
+                      warm_up_first=not args.no_warmup, overwrite=args.overwrite, gpu_memory=args.gpu_memory,
+                      branches=args.branches)
     print(f"\nreport: {report}")
     return 0
 
@@ -899,9 +900,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "PyTorch, eager and compiled; needs PyTorch), startup (how long a second run waits before "
                             "it trains), prepare (the study prepared afresh on the CPU), workstation (fit from the "
                             "study folder to the saved run, by phase, with its peak GPU memory, under the device's, an "
-                            "8 GiB and a 4 GiB budget; clears the cached boundary maps and views), kernels (registers, "
-                            "spills and shared memory of the CUDA kernels compiled so far, by ptxas: list it last) "
-                            "(default: reference)")
+                            "8 GiB and a 4 GiB budget; clears the cached boundary maps and views), branches (the "
+                            "field and the Gaussians trained on the same views, side by side: PSNR, SSIM, training "
+                            "time, frame times, GPU memory, model bytes, Dice and surface distances), kernels "
+                            "(registers, spills and shared memory of the CUDA kernels compiled so far, by ptxas: "
+                            "list it last) (default: reference)")
         p.add_argument("--case", choices=CASES, default="icbm", help="sample case to measure on (default icbm)")
         p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
         p.add_argument("--quick", action="store_true",
@@ -933,6 +936,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--case", choices=CASES, default="icbm", help="sample case (default: icbm)")
     p.add_argument("--spacing", type=float, default=None, help="voxel size in mm (default: the case's own)")
     p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--branches", nargs="+", default=["field"], metavar="BRANCH",
+                   help="representations to train: field (always), and gaussians to train the anisotropic Gaussians "
+                        "on the same views too, the report showing a column per branch (default: field)")
     warmup_option(p)
     p.set_defaults(run=cmd_demo)
     return parser

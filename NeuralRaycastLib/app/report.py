@@ -113,6 +113,29 @@ Edge, for example) to turn it by hand.</p>
 </script>"""
 
 
+def branch_column(metrics: dict[str, Any], frame_ms: float) -> dict[str, Any]:
+    """A branch's figures the report sets side by side, from its ``evaluate`` metrics and a frame's time."""
+    return {"heldout_psnr": metrics["heldout_psnr"], "heldout_ssim": metrics["heldout_ssim"],
+            "train_seconds": metrics.get("train_seconds"), "frame_ms": frame_ms, "frame_size": metrics["image_size"],
+            "model_bytes": metrics["model_bytes"], "dice": dict(metrics["dice"])}
+
+
+def branches_table(columns: dict[str, dict[str, Any]]) -> str:
+    """A column per branch (``branch_column``'s figures), a line per figure; "–" where a branch lacks one."""
+    def figure(key: str, form: str, scale: float = 1.0) -> list[str]:
+        return [shown(None if column.get(key) is None else column[key] * scale, form) for column in columns.values()]
+
+    sizes = {column["frame_size"] for column in columns.values()}
+    rows = [["held-out PSNR (dB)", *figure("heldout_psnr", ".2f")], ["held-out SSIM", *figure("heldout_ssim", ".4f")],
+            ["training time (s)", *figure("train_seconds", ".1f")],
+            [f"frame time at {'/'.join(f'{size}²' for size in sorted(sizes))} (ms)", *figure("frame_ms", ".1f")],
+            ["model (MB)", *figure("model_bytes", ".2f", 1e-6)]]
+    structures = dict.fromkeys(name for column in columns.values() for name in column["dice"])
+    rows += [[f"Dice {name}", *[shown(column["dice"].get(name), ".3f") for column in columns.values()]]
+             for name in structures]
+    return _table(rows, ["figure", *columns])
+
+
 def write_report(folder: Path, context: dict[str, Any]) -> Path:
     """``context``: metrics, log rows, timings, device, versions, pictures (paths relative to ``folder``),
     meshes (name, triangles, file)."""
@@ -140,12 +163,21 @@ def write_report(folder: Path, context: dict[str, Any]) -> Path:
                        "learned volume (ml)", "volume difference", "pieces kept"])
     comparisons = "".join(
         f'<figure><img src="{html.escape(p["reference"])}"><img src="{html.escape(p["neural"])}">'
-        f'<img src="{html.escape(p["error"])}"><figcaption>view {p["view"]}: reference · neural · |error| '
-        f'(PSNR {p["psnr"]:.2f} dB)</figcaption></figure>' for p in context["pictures"]["held_out"])
+        f'<img src="{html.escape(p["error"])}">' + (f'<img src="{html.escape(p["gaussians"])}">' if "gaussians" in p
+                                                   else "")
+        + f'<figcaption>view {p["view"]}: reference · neural · |error| (PSNR {p["psnr"]:.2f} dB)'
+        + (f' · Gaussians (PSNR {p["gaussians_psnr"]:.2f} dB)' if "gaussians" in p else "")
+        + '</figcaption></figure>' for p in context["pictures"]["held_out"])
+    branches = context.get("branches", {})
+    side_by_side = (f"<h2>Branches side by side</h2><p>Each trained with the {html.escape(metrics['preset'])} preset "
+                    f"on the same reference views; figures from each branch's own run folder.</p>"
+                    f"{branches_table(branches)}" if len(branches) > 1 else "")
     meshes = _table([[m["name"], m["triangles"], m["file"]] for m in context["meshes"]],
                     ["structure", "triangles", "file"])
     timings = _table([[k, f"{v:.1f} s"] for k, v in context["timings"].items()], ["step", "time"])
     versions = _table([[k, v] for k, v in context["versions"].items()], ["component", "version"])
+    gaussian_files = (", <code>gaussians/gaussians.safetensors</code>, <code>gaussians/metrics.json</code>"
+                      if "gaussians" in branches else "")
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>SlicerNeuralRaycast demo report</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}} img{{margin:2px;
@@ -160,6 +192,7 @@ against the reference renderer ({len(context["pictures"]["held_out"])} held-out 
 trained with the <b>{html.escape(metrics["preset"])}</b> preset in {metrics["train_seconds"]:.1f} s on
 {html.escape(str(metrics["device"]))} ({html.escape(metrics["backend"])}); model {metrics["model_bytes"] / 1e6:.2f} MB.
 {html.escape(context.get("preset_note", ""))}</p>
+{side_by_side}
 <h2>Reference and neural renders (held-out views)</h2>{comparisons}
 {_live_view(context["pictures"].get("live"))}
 <h2>Turntable (neural render)</h2><img src="{html.escape(context["pictures"]["turntable"])}">
@@ -172,7 +205,7 @@ trained with the <b>{html.escape(metrics["preset"])}</b> preset in {metrics["tra
 <h2>Timings</h2>{timings}
 <h2>Device and versions</h2>{versions}
 <h2>Files</h2><p><code>metrics.json</code>, <code>run/model.safetensors</code>, <code>run/train_log.json</code>,
-<code>run/reference/</code>, <code>meshes/</code>, <code>turntable/</code>.</p>
+<code>run/reference/</code>, <code>meshes/</code>, <code>turntable/</code>{gaussian_files}.</p>
 </body></html>
 """
     write_text(folder / "report_context.json", json.dumps(context, indent=1, default=str) + "\n")

@@ -17,6 +17,9 @@ class BenchRow:
     value: float
     unit: str
     notes: str = ""
+    #: The branch or variant a row measures where a suite compares several (``bench --suite branches``): such
+    #: rows are also shown side by side, one column each.
+    column: str = ""
 
 
 
@@ -46,8 +49,29 @@ class BenchReport:
         def cell(text: str) -> str:
             return text.replace("|", "\\|")  # a metric such as "mean |s - B|" must not split the row
 
-        lines += [f"| {r.suite} | {cell(r.metric)} | {r.value:.4g} | {r.unit} | {cell(r.notes)} |" for r in self.rows]
+        lines += [f"| {r.suite} | {cell(r.metric + (f' ({r.column})' if r.column else ''))} | {r.value:.4g} | "
+                  f"{r.unit} | {cell(r.notes)} |" for r in self.rows]
+        for suite in dict.fromkeys(r.suite for r in self.rows if r.column):
+            lines += ["", side_by_side([r for r in self.rows if r.suite == suite and r.column]).rstrip("\n")]
         return "\n".join(lines) + "\n"
+
+
+def side_by_side(rows: list[BenchRow]) -> str:
+    """Rows that name a column as a Markdown table with a column each and a line per metric, in the rows'
+    order, so that a figure of one branch sits beside the other's; a figure a column lacks shows "–"."""
+    columns = list(dict.fromkeys(r.column for r in rows))
+    table: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        table.setdefault((r.metric, r.unit), {})[r.column] = r.value
+
+    def shown(value: float | None) -> str:
+        return "–" if value is None else "n/a" if not np.isfinite(value) else f"{value:.4g}"
+
+    lines = ["| figure | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for (metric, unit), values in table.items():
+        name = (metric + (f" ({unit})" if unit else "")).replace("|", "\\|")
+        lines.append(f"| {name} | " + " | ".join(shown(values.get(c)) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
 
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..gpu.device import GpuContext, device_memory_in_use, memory_budget
 from ..gpu.memory_budget import MemoryBudget
+from .branches import bench_branches
 from .kernel_clock import kernel_clock
 from .report import BenchReport, BenchRow, frame_notes, timed, timed_each
 from .torch_peer import bench_torch_peer
@@ -514,7 +515,7 @@ def bench_kernels(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
 SUITES: dict[str, Callable] = {"reference": bench_reference, "sdf_fit": bench_sdf_fit, "train": bench_train,
                                "mesh_accuracy": bench_mesh_accuracy, "torch_peer": bench_torch_peer,
                                "startup": bench_startup, "prepare": bench_prepare, "workstation": bench_workstation,
-                               "kernels": bench_kernels}
+                               "branches": bench_branches, "kernels": bench_kernels}
 
 
 def run_bench(gpu: GpuContext, prepared, study_name: str, suites: list[str], quick: bool, command: str,
