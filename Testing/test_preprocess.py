@@ -16,6 +16,7 @@ from NeuralRaycastLib.study.preprocess import (
     EXACT_REACH_MM,
     SURFACE_SMOOTHING_ITERATIONS,
     SURFACE_SMOOTHING_PASSBAND,
+    as_float16,
     derived_probability,
     fill_holes,
     head_mask,
@@ -382,3 +383,21 @@ def test_what_needs_the_mask_or_the_label_maps_does_not_wait_for_the_brains_map(
         with_mask=lambda given: seen.update(mask=given.copy()), with_label_maps=with_label_maps)
     np.testing.assert_array_equal(seen["mask"], mask)
     np.testing.assert_array_equal(seen["label maps"], np.delete(boundary, brain_index, axis=0))
+
+
+def test_float16_rounding_of_the_cache_is_numpys_bit_for_bit():
+    """P(x) and the maps are kept as float16; the quick rounding gives numpy's cast exactly, for values on every
+    scale, halfway cases of the subnormal step among them, signed zeros, infinities and NaN."""
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(20_000) * scale for scale in (1e-9, 1e-7, 3e-6, 6e-5, 1e-2, 1.0, 7e4)])
+    step = 2.0**-24
+    edges = [0.0, -0.0, np.inf, -np.inf, np.nan, step / 2, 3 * step / 2, -5 * step / 2, 2.0**-14 - step / 2,
+             2.0**-14, 65520.0, 1e-45]
+    values = np.concatenate([values, edges]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+        rounded = as_float16(values)
+    np.testing.assert_array_equal(rounded.view(np.uint16), expected.view(np.uint16))
+    probability = derived_probability(np.linspace(-40.0, 60.0, 50_000, dtype=np.float32), 1.0)
+    np.testing.assert_array_equal(as_float16(probability).view(np.uint16),
+                                  probability.astype(np.float16).view(np.uint16))
