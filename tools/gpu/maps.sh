@@ -11,7 +11,9 @@
 #
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/maps.sh
 #
-# MAPS_FIT=0 leaves the fits out (a machine without a GPU: the two-core figure).
+# MAPS_FIT=0 leaves the fits out (a machine without a GPU: the two-core figure). The code before is taken from
+# this checkout's history (commit $BEFORE, default 2844c46), or from BEFORE_TREE, a folder holding NeuralRaycastLib/
+# and shaders/ of it; with neither, only the current code is measured.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -32,7 +34,9 @@ say "after: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"
 
 # The code before, beside this tree (its shaders too: the fit compiles nothing new, as they are the same).
 trees=("after:$repo")
-if git archive "$BEFORE" NeuralRaycastLib shaders 2>/dev/null | (mkdir -p "$work/before" && tar -x -C "$work/before"); then
+if [ -n "${BEFORE_TREE:-}" ]; then
+    trees=("before:$BEFORE_TREE" "${trees[@]}")
+elif git archive "$BEFORE" NeuralRaycastLib shaders 2>/dev/null | (mkdir -p "$work/before" && tar -x -C "$work/before"); then
     trees=("before:$work/before" "${trees[@]}")
 else
     say "before: commit $BEFORE not in this checkout; only the current code is measured"
