@@ -312,11 +312,13 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
         mesh_pieces,
     )
 
-    band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
-    points = (np.argwhere(band) + origin) * spacing
-    nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
-    exact, closest = mesh_distances(vertices, faces, points, nearest)
-    pieces = mesh_pieces(len(vertices), faces)
+    with ThreadPoolExecutor(1) as pool:  # the mesh's pieces are found while the searches run on every core
+        found = pool.submit(mesh_pieces, len(vertices), faces)
+        band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
+        points = (np.argwhere(band) + origin) * spacing
+        nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
+        exact, closest = mesh_distances(vertices, faces, points, nearest)
+        pieces = found.result()
     moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()),
                               faces[closest, 0], pieces)
     if not np.array_equal(moved, vertices):
