@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import ndimage
 
 from NeuralRaycastLib.mesh.mesh import extract_surface
 from NeuralRaycastLib.mesh.surface_distance import smooth_surface
 from NeuralRaycastLib.study.drawn_labels import LabelNote, tidy_label
+from NeuralRaycastLib.study.pieces import label_pieces
 from NeuralRaycastLib.study.preprocess import signed_distance
 from NeuralRaycastLib.study.sample.label_style import draw_like_people, style_named
 from NeuralRaycastLib.study.sample.phantom import Phantom, render_phantom, voxel_centres
@@ -237,3 +239,24 @@ def _without_exact(prepared):
     import dataclasses
 
     return dataclasses.replace(prepared, study=dataclasses.replace(prepared.study, exact_surfaces=None))
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_each_piece_is_placed_at_its_voxels_centre_of_mass(many):
+    """A piece's place (the centre a note lists, in RAS) is the mean of its voxels' centres, for many pieces as
+    for a single one, on a box away from the grid's origin."""
+    rng = np.random.default_rng(3)
+    noise = ndimage.gaussian_filter(rng.random((23, 17, 16)), 1.2)
+    mask = np.zeros((30, 26, 22), bool)
+    mask[4:27, 3:20, 5:21] = noise < np.quantile(noise, 0.08)
+    if not many:  # the largest of them, with holes and an irregular outline
+        mask = label_pieces(mask, np.eye(4))[0] == 1
+    affine = np.diag([0.9, 1.1, 2.0, 1.0])
+    affine[:3, 3] = (-10.0, 4.0, 7.5)
+    found, pieces = label_pieces(mask, affine)
+    assert (len(pieces) > 1) == many
+    for number, piece in enumerate(pieces, start=1):
+        voxels = np.argwhere(found == number)
+        assert piece.voxels == len(voxels)
+        centre = voxels.mean(axis=0) @ affine[:3, :3].T + affine[:3, 3]
+        assert piece.centre_ras == pytest.approx(tuple(centre), abs=0.006)  # listed to 0.01 mm

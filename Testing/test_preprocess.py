@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
 from scipy import ndimage
 
+from NeuralRaycastLib.study import preprocess
 from NeuralRaycastLib.study.preprocess import (
     EXACT_BAND_VOXELS,
     EXACT_REACH_MM,
     SURFACE_SMOOTHING_ITERATIONS,
     SURFACE_SMOOTHING_PASSBAND,
+    as_float16,
     derived_probability,
     fill_holes,
     head_mask,
@@ -24,6 +28,7 @@ from NeuralRaycastLib.study.preprocess import (
     structure_mask,
 )
 from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.study.structures import BRAIN, make_structures
 from NeuralRaycastLib.study.study import Study, load_study
 
 
@@ -344,3 +349,55 @@ def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_di
     (cached / "occupancy.npy").unlink()  # an entry missing an array is derived again
     fourth = prepare(study, cache_root=tmp_path)
     np.testing.assert_array_equal(first.occupancy, fourth.occupancy)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="nothing runs beside the maps on one core")
+def test_what_needs_the_mask_or_the_label_maps_does_not_wait_for_the_brains_map(monkeypatch):
+    """P(x), the occupancy grid, the bounds and the normalised channels are made while the brain's map, the
+    slowest, is still being made: ``with_label_maps`` is given the label maps as they are returned, before the
+    brain's is done, and ``with_mask`` the mask."""
+    image = np.random.default_rng(0).random((24, 24, 24)).astype(np.float32)
+    brain = np.zeros(image.shape, bool)
+    brain[4:20, 5:19, 6:18] = True
+    labels = np.zeros(image.shape, np.int16)
+    labels[9:14, 9:14, 9:14] = 1
+    study = Study.from_arrays({"t1": image}, np.eye(4), labels=labels, brain_mask=brain)
+    structures = make_structures(study.structures, include_brain=True)
+    brain_index = [s.name for s in structures].index(BRAIN)
+    label_maps_given = threading.Event()
+    seen: dict[str, np.ndarray] = {}
+    exact = preprocess.signed_distance
+
+    def brain_after_label_maps(inside, spacing, *args, name="a mask", **kwargs):
+        if name.startswith(f"structure '{BRAIN}'"):  # holds the brain's map until P(x) could be made
+            assert label_maps_given.wait(60), "the label maps waited for the brain's"
+        return exact(inside, spacing, *args, name=name, **kwargs)
+
+    def with_label_maps(maps):
+        seen["label maps"] = np.delete(maps, brain_index, axis=0).copy()
+        label_maps_given.set()
+
+    monkeypatch.setattr(preprocess, "signed_distance", brain_after_label_maps)
+    mask, boundary, _ = preprocess.mask_and_boundary_maps(
+        study, structures, lambda message, fraction: None,
+        with_mask=lambda given: seen.update(mask=given.copy()), with_label_maps=with_label_maps)
+    np.testing.assert_array_equal(seen["mask"], mask)
+    np.testing.assert_array_equal(seen["label maps"], np.delete(boundary, brain_index, axis=0))
+
+
+def test_float16_rounding_of_the_cache_is_numpys_bit_for_bit():
+    """P(x) and the maps are kept as float16; the quick rounding gives numpy's cast exactly, for values on every
+    scale, halfway cases of the subnormal step among them, signed zeros, infinities and NaN."""
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(20_000) * scale for scale in (1e-9, 1e-7, 3e-6, 6e-5, 1e-2, 1.0, 7e4)])
+    step = 2.0**-24
+    edges = [0.0, -0.0, np.inf, -np.inf, np.nan, step / 2, 3 * step / 2, -5 * step / 2, 2.0**-14 - step / 2,
+             2.0**-14, 65520.0, 1e-45]
+    values = np.concatenate([values, edges]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16)
+        rounded = as_float16(values)
+    np.testing.assert_array_equal(rounded.view(np.uint16), expected.view(np.uint16))
+    probability = derived_probability(np.linspace(-40.0, 60.0, 50_000, dtype=np.float32), 1.0)
+    np.testing.assert_array_equal(as_float16(probability).view(np.uint16),
+                                  probability.astype(np.float16).view(np.uint16))

@@ -13,6 +13,7 @@ from NeuralRaycastLib.mesh.surface_distance import (
     closest_on_triangles,
     signed_distance_to_mesh,
     smooth_surface,
+    vertex_normals,
 )
 from NeuralRaycastLib.study.preprocess import signed_distance
 
@@ -131,3 +132,14 @@ def test_moved_pieces_search_again_the_points_another_piece_came_near():
     assert searched[gap].all() and not searched.all()  # the gap searched again, not every point
     full = mesh_distances(moved, faces, points, candidate_triangles(moved, faces, points))[0]
     np.testing.assert_allclose(mesh_distances(moved, faces, points, kept)[0], full, atol=1e-9)
+
+
+def test_vertex_normals_point_straight_out_of_a_sphere():
+    """The normals a smoothed piece is moved along (agree_with_labels): each vertex's area-weighted mean of its
+    faces' normals, unit length, along the sphere's radius outwards."""
+    vertices, faces = sphere_mesh(6.0)
+    normals = vertex_normals(vertices, faces)
+    radial = vertices - 0.3
+    radial /= np.linalg.norm(radial, axis=1, keepdims=True)
+    np.testing.assert_allclose(np.linalg.norm(normals, axis=1), 1.0, atol=1e-12)
+    assert (normals * radial).sum(axis=1).min() > 0.99

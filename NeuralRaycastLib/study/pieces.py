@@ -37,9 +37,8 @@ def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list
         return pieces_map, []
     box = voxel_box_slices(mask)
     found, count = ndimage.label(mask[box], structure=np.ones((3, 3, 3), bool))
-    indices = np.arange(1, count + 1)
     sizes = np.bincount(found.ravel(), minlength=count + 1)[1:]
-    centres = np.asarray(ndimage.center_of_mass(mask[box], found, indices), np.float64).reshape(count, 3)
+    centres = _centres_of_mass(found, sizes)
     centres += [s.start for s in box]
     affine = np.asarray(affine, np.float64)
     voxel = voxel_ml(affine)
@@ -52,6 +51,26 @@ def label_pieces(mask: np.ndarray, affine: np.ndarray) -> tuple[np.ndarray, list
                     tuple(round(float(v), 2) for v in ras[piece, :3]))  # type: ignore[arg-type]
               for piece in order]
     return pieces_map, pieces
+
+
+def _centres_of_mass(found: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The voxel centre of mass of each piece numbered in ``found`` (``sizes``: their voxel counts), as
+    ``ndimage.center_of_mass`` gives it, from each piece's voxel count in each slice along each axis: one count
+    per slice instead of a weighted sum over every voxel for each axis. The sums are of whole numbers, exact in
+    float64, so the centres are the same."""
+    count = len(sizes)
+    centres = np.empty((count, 3), np.float64)
+    for axis in range(3):
+        if count == 1:  # one piece (a brain, most structures): the slices' counts of what is not background
+            others = tuple(a for a in range(3) if a != axis)
+            moment = np.array([0, (np.count_nonzero(found, axis=others) * np.arange(found.shape[axis])).sum()])
+        else:
+            slices = np.moveaxis(found, axis, 0)
+            moment = np.zeros(count + 1, np.int64)
+            for index in range(1, len(slices)):  # slice 0 adds nothing
+                moment += index * np.bincount(slices[index].ravel(), minlength=count + 1)
+        centres[:, axis] = moment[1:].astype(np.float64) / sizes.astype(np.float64)
+    return centres
 
 
 def pieces_of(pieces_map: np.ndarray, count: int, chosen: list[int]) -> np.ndarray:

@@ -17,7 +17,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,11 +119,7 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
 
     images = list(channels.values())
     scales = map_in_threads(lambda image: float(np.percentile(image, 99.0)) or float(image.max()) or 1.0, images)
-    combined = None
-    for image, scale in zip(images, scales, strict=True):
-        scaled = image / scale
-        combined = scaled if combined is None else np.maximum(combined, scaled)
-    assert combined is not None
+    combined = _scaled_maximum(images, scales)
     # a histogram's threshold: neither the shape nor the order matters (no C-ordered copy of a NIfTI's data)
     mask = combined > threshold_otsu(combined.ravel(order="K"))
     if mask.any():
@@ -143,6 +139,27 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
     if labels is not None:
         mask |= labels > 0
     return mask
+
+
+def _scaled_maximum(images: list[np.ndarray], scales: list[float]) -> np.ndarray:
+    """The largest of ``image / scale`` over the channels, voxel by voxel, in the type and memory order the
+    division gives, computed in slabs (along the axis that keeps each slab contiguous) in threads: the brain mask
+    waits for it, and the boundary maps for the mask."""
+    dtype = np.result_type(*(np.asarray(image.flat[0]) / scale for image, scale in zip(images, scales, strict=True)))
+    fortran = images[0].flags.f_contiguous and not images[0].flags.c_contiguous
+    combined = np.empty(images[0].shape, dtype, order="F" if fortran else "C")
+    axis = len(combined.shape) - 1 if fortran else 0
+    edges = np.linspace(0, combined.shape[axis], min(os.cpu_count() or 1, combined.shape[axis]) + 1).astype(int)
+
+    def slab(part: int) -> None:
+        where = (slice(None),) * axis + (slice(int(edges[part]), int(edges[part + 1])),)
+        out = combined[where]
+        np.divide(images[0][where], scales[0], out=out)
+        for image, scale in zip(images[1:], scales[1:], strict=True):
+            np.maximum(out, image[where] / scale, out=out)
+
+    map_in_threads(slab, range(len(edges) - 1))
+    return combined
 
 
 def _widened_box(mask: np.ndarray, margin: int) -> tuple[slice, ...]:
@@ -295,11 +312,13 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
         mesh_pieces,
     )
 
-    band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
-    points = (np.argwhere(band) + origin) * spacing
-    nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
-    exact, closest = mesh_distances(vertices, faces, points, nearest)
-    pieces = mesh_pieces(len(vertices), faces)
+    with ThreadPoolExecutor(1) as pool:  # the mesh's pieces are found while the searches run on every core
+        found = pool.submit(mesh_pieces, len(vertices), faces)
+        band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
+        points = (np.argwhere(band) + origin) * spacing
+        nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
+        exact, closest = mesh_distances(vertices, faces, points, nearest)
+        pieces = found.result()
     moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()),
                               faces[closest, 0], pieces)
     if not np.array_equal(moved, vertices):
@@ -446,15 +465,26 @@ def _cached_ranges(meta: dict, channels: int) -> list[tuple[float, float]] | Non
     return pairs if len(pairs) == channels and all(high > low for low, high in pairs) else None
 
 
-def _float32_in_threads(stack: np.ndarray) -> np.ndarray:
-    """A float32 copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the cache)."""
-    out = np.empty(stack.shape, np.float32)
+def _float32_in_threads(stack: np.ndarray, dtype: type = np.float32) -> np.ndarray:
+    """A float32 (or ``dtype``) copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the
+    cache)."""
+    out = np.empty(stack.shape, dtype)
 
     def convert(index: int) -> None:
         out[index] = stack[index]
 
     map_in_threads(convert, range(len(stack)))
     return out
+
+
+def _normalise_channels(study: Study, mask: np.ndarray, ranges: list[tuple[float, float]] | None,
+                        channels: np.ndarray) -> None:
+    """Each channel normalised (:func:`normalise_channel`) into its slice of ``channels``, in threads; ``ranges``:
+    their ranges computed before, or None."""
+    images = list(study.channels.values())
+    map_in_threads(lambda index: normalise_channel(images[index], mask, out=channels[index],
+                                                   value_range=ranges[index] if ranges else None),
+                   range(len(images)))
 
 
 def prepare(
@@ -475,33 +505,37 @@ def prepare(
     path = (cache_root or cache_folder("prepared")) / key
     entry = _load_cached(path, study.shape, len(structures)) if use_cache else None
 
-    ranges = None
+    channels = np.empty((len(study.channels), *study.shape), np.float32)
     if entry is not None:
         cached, meta = entry
         report("boundary maps loaded from cache", 1.0)
-        ranges = _cached_ranges(meta, len(study.channels))
         notes = {name: LabelNote.from_dict(note) for name, note in meta.get("label_notes", {}).items()}
         boundary = _float32_in_threads(cached["boundary"])
         mask = cached["mask"].astype(bool)
         probability = cached["probability"].astype(np.float32)
         occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
+        _normalise_channels(study, mask, _cached_ranges(meta, len(study.channels)), channels)
     else:
-        mask, boundary, notes = mask_and_boundary_maps(study, structures, report, min_piece_ml, keep_small_pieces)
-        probability, occupancy, bounds, ranges = _derived_from_maps(study, structures, mask, boundary)
+        derived: dict = {}
+
+        def with_mask(brain: np.ndarray) -> None:  # the channels are normalised while the maps are made
+            derived.update(_derived_from_mask(study, brain))
+            _normalise_channels(study, brain, derived["ranges"], channels)
+
+        mask, boundary, notes = mask_and_boundary_maps(
+            study, structures, report, min_piece_ml, keep_small_pieces, with_mask=with_mask,
+            with_label_maps=lambda maps: derived.update(probability=_rounded_probability(study, structures, maps)))
+        probability, occupancy, bounds = derived["probability"], derived["occupancy"], derived["bounds"]
         if use_cache:
-            write_entry(path, {"boundary": boundary.astype(np.float16), "mask": mask,
-                               "probability": probability.astype(np.float16), "occupancy": occupancy,
+            # float16 halves the entry; the copy is made in threads (one pass over the maps each)
+            write_entry(path, {"boundary": _float32_in_threads(boundary, np.float16), "mask": mask,
+                               "probability": as_float16(probability), "occupancy": occupancy,
                                "bounds": bounds},
-                        {"channel_ranges": ranges,
+                        {"channel_ranges": derived["ranges"],
                          "label_notes": {name: note.as_dict() for name, note in notes.items()}},
                         keep=CACHE_ENTRIES)
         report("boundary maps ready", 1.0)
 
-    channels = np.empty((len(study.channels), *study.shape), np.float32)
-    images = list(study.channels.values())
-    map_in_threads(lambda index: normalise_channel(images[index], mask, out=channels[index],
-                                                   value_range=ranges[index] if ranges else None),
-                   range(len(images)))
     return PreparedStudy(
         study=study,
         channels=channels,
@@ -519,19 +553,43 @@ def prepare(
     )
 
 
-def _derived_from_maps(study: Study, structures: list[Structure], mask: np.ndarray, boundary: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[float, float]]]:
-    """P(x) (rounded to float16 as the cache keeps it, so cached and fresh runs agree), the occupancy grid, the
-    RAS bounds and each channel's :func:`channel_range`: one pass over the grid each, all at once in threads."""
+def _derived_from_mask(study: Study, mask: np.ndarray) -> dict:
+    """The occupancy grid, the RAS bounds and each channel's :func:`channel_range`: what needs the mask alone, so
+    it runs while the boundary maps are still being made; one pass over the grid each, all at once in threads."""
     images = list(study.channels.values())
     jobs: list[Callable[[], object]] = [
-        lambda: _probability(study, structures, boundary).astype(np.float16).astype(np.float32),
         lambda: occupancy_grid(mask),
         lambda: mask_bounds(mask, study.affine),
         *(functools.partial(channel_range, image, mask) for image in images),
     ]
-    probability, occupancy, bounds, *ranges = map_in_threads(lambda job: job(), jobs)
-    return probability, occupancy, bounds, ranges  # type: ignore[return-value]
+    occupancy, bounds, *ranges = map_in_threads(lambda job: job(), jobs)
+    return {"occupancy": occupancy, "bounds": bounds, "ranges": ranges}
+
+
+def _rounded_probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:
+    """P(x) rounded to float16 as the cache keeps it, so cached and fresh runs agree (it reads the maps of the
+    structures drawn in the labels only)."""
+    return as_float16(_probability(study, structures, boundary)).astype(np.float32)
+
+
+#: The smallest normal float16 (2⁻¹⁴) and the step of the subnormal ones below it (2⁻²⁴).
+_FLOAT16_NORMAL = np.float32(2.0**-14)
+_FLOAT16_STEP = np.float32(2.0**-24)
+
+
+def as_float16(values: np.ndarray) -> np.ndarray:
+    """``values.astype(np.float16)`` (float32 values), bit for bit, in a fraction of the time where many lie below
+    float16's normal range, as P(x) does away from the tumour: numpy casts those one by one on a slow path. Here
+    they are rounded onto the subnormal step, half to even as the cast rounds, and their bits set directly."""
+    values = np.asarray(values, np.float32)
+    magnitude = np.abs(values)
+    small = magnitude < _FLOAT16_NORMAL
+    out = np.where(small, np.float32(1.0), values).astype(np.float16)
+    # fmin: a NaN is not small, and must not reach the integer cast
+    steps = np.rint(np.fmin(magnitude, _FLOAT16_NORMAL) / _FLOAT16_STEP).astype(np.uint16)
+    steps |= np.signbit(values).astype(np.uint16) << np.uint16(15)
+    np.copyto(out.view(np.uint16), steps, where=small)
+    return out
 
 
 def _brain_mask(study: Study) -> np.ndarray:
@@ -543,13 +601,19 @@ def _brain_mask(study: Study) -> np.ndarray:
 
 
 def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Progress,
-                            min_piece_ml: float = MIN_PIECE_ML, keep_small_pieces: bool = False
+                            min_piece_ml: float = MIN_PIECE_ML, keep_small_pieces: bool = False, *,
+                            with_mask: Callable[[np.ndarray], object] | None = None,
+                            with_label_maps: Callable[[np.ndarray], object] | None = None,
                             ) -> tuple[np.ndarray, np.ndarray, dict[str, LabelNote]]:
     """The brain mask, every structure's signed distance (S, I, J, K), rounded to float16 as the cache keeps
     them (cached and fresh runs agree), and each structure's :class:`LabelNote` (see :func:`prepare` for the
-    pieces). The structures run in threads (their transforms and searches release the interpreter), those
-    from labels while the mask is found; progress is reported from this thread, and the first error in
-    structure order is raised."""
+    pieces). The structures run in threads (their transforms and searches release the interpreter), the brain's
+    first: it is the largest surface and waits for the mask, so it is the longest way through. Progress is
+    reported from this thread, and the first error in structure order is raised.
+
+    What needs only part of this work runs beside the rest, off that longest way: ``with_mask`` (given the
+    mask) as soon as the mask is found, ``with_label_maps`` (given the maps) once the maps of every structure
+    but the brain are done; their errors are raised after the structures'."""
     boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
     notes: dict[str, LabelNote] = {}
 
@@ -566,25 +630,40 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
 
     report("brain mask", 0.0)
     futures: dict[int, Future] = {}
-    with ThreadPoolExecutor(min(len(structures), os.cpu_count() or 1)) as pool:
+    beside: list[Future] = []
+    workers = len(structures) + (with_mask is not None) + (with_label_maps is not None)
+    with ThreadPoolExecutor(min(workers, os.cpu_count() or 1)) as pool:
         try:
-            for index, structure in enumerate(structures):
-                if not structure.from_mask:
-                    futures[index] = pool.submit(compute, index, None)
             mask = _brain_mask(study)
-            for index, structure in enumerate(structures):
-                if structure.from_mask:
-                    futures[index] = pool.submit(compute, index, mask)
+            if with_mask is not None:
+                beside.append(pool.submit(with_mask, mask))
+            order = sorted(range(len(structures)), key=lambda index: not structures[index].from_mask)
+            for index in order:
+                futures[index] = pool.submit(compute, index, mask if structures[index].from_mask else None)
             report(f"signed distances: {', '.join(s.name for s in structures)}", 1.0 / (len(structures) + 1))
-            for count, _ in enumerate(as_completed(futures.values()), start=1):
-                report(f"signed distances: {count} of {len(structures)} structures",
-                       (count + 1) / (len(structures) + 1))
+            labelled = {futures[i] for i, s in enumerate(structures) if s.name != BRAIN}  # what P(x) reads
+            if with_label_maps is not None and not labelled:
+                beside.append(pool.submit(with_label_maps, boundary))
+            pending, count = set(futures.values()), 0
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for _ in done:
+                    count += 1
+                    report(f"signed distances: {count} of {len(structures)} structures",
+                           (count + 1) / (len(structures) + 1))
+                if with_label_maps is not None and labelled and all(future.done() for future in labelled):
+                    if all(future.exception() is None for future in labelled):  # else its error is raised below
+                        beside.append(pool.submit(with_label_maps, boundary))
+                    labelled = set()
+            wait(beside)
         except BaseException:  # a stop, or no mask: start no more of them
-            for future in futures.values():
+            for future in [*futures.values(), *beside]:
                 future.cancel()
             raise
     for index in sorted(futures):
         futures[index].result()
+    for future in beside:
+        future.result()
     return mask, boundary, {s.name: notes[s.name] for s in structures}
 
 
