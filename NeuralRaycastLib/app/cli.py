@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -224,6 +225,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
     from ..progress import CancelOnInterrupt
     from ..study.cache import load_study_cached
+    from ..study.preprocess import import_map_libraries
     from ..train.presets import RunSettings
     from ..train.run import train_study
     from .worker import JsonLines, StopOnStdin
@@ -234,6 +236,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
                  run_of=str(Path(args.study).expanduser().resolve()))
     load_study_cached(args.study)
     appearance = _pretrained_appearance(args)
+    # The boundary maps' libraries load while the device opens, rather than after it.
+    threading.Thread(target=import_map_libraries, name="import-map-libraries", daemon=True).start()
     gpu = _device(args)
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                               views=args.views, size=args.size, shadows=args.shadows,

@@ -12,6 +12,7 @@ The expensive part (distance transforms) is cached on disk, keyed by a hash of t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -89,6 +90,20 @@ class PreparedStudy:
 
     def structure_index(self, name: str) -> int:
         return [s.name for s in self.structures].index(name)
+
+
+def import_map_libraries() -> None:
+    """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, the surface
+    distances): a second or more on a first run, which a caller can spend while it does something else (``fit``
+    imports them in a thread while the device opens)."""
+    import scipy.ndimage  # noqa: F401
+    import skimage.filters  # noqa: F401
+    import skimage.measure  # noqa: F401
+
+    from ..mesh import surface_distance  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # scipy's transform is the fallback (_distance_transform)
+        import edt  # noqa: F401
 
 
 def channel_range(image: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
