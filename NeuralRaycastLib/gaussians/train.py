@@ -1,7 +1,8 @@
 """Training a Gaussian scene on a study's reference views, with the loss the field trains with.
 
     prepared study -> Gaussians on the structures' surfaces (the voxels of their boundary bands), coloured from
-    the training views -> steps of patches (L1 + DSSIM, render/image_loss.py) -> Adam on every parameter
+    the training views -> steps of patches (L1 + DSSIM, render/image_loss.py's device loss, as the field's
+    trainer: no picture nor gradient crosses to the host) -> Adam on every parameter
     (shaders/adam.slang, a learning rate per kind) -> every few steps: pruning of near-transparent or oversized
     Gaussians, and splitting (large) or cloning (small) of those whose positions get large gradients, never past
     the cap that the GPU memory budget allows.
@@ -14,15 +15,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..gpu.device import GpuContext, GpuMemoryError, memory_budget
+from ..gpu.device import GpuContext, GpuMemoryError, device_memory, memory_budget
 from ..gpu.memory_budget import MemoryBudget
 from ..progress import Progress, ShouldStop
 from ..render.camera import Camera
-from ..render.image_loss import patch_loss_and_gradient
-from ..render.patches import PatchSampler
+from ..render.image_loss import DeviceImageLoss
+from ..render.patches import PatchSampler, pack_cameras
 from ..render.reference_views import ReferenceViews
 from ..study.preprocess import PreparedStudy
-from .scene import GAUSSIAN_FLOATS, GaussianScene, GaussianSet, GridShape, MarchSettings
+from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
@@ -208,13 +209,46 @@ class GaussianAdam:
         self.module.adamStep(spy.grid((threads,)), buffers, settings)
 
 
-def patch_rays(directions: dict[int, np.ndarray], cameras: list[Camera], rows: np.ndarray, size: int) -> np.ndarray:
-    """(P·size², 6) rays of the patches, patch after patch, rows of ``size`` pixels."""
-    rays = []
-    for view, x0, y0 in rows:
-        d = directions[int(view)][y0 : y0 + size, x0 : x0 + size].reshape(-1, 3)
-        rays.append(np.concatenate([np.broadcast_to(cameras[int(view)].position, d.shape), d], axis=1))
-    return np.concatenate(rays).astype(np.float32)
+class GaussianStep:
+    """A training step's work on the device: the patches' rays, their sums, the image loss and its gradient
+    (render/image_loss.DeviceImageLoss, the field's), the backward pass, and densification's statistics, which
+    stay on the device until :meth:`statistics` reads them. Only the patch corners and their reference go up,
+    and only the loss's terms come back."""
+
+    def __init__(self, gpu: GpuContext, scene: GaussianScene, views: ReferenceViews,
+                 config: GaussianTrainConfig) -> None:
+        import slangpy as spy
+
+        self.gpu, self.scene, self.config = gpu, scene, config
+        self.batch = GaussianBatch(gpu, config.patches * config.patch_size**2)
+        self.cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
+        self.image_loss = DeviceImageLoss(gpu, config.patch_size)
+        self.reset_statistics()
+
+    def loss_and_gradients(self, rows: np.ndarray, reference: np.ndarray) -> float:
+        """Render patches ``rows`` (view, x0, y0), and add the gradients of their loss against ``reference``
+        (P, size, size, 8: the views' G-buffer; RGBA compared) to the scene's; returns the loss."""
+        self.scene.patch_rays(self.batch, self.cameras, rows, self.config.patch_size)
+        self.scene.forward(self.batch)
+        loss = self.image_loss(self.batch, reference)["loss"]
+        if np.isfinite(loss):
+            self.scene.backward(self.batch)
+        return float(loss)
+
+    def accumulate_statistics(self) -> None:
+        self.scene.accumulate_position_gradients(self.stats)
+
+    def reset_statistics(self) -> None:
+        """Zeros for the scene's current Gaussians (after pruning and densification change their count)."""
+        import slangpy as spy
+
+        with device_memory(f"the statistics of {self.scene.count:,} Gaussians"):
+            self.stats = spy.Tensor.zeros(self.gpu.device, shape=(2 * self.scene.count,), dtype=float)
+
+    def statistics(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per Gaussian, the sum of |∂loss/∂position| since the last reset and the steps where it was not zero."""
+        stats = np.asarray(self.stats.to_numpy(), np.float64).reshape(-1, 2)
+        return stats[:, 0], stats[:, 1]
 
 
 def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, seen: np.ndarray,
@@ -273,34 +307,28 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     cap = gaussian_cap(memory_budget(gpu), config)
     scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, views, config, min(config.initial, cap)), config)
     adam = GaussianAdam(gpu, scene, config, voxel)
-    reference = np.stack([image.rgba for image in views.images]).astype(np.float32)
-    sampler = PatchSampler(reference, views.training, size=config.patch_size, seed=config.seed)
-    directions = {i: views.cameras[i].ray_directions().astype(np.float32) for i in views.training}
+    sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
+    step_on_device = GaussianStep(gpu, scene, views, config)
     log = GaussianTrainLog(cap=cap)
-    gradient_sum, seen = np.zeros(scene.count), np.zeros(scene.count)
     start = time.perf_counter()
-    n_rays = config.patches * config.patch_size**2
     for step in range(config.steps):
         if should_stop is not None and should_stop():
             log.cancelled = True
             break
         rows = sampler.sample(config.patches)
-        rays = scene.upload_rays(*np.split(patch_rays(directions, views.cameras, rows, config.patch_size), 2, axis=1))
-        results = scene.render_rays(rays, n_rays)
-        rendered = np.asarray(results.to_numpy()).reshape(config.patches, config.patch_size, config.patch_size, 4)
-        loss, _, d_rendered = patch_loss_and_gradient(rendered, sampler.reference_patches(rows))
-        scene.backward_rays(rays, n_rays, results, d_rendered.reshape(-1, 4))
-        position_gradient = scene.gradients()[: 3 * scene.count].reshape(-1, 3)
-        norm = np.linalg.norm(position_gradient, axis=1)
-        gradient_sum += norm
-        seen += norm > 0
-        adam.step(0.1 + 0.9 * (1.0 - step / config.steps))
-        log.losses.append((step, float(loss)))
+        loss = step_on_device.loss_and_gradients(rows, sampler.reference_patches(rows))
+        if np.isfinite(loss):
+            step_on_device.accumulate_statistics()
+            adam.step(0.1 + 0.9 * (1.0 - step / config.steps))
+        else:  # a step whose loss is not finite moves nothing
+            scene.zero_gradients()
+        log.losses.append((step, loss))
         last = step == config.steps - 1
         if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
+            gradient_sum, seen = step_on_device.statistics()
             adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
                   densify=step < config.densify_until * config.steps)
-            gradient_sum, seen = np.zeros(scene.count), np.zeros(scene.count)
+            step_on_device.reset_statistics()
             log.counts.append((step + 1, scene.count))
         else:
             scene.build_grid()
