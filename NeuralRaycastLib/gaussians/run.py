@@ -80,9 +80,8 @@ class GaussianRun:
     structures: np.ndarray | None = None
 
     def render(self, camera: Camera) -> RenderedImage:
-        """The Gaussians' picture (premultiplied RGBA; no depth nor normals yet: zeros)."""
-        rgba = self.scene.render(camera).astype(np.float32)
-        return RenderedImage(rgba, np.zeros(rgba.shape[:2], np.float32), np.zeros((*rgba.shape[:2], 3), np.float32))
+        """The Gaussians' G-buffer: premultiplied RGBA, expected depth and the density's normals."""
+        return self.scene.render_image(camera)
 
     def distances(self) -> np.ndarray:
         """(K, I, J, K) signed distances (mm) of the structures' insides from the Gaussians' structure weights."""
