@@ -23,6 +23,7 @@ from ..render.image_loss import DeviceImageLoss
 from ..render.patches import PatchSampler, pack_cameras
 from ..render.reference_views import ReferenceViews
 from ..study.preprocess import PreparedStudy
+from .geometry import JointStructures, StructureTrainConfig
 from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
@@ -54,6 +55,10 @@ class GaussianTrainConfig:
     max_scale_voxels: float = 6.0  # Gaussians whose largest standard deviation passes this are dropped
     eval_every: int = 100
     structure_steps: int = 60  # of the structure weights' occupancy loss, once the Gaussians are placed
+    #: The occupancy loss's weight during the picture steps (its gradient also moves and shapes the Gaussians;
+    #: 0: the structure weights are fitted only after them), and its points a step.
+    structure_weight: float = 0.0
+    structure_points: int = 4096
     seed: int = 0
 
 
@@ -67,6 +72,10 @@ class GaussianTrainLog:
     scores: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out PSNR)
     cancelled: bool = False
     cap: int = 0
+    #: (N, K) structure logits trained with the pictures (None: structure_weight 0), and the occupancy loss's
+    #: mean over each stretch of steps, by the step that ends it.
+    structures: np.ndarray | None = None
+    structure_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 def voxel_mm(prepared: PreparedStudy) -> float:
@@ -252,8 +261,11 @@ class GaussianStep:
 
 
 def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, seen: np.ndarray,
-          config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator, densify: bool) -> None:
-    """Prune and (``densify``) split or clone, keeping Adam's moments of the Gaussians that stay."""
+          config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator,
+          densify: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Prune and (``densify``) split or clone, keeping Adam's moments of the Gaussians that stay. Returns the
+    indices (before the change) of the Gaussians kept and of those the new ones were grown from: the scene now
+    holds the kept ones in order, then one new Gaussian per grown index."""
     gaussians = scene.gaussians()
     m, v = adam.moments()
     opacity = 1.0 / (1.0 + np.exp(-gaussians.density))
@@ -263,6 +275,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
     if not keep.any():  # a scene keeps its most opaque Gaussian
         keep[np.argmax(np.where(finite, opacity, -1.0))] = True
     parts, m_parts, v_parts = [gaussians.subset(keep)], [m.subset(keep)], [v.subset(keep)]
+    grow = np.zeros(0, np.int64)
     if densify:
         mean = gradient_sum / np.maximum(seen, 1)
         grow = np.flatnonzero(keep & (mean > 0))
@@ -284,6 +297,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
     merged = GaussianSet.concatenate(parts)
     scene.set_gaussians(merged)
     adam.reset(GaussianSet.concatenate(m_parts).flat(), GaussianSet.concatenate(v_parts).flat())
+    return np.flatnonzero(keep), grow
 
 
 def render_picture(scene: GaussianScene, camera: Camera) -> np.ndarray:
@@ -309,7 +323,12 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     adam = GaussianAdam(gpu, scene, config, voxel)
     sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
     step_on_device = GaussianStep(gpu, scene, views, config)
+    joint = None
+    if config.structure_weight > 0:
+        joint = JointStructures.for_study(scene, prepared, config.structure_weight,
+                                          StructureTrainConfig(points=config.structure_points, seed=config.seed))
     log = GaussianTrainLog(cap=cap)
+    logged_at = 0
     start = time.perf_counter()
     for step in range(config.steps):
         if should_stop is not None and should_stop():
@@ -317,21 +336,29 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
             break
         rows = sampler.sample(config.patches)
         loss = step_on_device.loss_and_gradients(rows, sampler.reference_patches(rows))
+        schedule = 0.1 + 0.9 * (1.0 - step / config.steps)
         if np.isfinite(loss):
-            step_on_device.accumulate_statistics()
-            adam.step(0.1 + 0.9 * (1.0 - step / config.steps))
+            step_on_device.accumulate_statistics()  # densification follows the pictures' gradients
+            if joint is not None:
+                joint.step(schedule)
+            adam.step(schedule)
         else:  # a step whose loss is not finite moves nothing
             scene.zero_gradients()
         log.losses.append((step, loss))
         last = step == config.steps - 1
         if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
             gradient_sum, seen = step_on_device.statistics()
-            adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
-                  densify=step < config.densify_until * config.steps)
+            kept, grown = adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
+                                densify=step < config.densify_until * config.steps)
+            if joint is not None:
+                joint.follow(kept, grown)
             step_on_device.reset_statistics()
             log.counts.append((step + 1, scene.count))
         else:
             scene.build_grid()
+        if joint is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
+            log.structure_losses.append((step, joint.take_loss() / max(step + 1 - logged_at, 1)))
+            logged_at = step + 1
         if config.eval_every and ((step + 1) % config.eval_every == 0 or last) and views.held_out:
             scored = time.perf_counter()
             score = score_views(scene, views, views.held_out)["heldout_psnr"]
@@ -341,4 +368,6 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
                    f"held-out PSNR {score:.2f} dB", (step + 1) / config.steps)
         log.steps = step + 1
     log.seconds = time.perf_counter() - start - log.eval_seconds
+    if joint is not None:
+        log.structures = joint.state()[0]
     return scene, log
