@@ -73,6 +73,24 @@ def test_render_writes_the_views(gaussian_run, tmp_path, capsys):
     out = tmp_path / "views"
     assert main(["render", str(run), "--views", "2", "--size", "32", "24", "--out", str(out)]) == 0
     assert (out / "contact_sheet.png").is_file() and (out / "cameras.json").is_file()
+    # the pictures' G-buffer: the expected depth and unit normals wherever the Gaussians show
+    import numpy as np
+
+    with np.load(out / "reference.npz") as saved:
+        alpha, depth, normal = saved["rgba"][..., 3], saved["depth"], saved["normal"]
+    shown = alpha > 0.5
+    assert shown.sum() > 50
+    assert (depth[shown] > 0).all() and (depth[alpha == 0] == 0).all()
+    np.testing.assert_allclose(np.linalg.norm(normal[shown], axis=-1), 1.0, atol=1e-3)
+
+
+def test_frame_rate_times_the_gaussian_pictures(gaussian_run, capsys):
+    _, run = gaussian_run
+    capsys.readouterr()
+    assert main(["frame-rate", str(run), "--size", "32", "24", "--frames", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["frames"] == 2 and (result["width"], result["height"]) == (32, 24)
+    assert result["frames_per_second"] > 0 and result["ms_per_frame"] > 0
 
 
 def test_mesh_writes_a_mesh_per_structure(gaussian_run, tmp_path, capsys):

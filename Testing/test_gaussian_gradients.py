@@ -106,6 +106,13 @@ def test_camera_picture_is_the_rays_through_its_pixels(scene):
     _, _, values = device_render(scene, rays.astype(np.float32).astype(np.float64))
     assert picture[..., 3].max() > 0.3
     np.testing.assert_allclose(picture.reshape(-1, 4), values, atol=1e-5)
+    # the live view's picture: straight-alpha bytes, rows from the bottom, packed on the device
+    alpha = picture[..., 3:4]
+    straight = np.where(alpha > 1e-6, picture[..., :3] / np.maximum(alpha, 1e-6), 0.0)
+    expected = np.round(np.clip(np.concatenate([straight, alpha], axis=-1), 0, 1) * 255)[::-1]
+    packed = scene.render_picture(camera)
+    assert packed.shape == (14, 20, 4) and packed.dtype == np.uint8
+    np.testing.assert_allclose(packed, expected, atol=1)
 
 
 def test_picture_has_the_expected_depth_and_the_density_normals(scene):
