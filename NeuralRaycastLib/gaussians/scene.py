@@ -227,8 +227,8 @@ class GaussianScene:
                 self._block_sums = spy.Tensor.zeros(device, shape=(blocks + 1,), dtype="int")
         if self._cell_list is None:
             self._cell_list = spy.Tensor.zeros(device, shape=(1,), dtype="int")
-        self._counts.copy_from_numpy(np.zeros(total, np.int32))
         m, scene = self.module, self.shader_struct()
+        m.gridClear(spy.grid((total,)), self._counts.storage.device_address, total)  # no upload a step
         m.gridCount(spy.grid((self.count,)), scene, self.grid_struct(), self._counts.storage.device_address)
         starts, counts, sums = (t.storage.device_address for t in (self._cell_start, self._counts, self._block_sums))
         m.gridScanBlocks(spy.grid((blocks,)), counts, starts, sums, total)

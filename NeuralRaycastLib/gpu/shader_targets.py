@@ -44,8 +44,8 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "segment_shadows": ("segmentVisibility",),
     "sphere_scene": ("sphereDistances", "sphereSurface", "sphereBackwardDistances", "sphereBackwardSurface"),
     "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward",
-                  "gridCount", "gridScanBlocks", "gridScanTotals", "gridScanAdd", "gridFill", "gaussianPatchRays",
-                  "accumulatePositionGradients", "renderCameraPacked", "occupancyLossBackward"),
+                  "gridClear", "gridCount", "gridScanBlocks", "gridScanTotals", "gridScanAdd", "gridFill",
+                  "gaussianPatchRays", "accumulatePositionGradients", "renderCameraPacked", "occupancyLossBackward"),
 }
 #: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam")
