@@ -30,12 +30,14 @@ nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 
 SMI=$!
 mark() { date -u +"%s.%N $1" >> "$RAW/marks.txt"; }
 
+# Past 125 s the fit is interrupted as Ctrl-C does: it stops at the next step and saves the state reached
+# (train_log.json says "cancelled"), so the other figures still come; 20 s later it is killed.
 mark fit
-timeout 150 /usr/bin/time -v $N fit "$SAMPLE" --representation gaussians --preset standard --out "$RUN" \
-  > "$RAW/fit.txt" 2>&1
+/usr/bin/time -v timeout -s INT -k 20 125 $N fit "$SAMPLE" --representation gaussians --preset standard \
+  --out "$RUN" > "$RAW/fit.txt" 2>&1
 echo "exit $?" >> "$RAW/fit.txt"
 mark evaluate
-timeout 50 $N evaluate "$RUN" --json > "$RAW/evaluate.json" 2> "$RAW/evaluate.err"
+timeout 55 $N evaluate "$RUN" --json > "$RAW/evaluate.json" 2> "$RAW/evaluate.err"
 echo "exit $?" >> "$RAW/evaluate.err"
 mark frame-rate-1024
 timeout 20 $N frame-rate "$RUN" --size 1024 1024 --frames 60 --json > "$RAW/frame_rate_1024.json" 2> "$RAW/frame_rate.err"
@@ -68,7 +70,8 @@ for key, pattern in (("fit wall", r"Elapsed \(wall clock\) time.*: (\S+)"),
     print(f"{key}: {found.group(1) if found else 'n/a'}")
 log = load("train_log.json") or {}
 print(f"train seconds (without held-out scoring): {log.get('seconds')}")
-print(f"steps: {log.get('steps')}, Gaussians: {log.get('gaussians')}, cap: {log.get('cap')}")
+print(f"steps: {log.get('steps')}, cancelled: {log.get('cancelled')}, Gaussians: {log.get('gaussians')}, "
+      f"cap: {log.get('cap')}")
 print(f"held-out PSNR during training: {log.get('scores')}")
 metrics = load("evaluate.json") or {}
 for key in ("heldout_psnr", "heldout_ssim", "gaussians", "model_bytes", "train_seconds", "device", "backend"):
