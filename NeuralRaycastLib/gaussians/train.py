@@ -28,8 +28,9 @@ from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, G
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
-#: its 23), and its entries in the grid's lists (a few cells each, with room to grow).
-TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32
+#: its 23), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
+#: and its structure logits with their gradients and moments (4 floats each, for up to 8 structures).
+TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8
 
 
 @dataclass(frozen=True)
