@@ -48,27 +48,50 @@ def clip_to_box(origin, direction, low, high) -> tuple[float, float]:
     return near, np.maximum(t0, t1).min()
 
 
-def march(values, n, density_scale, origin, direction, low, high, step, min_transmittance) -> np.ndarray:
-    """(premultiplied RGB, alpha) of one ray."""
+def normal_at(values, n, density_scale, x, direction, h: float = 1e-5) -> np.ndarray:
+    """-∇σ / |∇σ| at x by central differences of σ, turned towards the viewer (zero where σ is flat)."""
+    gradient = np.array([(density_and_colour(values, n, density_scale, x + h * e, direction)[0]
+                          - density_and_colour(values, n, density_scale, x - h * e, direction)[0]) / (2 * h)
+                         for e in np.eye(3)])
+    length = np.linalg.norm(gradient)
+    if length <= 1e-12:
+        return np.zeros(3)
+    normal = -gradient / length
+    return -normal if normal @ direction > 0 else normal
+
+
+def march(values, n, density_scale, origin, direction, low, high, step, min_transmittance,
+          normals: bool = False) -> np.ndarray:
+    """One ray's sums: premultiplied RGB, alpha, Σ weight·normal (zeros unless ``normals``) and Σ weight·t, the
+    weight of a segment T·(1 - exp(-σ·step))."""
     near, far = clip_to_box(origin, direction, low, high)
-    transmittance, rgb = 1.0, np.zeros(3)
+    transmittance, rgb, normal, depth = 1.0, np.zeros(3), np.zeros(3), 0.0
     j = 0
     while (t := near + (j + 0.5) * step) < far:
         j += 1
-        sigma, weighted = density_and_colour(values, n, density_scale, origin + t * direction, direction)
+        x = origin + t * direction
+        sigma, weighted = density_and_colour(values, n, density_scale, x, direction)
         if sigma <= 0.0:
             continue
         alpha = 1.0 - np.exp(-sigma * step)
         rgb += transmittance * alpha / sigma * weighted
+        depth += transmittance * alpha * t
+        if normals:
+            normal += transmittance * alpha * normal_at(values, n, density_scale, x, direction)
         transmittance *= 1.0 - alpha
         if transmittance < min_transmittance:
             break
-    return np.append(rgb, 1.0 - transmittance)
+    return np.concatenate([rgb, [1.0 - transmittance], normal, [depth]])
 
 
 def render(values, n, density_scale, rays, low, high, step, min_transmittance) -> np.ndarray:
     """(R, 4) for rays (R, 6): origin then unit direction."""
-    return np.stack([march(values, n, density_scale, r[:3], r[3:], low, high, step, min_transmittance)
+    return render_sums(values, n, density_scale, rays, low, high, step, min_transmittance)[:, :4]
+
+
+def render_sums(values, n, density_scale, rays, low, high, step, min_transmittance, normals: bool = False):
+    """(R, 8): every ray's sums (:func:`march`)."""
+    return np.stack([march(values, n, density_scale, r[:3], r[3:], low, high, step, min_transmittance, normals)
                      for r in np.asarray(rays, np.float64)])
 
 

@@ -75,3 +75,48 @@ def test_uncovered_voxels_take_the_nearest_covered_occupancy_and_give_a_signed_d
     distances = signed_distances(filled[0] > 0.5, np.array([2.0, 2.0, 2.0]))
     assert (distances[radius < 4] < 0).all() and (distances[radius >= 4] > 0).all()
     assert np.abs(distances[(radius >= 3.5) & (radius < 4)]).min() == pytest.approx(1.0)
+
+
+def test_joint_occupancy_loss_backward_matches_central_differences(weighted):
+    """The occupancy loss taken during the picture steps, weight · Σ_covered Σ_k (o_k - y_k)² / (M·K), on the
+    device: its value, and its gradient to the logits and to every Gaussian's position, scale and rotation
+    (none to density or colour) against central differences of the float64 reference."""
+    from NeuralRaycastLib.gaussians.geometry import COVERED, JointStructures, StructureTrainConfig
+
+    occupied, logits, points = weighted
+    scene, n, weight = occupied.scene, occupied.scene.count, 1.7
+    inside = (np.random.default_rng(7).random((POINTS, STRUCTURES)) < 0.5).astype(np.float64)
+    params = scene.parameters().astype(np.float64)
+
+    def loss(p: np.ndarray, flat_logits: np.ndarray) -> float:
+        values, cover = occupancy(p, n, flat_logits.reshape(n, STRUCTURES), points)
+        covered = (cover >= COVERED)[:, None]
+        return weight * float((np.where(covered, values - inside, 0.0) ** 2).sum() / (POINTS * STRUCTURES))
+
+    joint = JointStructures(scene, logits, weight, StructureTrainConfig())
+    scene.zero_gradients()
+    joint.backward(points, inside)
+    assert joint.take_loss() == pytest.approx(loss(params, logits.reshape(-1)) / weight, rel=1e-4)
+    assert joint.take_loss() == 0.0
+    d_logits = joint.logit_gradients().astype(np.float64).reshape(-1)
+    gradient = scene.gradients().astype(np.float64)
+    scene.zero_gradients()
+
+    numeric = central_difference(lambda flat: loss(params, flat), logits.reshape(-1), np.eye(d_logits.size), 1e-6)
+    assert np.abs(numeric).max() > 1e-3
+    np.testing.assert_allclose(d_logits, numeric, rtol=1e-3, atol=1e-6)
+
+    shape_part = slice(0, 10 * n)  # positions, log-scales, rotations
+    assert not gradient[10 * n :].any()  # density and colour take no part in the occupancy
+    for kind, (first, last) in {"position": (0, 3), "log-scale": (3, 6), "rotation": (6, 10)}.items():
+        assert np.abs(gradient[first * n : last * n]).max() > 1e-4, f"no {kind} gradient"
+    scale = np.abs(gradient).max()
+    rng = np.random.default_rng(8)
+    directions = np.zeros((3, params.size))
+    directions[:, shape_part] = rng.normal(size=(3, 10 * n))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    numeric = central_difference(lambda p: loss(p, logits.reshape(-1)), params, directions, 1e-5)
+    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
+    largest = np.argsort(-np.abs(gradient))[:16]
+    numeric = central_difference(lambda p: loss(p, logits.reshape(-1)), params, np.eye(params.size)[largest], 1e-5)
+    np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)

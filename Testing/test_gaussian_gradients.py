@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from field_reference import central_difference
-from gaussian_reference import render
+from gaussian_reference import render, render_sums
 
-from NeuralRaycastLib.gaussians.scene import GaussianScene, GaussianSet, GridShape, MarchSettings
+from NeuralRaycastLib.gaussians.scene import OUTPUTS, GaussianScene, GaussianSet, GridShape, MarchSettings
 from NeuralRaycastLib.render.camera import Camera
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +51,7 @@ def rays() -> np.ndarray:
 def device_render(scene: GaussianScene, rays: np.ndarray):
     uploaded = scene.upload_rays(rays[:, :3], rays[:, 3:])
     results = scene.render_rays(uploaded, len(rays))
-    return uploaded, results, np.asarray(results.to_numpy(), np.float64).reshape(-1, 4)
+    return uploaded, results, np.asarray(results.to_numpy(), np.float64).reshape(-1, OUTPUTS)[:, :4]
 
 
 def reference(scene: GaussianScene, values: np.ndarray, rays: np.ndarray, min_transmittance: float) -> np.ndarray:
@@ -106,6 +106,42 @@ def test_camera_picture_is_the_rays_through_its_pixels(scene):
     _, _, values = device_render(scene, rays.astype(np.float32).astype(np.float64))
     assert picture[..., 3].max() > 0.3
     np.testing.assert_allclose(picture.reshape(-1, 4), values, atol=1e-5)
+    # the live view's picture: straight-alpha bytes, rows from the bottom, packed on the device
+    alpha = picture[..., 3:4]
+    straight = np.where(alpha > 1e-6, picture[..., :3] / np.maximum(alpha, 1e-6), 0.0)
+    expected = np.round(np.clip(np.concatenate([straight, alpha], axis=-1), 0, 1) * 255)[::-1]
+    packed = scene.render_picture(camera)
+    assert packed.shape == (14, 20, 4) and packed.dtype == np.uint8
+    np.testing.assert_allclose(packed, expected, atol=1)
+
+
+def test_picture_has_the_expected_depth_and_the_density_normals(scene):
+    """A run's pictures carry a G-buffer as the field's do: depth is Σ weight·t / alpha along the ray, and the
+    normal the unit -∇σ (turned towards the viewer) averaged by the same weights, here against central
+    differences of the float64 density."""
+    camera = Camera((5.0, -30.0, 6.0), (5.0, 4.0, 6.0), (0.0, 0.0, 1.0), 16.0, 10, 8)
+    image = scene.render_image(camera)
+    directions = camera.ray_directions().reshape(-1, 3)
+    rays = np.concatenate([np.broadcast_to(camera.position, directions.shape), directions], axis=1)
+    grid = scene.grid
+    sums = render_sums(scene.parameters().astype(np.float64), scene.count, scene.density_scale,
+                       rays.astype(np.float32).astype(np.float64), grid.low, grid.high, STEP, 1e-4, normals=True)
+    alpha = sums[:, 3]
+    seen = alpha > 0.05
+    assert seen.sum() >= 20 and (~seen).sum() >= 1
+    np.testing.assert_allclose(image.rgba.reshape(-1, 4), sums[:, :4], atol=1e-5)
+    depth = image.depth.reshape(-1)
+    np.testing.assert_allclose(depth[seen], sums[seen, 7] / alpha[seen], rtol=1e-4)
+    assert (depth[alpha < 1e-6] == 0).all()
+    distance = np.linalg.norm(np.asarray(scene.gaussians().positions[:5]) - camera.position, axis=1)
+    assert distance.min() - 10 < depth[seen].min() and depth[seen].max() < distance.max() + 10
+    expected = sums[:, 4:7] / np.maximum(np.linalg.norm(sums[:, 4:7], axis=1, keepdims=True), 1e-12)
+    normal = image.normal.reshape(-1, 3)
+    np.testing.assert_allclose(normal[seen], expected[seen], atol=2e-3)
+    np.testing.assert_allclose(np.linalg.norm(normal[seen], axis=1), 1.0, atol=1e-4)
+    assert (normal[seen] @ np.asarray(camera.basis()[2]) < 0).mean() > 0.9  # facing the camera
+    # training's forward leaves the normals out (it compares colours)
+    assert not scene.render_sums(camera)[..., 4:7].any()
 
 
 def test_backward_pass_matches_central_differences(scene, rays):
@@ -138,3 +174,49 @@ def test_backward_pass_matches_central_differences(scene, rays):
     own = np.concatenate([3 * unseen + np.arange(3), 3 * n + 3 * unseen + np.arange(3),
                           6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 12 * unseen + np.arange(12)])
     assert not gradient[own].any()
+
+
+def test_training_step_on_the_device_matches_the_host_loss(gpu, scene):
+    """A training step's loss, its gradient and densification's statistics computed on the device (patch rays,
+    DeviceImageLoss, the backward pass fed from its ∂/∂sums) are the host's: the float64 loss of the same
+    pictures, the backward pass given the host's gradient, and the norms of the position gradients."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gaussians.train import GaussianStep, GaussianTrainConfig
+    from NeuralRaycastLib.render.image_loss import patch_loss_and_gradient
+
+    cameras = [Camera((5.0, -30.0, 6.0), (5.0, 4.0, 6.0), (0.0, 0.0, 1.0), 22.0, 32, 24),
+               Camera((-25.0, 4.0, 9.0), (5.0, 4.0, 6.0), (0.0, 0.0, 1.0), 22.0, 30, 20)]
+    rows = np.array([[0, 8, 4], [1, 3, 2], [0, 12, 7]], np.int32)
+    size = 16
+    step = GaussianStep(gpu, scene, SimpleNamespace(cameras=cameras), GaussianTrainConfig(patches=3, patch_size=size))
+    reference = np.random.default_rng(4).uniform(0.0, 1.0, (3, size, size, 8)).astype(np.float32)
+    scene.zero_gradients()
+    loss = step.loss_and_gradients(rows, reference)
+    step.accumulate_statistics()
+    device_gradient = scene.gradients().astype(np.float64)
+
+    # the same rays from the host's cameras, rendered and scored on the host
+    rays = []
+    for view, x0, y0 in rows:
+        directions = cameras[view].ray_directions()[y0 : y0 + size, x0 : x0 + size].reshape(-1, 3)
+        rays.append(np.concatenate([np.broadcast_to(cameras[view].position, directions.shape), directions], axis=1))
+    rays = np.concatenate(rays)
+    uploaded, results, rendered = device_render(scene, rays)
+    sums = np.asarray(step.batch.sums.to_numpy()).reshape(-1, OUTPUTS)
+    np.testing.assert_allclose(sums[:, :4], rendered, atol=2e-5)
+    assert rendered[:, 3].max() > 0.3, "the patches should see the Gaussians"
+    host_loss, _, d_rendered = patch_loss_and_gradient(rendered.reshape(3, size, size, 4), reference[..., :4])
+    assert loss == pytest.approx(host_loss, rel=1e-4)
+    scene.zero_gradients()
+    scene.backward_rays(uploaded, len(rays), results, d_rendered.reshape(-1, 4))
+    host_gradient = scene.gradients().astype(np.float64)
+    assert np.abs(host_gradient).max() > 0
+    np.testing.assert_allclose(device_gradient, host_gradient, rtol=1e-3, atol=1e-4 * np.abs(host_gradient).max())
+
+    norms, seen = step.statistics()
+    expected = np.linalg.norm(device_gradient[: 3 * scene.count].reshape(-1, 3), axis=1)
+    np.testing.assert_allclose(norms, expected, rtol=1e-5)
+    np.testing.assert_array_equal(seen, expected > 0)
+    assert seen[6] == 0 and seen.sum() >= 3  # the Gaussian no ray reaches has none
+    scene.zero_gradients()

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import phantom_prepared
 
+from NeuralRaycastLib.gaussians.geometry import JointStructures, StructureTrainConfig
 from NeuralRaycastLib.gaussians.scene import GAUSSIAN_FLOATS, GaussianSet
 from NeuralRaycastLib.gaussians.train import (
     GaussianAdam,
@@ -87,9 +88,20 @@ def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_vie
     gradient = np.zeros(n)
     gradient[[10, 11, 12]] = [3.0, 2.0, 1.0]
     before = scene.gaussians()
+    logits = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
+    joint = JointStructures(scene, logits, 1.0, StructureTrainConfig())
+    joint.set_logits(logits, m=logits + 0.5, v=logits + 0.25)
     cap = n - 6 + 2  # room for two more
-    adapt(scene, adam, gradient, np.ones(n), config, 3.0, cap, np.random.default_rng(0), densify=True)
+    kept, grown = adapt(scene, adam, gradient, np.ones(n), config, 3.0, cap, np.random.default_rng(0), densify=True)
     assert scene.count == cap
+    np.testing.assert_array_equal(kept, np.arange(6, n))
+    np.testing.assert_array_equal(grown, [10, 11])
+    # the structure weights trained with the pictures follow their Gaussians; the copies' moments start at zero
+    joint.follow(kept, grown)
+    after_logits, after_m, _ = joint.state()
+    np.testing.assert_array_equal(after_logits, logits[[*range(6, n), 10, 11]])
+    np.testing.assert_array_equal(after_m[: n - 6], logits[6:] + 0.5)
+    assert not after_m[n - 6 :].any()
     after = scene.gaussians()
     kept = np.arange(6, n)
     np.testing.assert_array_equal(after.colours[: n - 6], before.colours[kept])

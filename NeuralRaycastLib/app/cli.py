@@ -451,7 +451,7 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
         from ..gaussians.run import open_gaussian_run
 
         run = open_gaussian_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
-        render = run.scene.render
+        render = run.scene.render_picture
     else:
         run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
         render = run.renderer.render_picture

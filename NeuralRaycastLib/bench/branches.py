@@ -93,13 +93,12 @@ def warm_up_gaussians(gpu: GpuContext, study: Path, folder: Path, settings: RunS
 
 #: What a frame of each branch reads back to the host, for the rows' notes.
 READ_BACK = {"field": "colour, depth and normals read back (the field's RenderedImage)",
-             "gaussians": "colour read back (the Gaussians give no depth nor normals yet)"}
+             "gaussians": "colour, expected depth and the density's normals read back (a RenderedImage)"}
 
 
 def picture(branch: str, run: Any):
-    """A branch's own picture of a camera, with its read-back and no conversion after it (the Gaussians' run
-    pads theirs with empty depth and normals, which a frame would then count)."""
-    return run.scene.render if branch == "gaussians" else run.renderer.render
+    """A branch's own G-buffer of a camera, with its read-back, as the other branch's."""
+    return run.render if branch == "gaussians" else run.renderer.render
 
 
 def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings: RunSettings,

@@ -11,6 +11,7 @@ field's learned distances.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,14 +106,22 @@ class StructureOccupancy:
         return np.asarray(grads.to_numpy()).reshape(self.scene.count, self.structures)
 
 
-def surface_samples(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` voxel centres (RAS) within two voxels of some structure's surface, and at each the inside (1)
-    or outside (0) of every structure from the boundary maps: (M, 3), (M, K). Centres, where the labels are
-    known and Dice counts, rather than points between them, where the maps are interpolated across a surface."""
+def surface_voxels(prepared: PreparedStudy) -> np.ndarray:
+    """(V, 3) indices of the voxels within two voxels of some structure's surface."""
     voxel = float(np.min(prepared.spacing))
     near = np.argwhere((np.abs(prepared.boundary) < 2.0 * voxel).any(axis=0))
     if not len(near):
         raise ValueError("the study has no structure surface to train the Gaussians' structure weights on")
+    return near
+
+
+def surface_samples(prepared: PreparedStudy, count: int, rng: np.random.Generator,
+                    near: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` voxel centres (RAS) within two voxels of some structure's surface (of ``near``, the
+    :func:`surface_voxels` found once, where given), and at each the inside (1) or outside (0) of every
+    structure from the boundary maps: (M, 3), (M, K). Centres, where the labels are known and Dice counts,
+    rather than points between them, where the maps are interpolated across a surface."""
+    near = surface_voxels(prepared) if near is None else near
     ijk = near[rng.integers(0, len(near), count)]
     points = ijk @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
     inside = prepared.boundary[:, ijk[:, 0], ijk[:, 1], ijk[:, 2]].T < 0
@@ -129,18 +138,22 @@ def occupancy_loss(occupancy: np.ndarray, coverage: np.ndarray, inside: np.ndarr
 
 
 def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, config: StructureTrainConfig | None = None,
-                            should_stop: ShouldStop | None = None) -> tuple[np.ndarray, list[tuple[int, float]]]:
-    """The Gaussians' (N, K) structure logits: started from the boundary maps at their centres, then Adam on the
-    occupancy loss at points near the surfaces; the losses by step. A stop keeps the logits reached."""
+                            should_stop: ShouldStop | None = None,
+                            initial: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, float]]]:
+    """The Gaussians' (N, K) structure logits: started from ``initial`` (those trained with the pictures) or the
+    boundary maps at their centres, then Adam on the occupancy loss at points near the surfaces, the Gaussians
+    fixed; the losses by step. A stop keeps the logits reached."""
     config = config or StructureTrainConfig()
     rng = np.random.default_rng(config.seed)
-    logits = initial_structure_logits(prepared, scene.gaussians().positions)
+    logits = initial_structure_logits(prepared, scene.gaussians().positions) if initial is None else \
+        np.asarray(initial, np.float32)
     occupancy = StructureOccupancy(scene, logits)
     m, v, losses = np.zeros_like(logits), np.zeros_like(logits), []
+    near = surface_voxels(prepared) if config.steps else None
     for step in range(config.steps):
         if should_stop is not None and should_stop():
             break
-        points, inside = surface_samples(prepared, config.points, rng)
+        points, inside = surface_samples(prepared, config.points, rng, near)
         values, coverage = occupancy.occupancy(points)
         loss, d_values = occupancy_loss(values, coverage, inside)
         gradient = occupancy.backward(points, d_values)
@@ -151,6 +164,121 @@ def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, confi
         occupancy.set_logits(logits)
         losses.append((step, loss))
     return logits.astype(np.float32), losses
+
+
+#: The most structures the joint occupancy kernel takes (shaders/gaussians.slang, OCCUPANCY_MAX_STRUCTURES): the
+#: most a study has (gpu/device.STRUCTURE_SLOTS).
+JOINT_MAX_STRUCTURES = 8
+
+
+class JointStructures:
+    """The occupancy loss added to the picture loss while the Gaussians train (shaders/gaussians.slang's
+    ``occupancyLossBackward``): each step, points near the surfaces with their inside / outside; the gradient of
+    ``weight`` times the loss goes to the structure logits (their own Adam, shaders/adam.slang) and to the
+    Gaussians' positions, scales and rotations, which the picture step's Adam then takes with the pictures'
+    gradient. The logits live on the device; the loss is read back only when asked for."""
+
+    def __init__(self, scene: GaussianScene, logits: np.ndarray, weight: float, config: StructureTrainConfig,
+                 sample: Callable[[np.random.Generator], tuple[np.ndarray, np.ndarray]] | None = None,
+                 shapes: bool = True) -> None:
+        import slangpy as spy
+
+        self.structures = np.shape(logits)[1]
+        if self.structures > JOINT_MAX_STRUCTURES:
+            raise ValueError(f"the joint occupancy loss takes at most {JOINT_MAX_STRUCTURES} structures "
+                             f"(the study has {self.structures})")
+        self.scene, self.weight, self.config, self.sample, self.shapes = scene, weight, config, sample, shapes
+        self.rng = np.random.default_rng(config.seed + 2)
+        self.adam_module = scene.gpu.load_module("adam")
+        self.steps = 0
+        self._loss = spy.Tensor.zeros(scene.gpu.device, shape=(1,), dtype=float)
+        self.set_logits(logits)
+
+    @classmethod
+    def for_study(cls, scene: GaussianScene, prepared: PreparedStudy, weight: float,
+                  config: StructureTrainConfig) -> JointStructures:
+        """Logits from the boundary maps at the Gaussians' centres; points near the study's surfaces (their voxels
+        found once: a step only draws among them)."""
+        near = surface_voxels(prepared)
+        return cls(scene, initial_structure_logits(prepared, scene.gaussians().positions), weight, config,
+                   lambda rng: surface_samples(prepared, config.points, rng, near))
+
+    def set_logits(self, logits: np.ndarray, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
+        """(N, K) logits of the scene's current Gaussians, with Adam's moments (zeros where not given)."""
+        import slangpy as spy
+
+        logits = np.asarray(logits, np.float32)
+        if logits.shape != (self.scene.count, self.structures):
+            raise ValueError(f"structure logits of shape {logits.shape} for {self.scene.count} Gaussians")
+        self.count = self.scene.count  # the Gaussians they are of (the scene's count changes before :meth:`follow`)
+        device, size = self.scene.gpu.device, logits.size + 4  # four more for Adam's vector loads
+
+        def padded(values: np.ndarray | None) -> Any:
+            flat = np.zeros(size, np.float32)
+            if values is not None:
+                flat[: logits.size] = np.asarray(values, np.float32).reshape(-1)
+            return spy.Tensor.from_numpy(device, flat)
+
+        with device_memory(f"the structure weights of {self.scene.count:,} Gaussians while training"):
+            self.logits, self.grads = padded(logits), padded(None)
+            self.m, self.v = padded(m), padded(v)
+
+    def state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logits, m, v), each (N, K)."""
+        n = self.count * self.structures
+        return tuple(np.asarray(t.to_numpy())[:n].reshape(self.count, self.structures)
+                     for t in (self.logits, self.m, self.v))
+
+    def follow(self, kept: np.ndarray, grown: np.ndarray) -> None:
+        """After pruning and densification: the logits and moments of the Gaussians kept, then copies of those
+        of the Gaussians ``grown`` from (indices before the change, in the scene's new order)."""
+        logits, m, v = self.state()
+        order = np.concatenate([kept, grown]).astype(np.int64)
+        copies = len(grown)
+        zeros = np.zeros((copies, self.structures), np.float32)
+        self.set_logits(logits[order], np.concatenate([m[kept], zeros]), np.concatenate([v[kept], zeros]))
+
+    def backward(self, points: np.ndarray, inside: np.ndarray) -> None:
+        """Add ``weight`` times the occupancy loss's gradient at ``points`` (M, 3) with their inside (M, K) to the
+        logits' gradients and (``shapes``) the scene's, and the loss to :meth:`take_loss`'s sum."""
+        import slangpy as spy
+
+        device = self.scene.gpu.device
+        uploaded = spy.Tensor.from_numpy(device, np.ascontiguousarray(points, np.float32).reshape(-1))
+        labels = spy.Tensor.from_numpy(device, np.ascontiguousarray(inside, np.float32).reshape(-1))
+        batch = {"logits": self.logits.storage.device_address, "dLogits": self.grads.storage.device_address,
+                 "structures": self.structures, "points": uploaded.storage.device_address,
+                 "inside": labels.storage.device_address, "count": len(points), "weight": float(self.weight),
+                 "shapes": int(self.shapes), "loss": self._loss.storage.device_address}
+        self.scene.module.occupancyLossBackward(spy.grid((len(points),)), self.scene.shader_struct(),
+                                                self.scene.grid_struct(), batch)
+
+    def logit_gradients(self) -> np.ndarray:
+        return np.asarray(self.grads.to_numpy())[: self.count * self.structures].reshape(self.count, self.structures)
+
+    def step(self, rate_factor: float = 1.0) -> None:
+        """Add the occupancy loss's gradient at a fresh batch of points to the scene's and update the logits."""
+        import slangpy as spy
+
+        if self.sample is None:
+            raise ValueError("joint structure weights without points to train on")
+        self.backward(*self.sample(self.rng))
+        self.steps += 1
+        t, count = self.steps, self.count * self.structures
+        buffers = {"values": self.logits.storage.device_address, "grads": self.grads.storage.device_address,
+                   "m": self.m.storage.device_address, "v": self.v.storage.device_address, "count": count,
+                   "groupStart": [count, count, count], "shifted": 0, "shiftedCount": 0}
+        rate = self.config.rate * rate_factor
+        settings = {"rates": spy.float4(rate, rate, rate, rate), "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8,
+                    "correction1": 1.0 / (1.0 - 0.9**t), "correction2": 1.0 / (1.0 - 0.999**t), "sparseGroups": 0}
+        threads = -(-count // int(self.adam_module.adamWidth()))
+        self.adam_module.adamStep(spy.grid((threads,)), buffers, settings)
+
+    def take_loss(self) -> float:
+        """The occupancy loss summed over the steps since the last call (a read of one float), then zero."""
+        value = float(np.asarray(self._loss.to_numpy())[0])
+        self._loss.copy_from_numpy(np.zeros(1, np.float32))
+        return value
 
 
 def filled_occupancy(occupancy: np.ndarray, coverage: np.ndarray) -> np.ndarray:

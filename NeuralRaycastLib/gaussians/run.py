@@ -80,9 +80,8 @@ class GaussianRun:
     structures: np.ndarray | None = None
 
     def render(self, camera: Camera) -> RenderedImage:
-        """The Gaussians' picture (premultiplied RGBA; no depth nor normals yet: zeros)."""
-        rgba = self.scene.render(camera).astype(np.float32)
-        return RenderedImage(rgba, np.zeros(rgba.shape[:2], np.float32), np.zeros((*rgba.shape[:2], 3), np.float32))
+        """The Gaussians' G-buffer: premultiplied RGBA, expected depth and the density's normals."""
+        return self.scene.render_image(camera)
 
     def distances(self) -> np.ndarray:
         """(K, I, J, K) signed distances (mm) of the structures' insides from the Gaussians' structure weights."""
@@ -112,7 +111,8 @@ def fit_gaussians(gpu: GpuContext, study: Study | str | Path, out: str | Path, s
             config = config or gaussian_schedule(settings)
             scene, log = train_gaussians(gpu, prepared, views, config, progress, should_stop)
             structures, structure_losses = train_structure_weights(scene, prepared, StructureTrainConfig(
-                steps=0 if log.cancelled else config.structure_steps, seed=config.seed), should_stop)
+                steps=0 if log.cancelled else config.structure_steps, seed=config.seed), should_stop,
+                initial=log.structures)
         save_reference_views(views, staged.path / "reference", arrays=False)
         write_gaussian_run(staged.path, gpu, prepared, scene, log, settings, source, structures, structure_losses)
         staged.commit()
@@ -135,7 +135,8 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
                             "cancelled": log.cancelled, "gaussians": scene.count, "cap": log.cap,
                             "counts": log.counts, "scores": log.scores, "heldout_psnr": heldout,
                             "losses": log.losses[-50:],
-                            "structure_losses": structure_losses[::10] + structure_losses[-1:]}, indent=1) + "\n"
+                            "structure_losses": structure_losses[::10] + structure_losses[-1:],
+                            "joint_structure_losses": log.structure_losses}, indent=1) + "\n"
     run = json.dumps({"version": RUN_VERSION, "representation": REPRESENTATION, "study": source,
                       "settings": asdict(settings), "device": gpu.report.as_dict(),
                       "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n"

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu.device import GpuContext, device_memory
+from ..gpu.device import GpuContext, ReadBack, device_memory
 from ..render.camera import Camera
+from ..render.image import RenderedImage
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 4 × 3.
 GAUSSIAN_FLOATS = 23
@@ -123,8 +124,30 @@ class MarchSettings:
     step_mm: float = 0.5
     min_transmittance: float = 1e-3
 
-    def to_shader(self) -> dict[str, float]:
-        return {"step": float(self.step_mm), "minTransmittance": float(self.min_transmittance)}
+    def to_shader(self, normals: bool = False) -> dict[str, float]:
+        """The shader's settings; ``normals``: sum the density's normals too (a picture's G-buffer, not training)."""
+        return {"step": float(self.step_mm), "minTransmittance": float(self.min_transmittance),
+                "normals": int(normals)}
+
+
+#: Floats per ray of the Gaussians' results (shaders/gaussians.slang): RGBA, Σ weight·normal, Σ weight·depth, as
+#: the field's per-ray sums (render/sample_buffers.OUTPUTS), so that the device image loss takes them as they are.
+OUTPUTS = 8
+
+
+class GaussianBatch:
+    """Device buffers of a training batch of patch rays: the rays, their sums (OUTPUTS floats a ray) and the loss's
+    ∂/∂sums (``d_sums``, written by render/image_loss.DeviceImageLoss), made once for a batch size."""
+
+    def __init__(self, gpu: GpuContext, count: int) -> None:
+        import slangpy as spy
+
+        self.count = count
+        with device_memory(f"a batch of {count:,} rays"):
+            self.rays = spy.Tensor.zeros(gpu.device, shape=(6 * count,), dtype=float)
+            self.sums = spy.Tensor.zeros(gpu.device, shape=(OUTPUTS * count,), dtype=float)
+            self.d_sums = spy.Tensor.zeros_like(self.sums)
+        self.patches: Any = None  # the rows the rays were made from, kept while the rays are
 
 
 class GaussianScene:
@@ -137,6 +160,7 @@ class GaussianScene:
         self.module = gpu.load_module("gaussians")
         self._cell_start = self._counts = self._block_sums = self._cell_list = None
         self._list_capacity = 0
+        self._picture: Any = None
         self.set_gaussians(gaussians)
 
     # --- parameters -------------------------------------------------------------------------------
@@ -203,8 +227,8 @@ class GaussianScene:
                 self._block_sums = spy.Tensor.zeros(device, shape=(blocks + 1,), dtype="int")
         if self._cell_list is None:
             self._cell_list = spy.Tensor.zeros(device, shape=(1,), dtype="int")
-        self._counts.copy_from_numpy(np.zeros(total, np.int32))
         m, scene = self.module, self.shader_struct()
+        m.gridClear(spy.grid((total,)), self._counts.storage.device_address, total)  # no upload a step
         m.gridCount(spy.grid((self.count,)), scene, self.grid_struct(), self._counts.storage.device_address)
         starts, counts, sums = (t.storage.device_address for t in (self._cell_start, self._counts, self._block_sums))
         m.gridScanBlocks(spy.grid((blocks,)), counts, starts, sums, total)
@@ -234,31 +258,102 @@ class GaussianScene:
             return spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(rays.reshape(-1)))
 
     def render_rays(self, rays: Any, count: int) -> Any:
-        """(premultiplied RGB, alpha) of ``count`` uploaded rays, as a device tensor of 4 floats a ray."""
+        """The sums of ``count`` uploaded rays (premultiplied RGB, alpha, Σ weight·normal, Σ weight·depth), as a
+        device tensor of OUTPUTS floats a ray."""
         import slangpy as spy
 
         with device_memory(f"the colours of {count:,} rays"):
-            results = spy.Tensor.zeros(self.gpu.device, shape=(4 * count,), dtype=float)
-        self.module.renderRays(spy.grid((count,)), self.shader_struct(), self.grid_struct(), self.march.to_shader(),
-                               rays.storage.device_address, count, results.storage.device_address)
+            results = spy.Tensor.zeros(self.gpu.device, shape=(OUTPUTS * count,), dtype=float)
+        self._render_rays(rays, count, results)
         return results
 
-    def backward_rays(self, rays: Any, count: int, results: Any, d_results: np.ndarray) -> None:
-        """Add the gradients of a loss whose ∂/∂(rgb, alpha) per ray is ``d_results`` (count, 4)."""
+    def _render_rays(self, rays: Any, count: int, results: Any) -> None:
         import slangpy as spy
 
-        d = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(d_results, np.float32).reshape(-1))
+        self.module.renderRays(spy.grid((count,)), self.shader_struct(), self.grid_struct(), self.march.to_shader(),
+                               rays.storage.device_address, count, results.storage.device_address)
+
+    def backward_rays(self, rays: Any, count: int, results: Any, d_results: np.ndarray | Any) -> None:
+        """Add the gradients of a loss whose ∂/∂(rgb, alpha) per ray is ``d_results``: (count, 4) on the host, or
+        a device tensor of OUTPUTS floats a ray (the depth and normal sums take no gradient)."""
+        import slangpy as spy
+
+        if isinstance(d_results, np.ndarray):
+            padded = np.zeros((count, OUTPUTS), np.float32)
+            padded[:, :4] = np.asarray(d_results, np.float32).reshape(count, 4)
+            d_results = spy.Tensor.from_numpy(self.gpu.device, padded.reshape(-1))
         self.module.renderRaysBackward(spy.grid((count,)), self.shader_struct(), self.grid_struct(),
                                        self.march.to_shader(), rays.storage.device_address, count,
-                                       results.storage.device_address, d.storage.device_address)
+                                       results.storage.device_address, d_results.storage.device_address)
 
-    def render(self, camera: Camera) -> np.ndarray:
-        """A camera's picture, (height, width, 4): premultiplied RGB and alpha."""
+    # --- training batches -------------------------------------------------------------------------
+
+    def patch_rays(self, batch: GaussianBatch, cameras: Any, rows: np.ndarray, size: int) -> None:
+        """The rays of patches ``rows`` (view, x0, y0) of ``size``² pixels made on the device into ``batch``;
+        ``cameras`` a tensor of render/patches.pack_cameras."""
+        import slangpy as spy
+
+        if len(rows) * size * size != batch.count:
+            raise ValueError(f"{len(rows)} patches of {size}² pixels for a batch of {batch.count} rays")
+        batch.patches = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(rows, np.int32).reshape(-1))
+        self.module.gaussianPatchRays(spy.grid((len(rows), size, size)), cameras.storage.device_address,
+                                      batch.patches.storage.device_address, size, batch.rays.storage.device_address)
+
+    def forward(self, batch: GaussianBatch) -> None:
+        self._render_rays(batch.rays, batch.count, batch.sums)
+
+    def backward(self, batch: GaussianBatch) -> None:
+        """Add the gradients of the loss whose ∂/∂sums the batch holds (``d_sums``), all on the device."""
+        self.backward_rays(batch.rays, batch.count, batch.sums, batch.d_sums)
+
+    def accumulate_position_gradients(self, stats: Any) -> None:
+        """Add each Gaussian's |∂loss/∂position| (and 1 where it is not zero) into ``stats`` (2 floats a
+        Gaussian), before Adam takes the gradients."""
+        import slangpy as spy
+
+        self.module.accumulatePositionGradients(spy.grid((self.count,)), self.shader_struct(),
+                                                stats.storage.device_address)
+
+    # --- pictures ---------------------------------------------------------------------------------
+
+    def render_sums(self, camera: Camera, normals: bool = False) -> np.ndarray:
+        """A camera's per-pixel sums, (height, width, OUTPUTS); ``normals``: with the normal sums."""
         import slangpy as spy
 
         pixels = camera.width * camera.height
         with device_memory(f"a {camera.width} x {camera.height} picture"):
-            results = spy.Tensor.zeros(self.gpu.device, shape=(4 * pixels,), dtype=float)
+            results = spy.Tensor.zeros(self.gpu.device, shape=(OUTPUTS * pixels,), dtype=float)
         self.module.renderCamera(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
-                                 self.march.to_shader(), camera.to_shader(), results.storage.device_address)
-        return np.asarray(results.to_numpy()).reshape(camera.height, camera.width, 4)
+                                 self.march.to_shader(normals), camera.to_shader(), results.storage.device_address)
+        return np.asarray(results.to_numpy()).reshape(camera.height, camera.width, OUTPUTS)
+
+    def render(self, camera: Camera) -> np.ndarray:
+        """A camera's picture, (height, width, 4): premultiplied RGB and alpha."""
+        return self.render_sums(camera)[..., :4]
+
+    def render_image(self, camera: Camera) -> RenderedImage:
+        """A camera's G-buffer as the field's renderer gives it: premultiplied RGBA, the expected depth along
+        the ray (mm, 0 where nothing is seen) and the unit normal of the density (-∇σ / |∇σ|, zero there)."""
+        sums = self.render_sums(camera, normals=True)
+        alpha = sums[..., 3]
+        seen = alpha > 1e-6
+        depth = np.where(seen, sums[..., 7] / np.where(seen, alpha, 1.0), 0.0).astype(np.float32)
+        length = np.linalg.norm(sums[..., 4:7], axis=-1, keepdims=True)
+        normal = np.where(length > 1e-12, sums[..., 4:7] / np.maximum(length, 1e-12), 0.0).astype(np.float32)
+        return RenderedImage(np.ascontiguousarray(sums[..., :4], np.float32), depth, normal)
+
+    def render_picture(self, camera: Camera) -> np.ndarray:
+        """One view as a screen shows it (the field renderer's ``render_picture``): (H, W, 4) straight-alpha
+        bytes, the rows from the bottom, packed on the device so that a word a pixel is read back."""
+        import slangpy as spy
+
+        pixels = camera.width * camera.height
+        if self._picture is None or self._picture.shape[0] != pixels:
+            self._picture = None
+            with device_memory(f"a {camera.width} x {camera.height} picture"):
+                self._picture = spy.Tensor.zeros(self.gpu.device, shape=(pixels,), dtype="float")  # a word a pixel
+            self._read_back = ReadBack(self.gpu)
+        self.module.renderCameraPacked(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
+                                       self.march.to_shader(), camera.to_shader(),
+                                       self._picture.storage.device_address)
+        return self._read_back.read(self._picture).view(np.uint8).reshape(camera.height, camera.width, 4)

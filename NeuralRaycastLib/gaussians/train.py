@@ -1,7 +1,8 @@
 """Training a Gaussian scene on a study's reference views, with the loss the field trains with.
 
     prepared study -> Gaussians on the structures' surfaces (the voxels of their boundary bands), coloured from
-    the training views -> steps of patches (L1 + DSSIM, render/image_loss.py) -> Adam on every parameter
+    the training views -> steps of patches (L1 + DSSIM, render/image_loss.py's device loss, as the field's
+    trainer: no picture nor gradient crosses to the host) -> Adam on every parameter
     (shaders/adam.slang, a learning rate per kind) -> every few steps: pruning of near-transparent or oversized
     Gaussians, and splitting (large) or cloning (small) of those whose positions get large gradients, never past
     the cap that the GPU memory budget allows.
@@ -14,20 +15,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..gpu.device import GpuContext, GpuMemoryError, memory_budget
+from ..gpu.device import GpuContext, GpuMemoryError, device_memory, memory_budget
 from ..gpu.memory_budget import MemoryBudget
 from ..progress import Progress, ShouldStop
 from ..render.camera import Camera
-from ..render.image_loss import patch_loss_and_gradient
-from ..render.patches import PatchSampler
+from ..render.image_loss import DeviceImageLoss
+from ..render.patches import PatchSampler, pack_cameras
 from ..render.reference_views import ReferenceViews
 from ..study.preprocess import PreparedStudy
-from .scene import GAUSSIAN_FLOATS, GaussianScene, GaussianSet, GridShape, MarchSettings
+from .geometry import JointStructures, StructureTrainConfig
+from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
-#: its 23), and its entries in the grid's lists (a few cells each, with room to grow).
-TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32
+#: its 23), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
+#: and its structure logits with their gradients and moments (4 floats each, for up to 8 structures).
+TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class GaussianTrainConfig:
     max_scale_voxels: float = 6.0  # Gaussians whose largest standard deviation passes this are dropped
     eval_every: int = 100
     structure_steps: int = 60  # of the structure weights' occupancy loss, once the Gaussians are placed
+    #: The occupancy loss's weight during the picture steps (its gradient also moves and shapes the Gaussians;
+    #: 0: the structure weights are fitted only after them), and its points a step. docs/gaussians.md gives the
+    #: Dice of each weight tried.
+    structure_weight: float = 3.0
+    structure_points: int = 4096
     seed: int = 0
 
 
@@ -66,6 +74,10 @@ class GaussianTrainLog:
     scores: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out PSNR)
     cancelled: bool = False
     cap: int = 0
+    #: (N, K) structure logits trained with the pictures (None: structure_weight 0), and the occupancy loss's
+    #: mean over each stretch of steps, by the step that ends it.
+    structures: np.ndarray | None = None
+    structure_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 def voxel_mm(prepared: PreparedStudy) -> float:
@@ -208,18 +220,54 @@ class GaussianAdam:
         self.module.adamStep(spy.grid((threads,)), buffers, settings)
 
 
-def patch_rays(directions: dict[int, np.ndarray], cameras: list[Camera], rows: np.ndarray, size: int) -> np.ndarray:
-    """(P·size², 6) rays of the patches, patch after patch, rows of ``size`` pixels."""
-    rays = []
-    for view, x0, y0 in rows:
-        d = directions[int(view)][y0 : y0 + size, x0 : x0 + size].reshape(-1, 3)
-        rays.append(np.concatenate([np.broadcast_to(cameras[int(view)].position, d.shape), d], axis=1))
-    return np.concatenate(rays).astype(np.float32)
+class GaussianStep:
+    """A training step's work on the device: the patches' rays, their sums, the image loss and its gradient
+    (render/image_loss.DeviceImageLoss, the field's), the backward pass, and densification's statistics, which
+    stay on the device until :meth:`statistics` reads them. Only the patch corners and their reference go up,
+    and only the loss's terms come back."""
+
+    def __init__(self, gpu: GpuContext, scene: GaussianScene, views: ReferenceViews,
+                 config: GaussianTrainConfig) -> None:
+        import slangpy as spy
+
+        self.gpu, self.scene, self.config = gpu, scene, config
+        self.batch = GaussianBatch(gpu, config.patches * config.patch_size**2)
+        self.cameras = spy.Tensor.from_numpy(gpu.device, pack_cameras(views.cameras).reshape(-1))
+        self.image_loss = DeviceImageLoss(gpu, config.patch_size)
+        self.reset_statistics()
+
+    def loss_and_gradients(self, rows: np.ndarray, reference: np.ndarray) -> float:
+        """Render patches ``rows`` (view, x0, y0), and add the gradients of their loss against ``reference``
+        (P, size, size, 8: the views' G-buffer; RGBA compared) to the scene's; returns the loss."""
+        self.scene.patch_rays(self.batch, self.cameras, rows, self.config.patch_size)
+        self.scene.forward(self.batch)
+        loss = self.image_loss(self.batch, reference)["loss"]
+        if np.isfinite(loss):
+            self.scene.backward(self.batch)
+        return float(loss)
+
+    def accumulate_statistics(self) -> None:
+        self.scene.accumulate_position_gradients(self.stats)
+
+    def reset_statistics(self) -> None:
+        """Zeros for the scene's current Gaussians (after pruning and densification change their count)."""
+        import slangpy as spy
+
+        with device_memory(f"the statistics of {self.scene.count:,} Gaussians"):
+            self.stats = spy.Tensor.zeros(self.gpu.device, shape=(2 * self.scene.count,), dtype=float)
+
+    def statistics(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per Gaussian, the sum of |∂loss/∂position| since the last reset and the steps where it was not zero."""
+        stats = np.asarray(self.stats.to_numpy(), np.float64).reshape(-1, 2)
+        return stats[:, 0], stats[:, 1]
 
 
 def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, seen: np.ndarray,
-          config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator, densify: bool) -> None:
-    """Prune and (``densify``) split or clone, keeping Adam's moments of the Gaussians that stay."""
+          config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator,
+          densify: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Prune and (``densify``) split or clone, keeping Adam's moments of the Gaussians that stay. Returns the
+    indices (before the change) of the Gaussians kept and of those the new ones were grown from: the scene now
+    holds the kept ones in order, then one new Gaussian per grown index."""
     gaussians = scene.gaussians()
     m, v = adam.moments()
     opacity = 1.0 / (1.0 + np.exp(-gaussians.density))
@@ -229,6 +277,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
     if not keep.any():  # a scene keeps its most opaque Gaussian
         keep[np.argmax(np.where(finite, opacity, -1.0))] = True
     parts, m_parts, v_parts = [gaussians.subset(keep)], [m.subset(keep)], [v.subset(keep)]
+    grow = np.zeros(0, np.int64)
     if densify:
         mean = gradient_sum / np.maximum(seen, 1)
         grow = np.flatnonzero(keep & (mean > 0))
@@ -250,6 +299,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
     merged = GaussianSet.concatenate(parts)
     scene.set_gaussians(merged)
     adam.reset(GaussianSet.concatenate(m_parts).flat(), GaussianSet.concatenate(v_parts).flat())
+    return np.flatnonzero(keep), grow
 
 
 def render_picture(scene: GaussianScene, camera: Camera) -> np.ndarray:
@@ -273,37 +323,44 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     cap = gaussian_cap(memory_budget(gpu), config)
     scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, views, config, min(config.initial, cap)), config)
     adam = GaussianAdam(gpu, scene, config, voxel)
-    reference = np.stack([image.rgba for image in views.images]).astype(np.float32)
-    sampler = PatchSampler(reference, views.training, size=config.patch_size, seed=config.seed)
-    directions = {i: views.cameras[i].ray_directions().astype(np.float32) for i in views.training}
+    sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
+    step_on_device = GaussianStep(gpu, scene, views, config)
+    joint = None
+    if config.structure_weight > 0:
+        joint = JointStructures.for_study(scene, prepared, config.structure_weight,
+                                          StructureTrainConfig(points=config.structure_points, seed=config.seed))
     log = GaussianTrainLog(cap=cap)
-    gradient_sum, seen = np.zeros(scene.count), np.zeros(scene.count)
+    logged_at = 0
     start = time.perf_counter()
-    n_rays = config.patches * config.patch_size**2
     for step in range(config.steps):
         if should_stop is not None and should_stop():
             log.cancelled = True
             break
         rows = sampler.sample(config.patches)
-        rays = scene.upload_rays(*np.split(patch_rays(directions, views.cameras, rows, config.patch_size), 2, axis=1))
-        results = scene.render_rays(rays, n_rays)
-        rendered = np.asarray(results.to_numpy()).reshape(config.patches, config.patch_size, config.patch_size, 4)
-        loss, _, d_rendered = patch_loss_and_gradient(rendered, sampler.reference_patches(rows))
-        scene.backward_rays(rays, n_rays, results, d_rendered.reshape(-1, 4))
-        position_gradient = scene.gradients()[: 3 * scene.count].reshape(-1, 3)
-        norm = np.linalg.norm(position_gradient, axis=1)
-        gradient_sum += norm
-        seen += norm > 0
-        adam.step(0.1 + 0.9 * (1.0 - step / config.steps))
-        log.losses.append((step, float(loss)))
+        loss = step_on_device.loss_and_gradients(rows, sampler.reference_patches(rows))
+        schedule = 0.1 + 0.9 * (1.0 - step / config.steps)
+        if np.isfinite(loss):
+            step_on_device.accumulate_statistics()  # densification follows the pictures' gradients
+            if joint is not None:
+                joint.step(schedule)
+            adam.step(schedule)
+        else:  # a step whose loss is not finite moves nothing
+            scene.zero_gradients()
+        log.losses.append((step, loss))
         last = step == config.steps - 1
         if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
-            adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
-                  densify=step < config.densify_until * config.steps)
-            gradient_sum, seen = np.zeros(scene.count), np.zeros(scene.count)
+            gradient_sum, seen = step_on_device.statistics()
+            kept, grown = adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
+                                densify=step < config.densify_until * config.steps)
+            if joint is not None:
+                joint.follow(kept, grown)
+            step_on_device.reset_statistics()
             log.counts.append((step + 1, scene.count))
         else:
             scene.build_grid()
+        if joint is not None and (last or (config.eval_every and (step + 1) % config.eval_every == 0)):
+            log.structure_losses.append((step, joint.take_loss() / max(step + 1 - logged_at, 1)))
+            logged_at = step + 1
         if config.eval_every and ((step + 1) % config.eval_every == 0 or last) and views.held_out:
             scored = time.perf_counter()
             score = score_views(scene, views, views.held_out)["heldout_psnr"]
@@ -313,4 +370,6 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
                    f"held-out PSNR {score:.2f} dB", (step + 1) / config.steps)
         log.steps = step + 1
     log.seconds = time.perf_counter() - start - log.eval_seconds
+    if joint is not None:
+        log.structures = joint.state()[0]
     return scene, log

@@ -44,7 +44,9 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "segment_lists": ("listSegments",),
     "segment_shadows": ("segmentVisibility",),
     "sphere_scene": ("sphereDistances", "sphereSurface", "sphereBackwardDistances", "sphereBackwardSurface"),
-    "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward"),
+    "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward",
+                  "gridClear", "gridCount", "gridScanBlocks", "gridScanTotals", "gridScanAdd", "gridFill",
+                  "gaussianPatchRays", "accumulatePositionGradients", "renderCameraPacked", "occupancyLossBackward"),
 }
 #: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam",
