@@ -190,7 +190,8 @@ def network_run(name: str, device, call, threads: int, outputs, expected, repeat
     except Exception as error:  # report and go on: the other variants' numbers still count
         print(f"  {name}: failed: {' '.join(str(error).split())[:300]}")
         return
-    errors = ", ".join(f"{what} {relative(got(), want):.1e}" for what, got, want in zip(*outputs, expected, strict=True))
+    pairs = zip(*outputs, expected, strict=True)
+    errors = ", ".join(f"{what} {relative(got(), want):.1e}" for what, got, want in pairs)
     print(f"  {name}: {threads / seconds / 1e6:.2f} M points/s ({seconds * 1e3:.3f} ms a call); "
           f"max error of the largest value: {errors}")
 
