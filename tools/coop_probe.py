@@ -135,16 +135,16 @@ def relative(got: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
-def coop_vec_gradients(device, layouts: list[tuple[int, int]]):
-    """A zeroed gradient buffer for the cooperative vectors: each layer's weights (training-optimal half
-    matrices, 64-byte aligned) then its biases (half); and the CoopVecGradients struct pointing into it."""
+def coop_vec_gradients(device, layouts: list[tuple[int, int]], kind):
+    """A zeroed gradient buffer for the cooperative vectors: each layer's weights (training-optimal matrices
+    of ``kind``, 64-byte aligned) then its biases (half); and the CoopVecGradients struct pointing into it."""
     import slangpy as spy
 
     offsets, biases, at = [], [], 0
     for rows, cols in layouts:
         offsets.append(at)
         at += -(-device.get_coop_vec_matrix_size(rows, cols, spy.CoopVecMatrixLayout.training_optimal,
-                                                  spy.DataType.float16) // 64) * 64
+                                                  kind) // 64) * 64
     for rows, _ in layouts:
         biases.append(at)
         at += -(-rows * 2 // 64) * 64
@@ -153,24 +153,24 @@ def coop_vec_gradients(device, layouts: list[tuple[int, int]]):
     return buffer, {"buffer": buffer, "weights": offsets, "biases": biases}
 
 
-def coop_vec_gradients_read(device, buffer, struct: dict, layouts: list[tuple[int, int]]) -> np.ndarray:
+def coop_vec_gradients_read(device, buffer, struct: dict, layouts: list[tuple[int, int]], kind) -> np.ndarray:
     """The gradients of coop_vec_gradients' buffer in mlp.slang's order, the weights converted to row-major."""
     import slangpy as spy
 
     usage = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
+    numpy_kind = np.float16 if kind == spy.DataType.float16 else np.float32
     parts = []
     for (rows, cols), offset, bias in zip(layouts, struct["weights"], struct["biases"], strict=True):
-        size = rows * cols * 2
+        size = rows * cols * np.dtype(numpy_kind).itemsize
         target = device.create_buffer(size=size, usage=usage, data=np.zeros(size, np.uint8))
         encoder = device.create_command_encoder()
         encoder.convert_coop_vec_matrix(
-            target, device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.row_major,
-                                                       spy.DataType.float16),
+            target, device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.row_major, kind),
             buffer, device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.training_optimal,
-                                                       spy.DataType.float16, offset))
+                                                       kind, offset))
         device.submit_command_buffer(encoder.finish())
         device.wait()
-        parts.append(target.to_numpy().view(np.float16).astype(np.float32).reshape(-1))
+        parts.append(target.to_numpy().view(numpy_kind).astype(np.float32).reshape(-1))
         raw = buffer.to_numpy().view(np.uint8)[bias:bias + rows * 2]
         parts.append(raw.view(np.float16).astype(np.float32))
     order = [p for pair in zip(parts[0::2], parts[1::2], strict=True) for p in pair]
@@ -237,29 +237,34 @@ def run_coop_vec(backend: str, points: int, repeats: int = 10) -> None:
                 (["dx"], [read(dx, NET[0])]), [dx_float], repeats)
     grads.copy_from_numpy(np.zeros(values.size, np.float32))
     module.threadStep(spy.grid((check,)), params, a[tx], a[tdy], a[dx])
-    print(f"    per-thread parameter gradients on {check} points: max error {relative(grads.to_numpy(), g_float):.1e}")
+    error = relative(grads.to_numpy(), g_float)
+    print(f"    per-thread parameter gradients on {check} points: max error {error:.1e}")
     if not gpu.report.cooperative_vector:
         print("    this device has no cooperative vectors: its Vulkan driver cannot create the pipelines below")
     network_run("forward, cooperative vectors (half)", device,
                 lambda n: module.coopVecForward(spy.grid((n,)), a[half_weights], a[tx], a[y]), points,
                 (["y"], [read(y, NET[-1])]), [y_half], repeats)
     layouts = list(zip(NET[1:], NET[:-1], strict=True))
-    try:
-        buffer, struct = coop_vec_gradients(device, layouts)
-    except Exception as error:
-        why = " ".join(str(error).split())[:300]
-        print(f"  forward + backward, cooperative vectors (half): no gradient buffer: {why}")
-        return
-    network_run("forward + backward, cooperative vectors (half)", device,
-                lambda n: module.coopVecStep(spy.grid((n,)), a[half_weights], struct, a[tx], a[tdy], a[dx]), points,
-                (["dx"], [read(dx, NET[0])]), [dx_half], repeats)
-    try:
-        buffer, struct = coop_vec_gradients(device, layouts)
-        module.coopVecStep(spy.grid((check,)), a[half_weights], struct, a[tx], a[tdy], a[dx])
-        got = coop_vec_gradients_read(device, buffer, struct, layouts)
-        print(f"    cooperative-vector parameter gradients on {check} points: max error {relative(got, g_half):.1e}")
-    except Exception as error:
-        print(f"    cooperative-vector parameter gradients: failed: {' '.join(str(error).split())[:300]}")
+    for kind, name in ((spy.DataType.float16, "Float16"), (spy.DataType.float32, "Float32")):
+        module = gpu.load_module_from_source(f"coop_probe_vec_{name}", f"#define TILE {TILE}\n"
+                                             f"#define COOPVEC_GRADIENTS {name}\n" + SOURCE.read_text())
+        label = f"forward + backward, cooperative vectors (half, weights' gradients summed in {name})"
+        try:
+            buffer, struct = coop_vec_gradients(device, layouts, kind)
+        except Exception as error:
+            print(f"  {label}: no gradient buffer: {' '.join(str(error).split())[:300]}")
+            continue
+        network_run(label, device,
+                    lambda n, m=module, s=struct: m.coopVecStep(spy.grid((n,)), a[half_weights], s, a[tx], a[tdy],
+                                                                 a[dx]),
+                    points, (["dx"], [read(dx, NET[0])]), [dx_half], repeats)
+        try:
+            buffer, struct = coop_vec_gradients(device, layouts, kind)
+            module.coopVecStep(spy.grid((check,)), a[half_weights], struct, a[tx], a[tdy], a[dx])
+            got = coop_vec_gradients_read(device, buffer, struct, layouts, kind)
+            print(f"    its parameter gradients on {check} points: max error {relative(got, g_half):.1e}")
+        except Exception as error:
+            print(f"    its parameter gradients: failed: {' '.join(str(error).split())[:300]}")
 
 
 if __name__ == "__main__":
