@@ -28,8 +28,9 @@ from .compiler_log import route_slangpy_messages
 from .memory_budget import MemoryBudget, resolve_budget
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
-BACKENDS = ("cuda", "vulkan")
-CHOICES = ("auto", *BACKENDS)
+BACKENDS = ("cuda", "vulkan")  # auto's order, best first
+MAC_BACKENDS = ("metal", "vulkan")  # auto's order on macOS: slangpy has no CUDA there
+CHOICES = ("auto", *BACKENDS, "metal")
 
 INSTALL_HINT = (
     "Install one of: an NVIDIA driver (for CUDA or Vulkan), or Mesa's Vulkan drivers version 23 or newer "
@@ -182,6 +183,14 @@ def requested_backend(choice: str | None = None) -> str:
     if value not in CHOICES:
         raise ValueError(f"unknown device '{value}': choose one of {', '.join(CHOICES)}")
     return value
+
+
+def backend_order(wanted: str, system: str) -> tuple[str, ...]:
+    """The backends to try, best first, for ``wanted`` (auto, or one by name) on ``system`` (platform.system()):
+    a name alone; auto tries Metal, then Vulkan on macOS, and CUDA, then Vulkan elsewhere."""
+    if wanted != "auto":
+        return (wanted,)
+    return MAC_BACKENDS if system == "Darwin" else BACKENDS
 
 
 def shader_cache_path(backend: str) -> Path:
@@ -497,7 +506,7 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
         ) from error
     route_slangpy_messages()  # the compiler's warnings into a log file, not the user's terminal
 
-    order = BACKENDS if wanted == "auto" else (wanted,)
+    order = backend_order(wanted, here.platform.system)
     tried: dict[str, str] = {}
     logger, level = _quiet_slangpy_logs()
     try:
