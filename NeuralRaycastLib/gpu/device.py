@@ -278,6 +278,28 @@ def tensor_core_networks(backend: str, capability: int | None, setting: str) -> 
     return True, f"compute capability {capability / 10:.1f}"
 
 
+COOPVEC_ENV = "NEURALRAYCAST_COOPVEC"  # 0: never; half: the weights' gradients summed in half (default float)
+#: coopvec_mlp.slang's Kind of each NEURALRAYCAST_COOPVEC setting: where the weights' gradients are summed.
+COOPVEC_KINDS = {"float": 2, "half": 1}
+
+
+def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -> tuple[int | None, str]:
+    """The SDF fit's geometry network on cooperative vectors: coopvec_mlp.slang's Kind where it runs on them,
+    else None, and the reason. On Vulkan devices that report them, unless the NEURALRAYCAST_COOPVEC
+    ``setting`` is "0" ("half" sums the weights' gradients in half, for drivers that cannot sum in float).
+    Slang emits their instructions for every Vulkan device, so one without them (lavapipe) keeps the per-thread
+    network."""
+    if backend != "vulkan":
+        return None, "Vulkan only"
+    if not cooperative_vector:
+        return None, "the Vulkan device has no cooperative vectors"
+    value = setting.strip().lower()
+    if value == "0":
+        return None, f"{COOPVEC_ENV}=0"
+    kind = COOPVEC_KINDS.get(value, COOPVEC_KINDS["float"])
+    return kind, f"cooperative vectors, the weights' gradients summed in {'half' if kind == 1 else 'float'}"
+
+
 @contextmanager
 def _cuda_context(gpu: GpuContext) -> Iterator[Any]:
     """The CUDA driver with the device's own context current (popped after), or None where there is none
