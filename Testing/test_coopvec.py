@@ -7,12 +7,14 @@ central differences. The choice of the network from the device's features needs 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from conftest import phantom_prepared
 from field_reference import central_difference, geometry, tiny_config
 
-from NeuralRaycastLib.field.field import COOPVEC_FALLBACK, FieldLayout, NeuralField
+from NeuralRaycastLib.field.field import COOPVEC_FALLBACK, FieldLayout, NeuralField, coop_vector_sized
 from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter
 from NeuralRaycastLib.gpu.device import coop_vector_networks
 
@@ -31,6 +33,11 @@ def test_the_network_on_cooperative_vectors_is_chosen_from_the_devices_features(
     assert coop_vector_networks("vulkan", False, "1") == (None, "the Vulkan device has no cooperative vectors")
     assert coop_vector_networks("cuda", True, "1")[0] is None
     assert coop_vector_networks("metal", True, "1")[0] is None
+    # a row of a layer's weights must span a multiple of 16 bytes: 5 levels of 1 feature keep the per-thread network
+    config = tiny_config()
+    assert coop_vector_sized(FieldLayout.build(config, BOX, STRUCTURES, CHANNELS))
+    odd = replace(config, encoding=replace(config.encoding, levels=5, features=1))
+    assert not coop_vector_sized(FieldLayout.build(odd, BOX, STRUCTURES, CHANNELS))
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +83,8 @@ def test_a_fit_step_on_cooperative_vectors_gives_the_per_thread_networks_gradien
         gradients.append(field.gradients().astype(np.float64))
         field.zero_gradients()
     assert fields[1].coop_vectors is not None and fields[0].coop_vectors is None
+    # the weights' gradients came through the cooperative vectors' sums, not the per-thread network
+    assert np.asarray(fields[1].coop_vector_buffers()["sums"].to_numpy()).view(np.uint8).any()
     np.testing.assert_allclose(losses[1], losses[0], rtol=2e-2)
     for name, (start, stop) in fields[0].layout.segments().items():
         expected, got = gradients[0][start:stop], gradients[1][start:stop]

@@ -434,6 +434,12 @@ def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ..
     return _MODULES[key]
 
 
+def coop_vector_sized(layout: FieldLayout) -> bool:
+    """Whether the geometry network's inputs and hidden width are multiples of 8: the cooperative vectors read
+    a layer's weights a row at a time, and a row must span a multiple of 16 bytes."""
+    return layout.kernels.defines()["FIELD_ENCODED"] % 8 == 0 and layout.config.network.hidden % 8 == 0
+
+
 class NeuralField:
     """A field on the device: its parameters, gradient buffer and kernels. The device holds them in the
     kernels' layout (``layout.kernels``); :meth:`parameters`, :meth:`set_parameters` and :meth:`gradients` speak
@@ -467,7 +473,7 @@ class NeuralField:
         # The SDF fit's geometry network on cooperative vectors (coopvec_mlp.slang's Kind; None: not; "auto": where
         # the device has them).
         if coop_vectors == "auto":
-            coop_vectors = None if cooperative else coop_vector_networks(
+            coop_vectors = None if cooperative or not coop_vector_sized(layout) else coop_vector_networks(
                 gpu.backend, gpu.report.cooperative_vector, os.environ.get(COOPVEC_ENV, "1"))[0]
         self.coop_vectors: int | None = coop_vectors
         self._coop_vector_module = None
