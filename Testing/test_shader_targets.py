@@ -24,7 +24,8 @@ def assert_compiles(failures) -> None:
 @pytest.mark.parametrize("target", ["spirv", "cuda", "metal"])
 def test_every_kernel_compiles_for_the_target(target):
     """The modules loaded by name, the field modules (a software device's and a GPU's; on CUDA also its two
-    tensor-core variants) and the pretrained appearance's."""
+    tensor-core variants, on SPIR-V its geometry network on cooperative vectors, everywhere that network's
+    per-thread fallback) and the pretrained appearance's."""
     failures = shader_targets.compile_named_modules(target)
     for variant in shader_targets.field_variants(target):
         failures += shader_targets.compile_field_module(target, variant)
