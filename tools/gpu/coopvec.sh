@@ -26,5 +26,24 @@ NEURALRAYCAST_DEVICE=vulkan timeout 50 python3 -m pytest -q Testing/test_coopvec
     > "$R/tests.txt" 2>&1
 tar -C "$R" -czf "$OUT/coopvec.tar.gz" .
 grep -h "points/s\|error\|failed" "$R/probe.txt" | cut -c1-200 | head -20
-for f in "$R"/bench-*.json; do echo "$(basename "$f"):"; grep -o '"[^"]*points/s[^"]*"[^}]*' "$f" | cut -c1-160; done
+python3 - "$R"/bench-*.json <<'PY'
+import json, sys
+def rows(data):
+    if isinstance(data, dict):
+        if "metric" in data and "value" in data:
+            yield data
+        for value in data.values():
+            yield from rows(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from rows(value)
+for path in sys.argv[1:]:
+    try:
+        found = [r for r in rows(json.load(open(path))) if "points/s" in str(r["metric"])]
+    except ValueError as error:
+        found, error_text = [], str(error)
+        print(f"{path.rsplit('/', 1)[-1]}: no JSON ({error_text[:80]})")
+    for r in found:
+        print(f"{path.rsplit('/', 1)[-1]}: {r['metric']}: {r['value']:.4g}; {str(r.get('notes', ''))[:90]}")
+PY
 tail -3 "$R/tests.txt"
