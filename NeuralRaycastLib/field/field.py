@@ -525,7 +525,7 @@ class NeuralField:
     def coop_vector_buffers(self) -> dict[str, Any]:
         """The cooperative vectors' buffers, made on first use: the geometry network's half copy, its weights'
         gradient sums (each layer's matrix at its byte offset: the device's training-optimal layout, or
-        row-major float in the fallback) and, on the device, the row-major float sums they are converted to."""
+        row-major float in the fallback) and, on the device, the row-major sums they are converted to."""
         if self._coop_vector_buffers is None:
             import slangpy as spy
 
@@ -570,27 +570,30 @@ class NeuralField:
 
     def add_coop_vector_gradients(self) -> None:
         """Add the weights' gradient sums of a pass on cooperative vectors to the field's gradients: on the device
-        each layer's matrix converted from the training-optimal layout to row-major float first."""
+        each layer's matrix converted from the training-optimal layout to row-major first (of the sums' own
+        type: the conversion changes the layout, not the type)."""
         import slangpy as spy
 
         buffers = self.coop_vector_buffers()
-        sums, offsets = buffers["sums"], buffers["offsets"]
+        sums, offsets, halves = buffers["sums"], buffers["offsets"], 0
         if self.coop_vectors != COOPVEC_FALLBACK:
             device, encoder = self.gpu.device, self.gpu.device.create_command_encoder()
+            kind = buffers["kind"]
+            halves = int(kind == spy.DataType.float16)
             for (rows, cols), offset, target in zip(self.coop_vector_layers(), offsets,
                                                     buffers["row_major_offsets"], strict=False):
                 encoder.convert_coop_vec_matrix(
                     buffers["row_major"],
-                    device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.row_major,
-                                                       spy.DataType.float32, 4 * target),
+                    device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.row_major, kind,
+                                                       (2 if halves else 4) * target),
                     sums, device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.training_optimal,
-                                                             buffers["kind"], offset))
+                                                             kind, offset))
             device.submit_command_buffer(encoder.finish())
             sums, offsets = buffers["row_major"], buffers["row_major_offsets"]
         else:
             offsets = [offset // 4 for offset in offsets]
         self.sdf_fit_module.coopVecAddGradients(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, sums.device_address,
-                                                offsets, self.grads.storage.device_address,
+                                                offsets, halves, self.grads.storage.device_address,
                                                 self.kernels.geometry_offset)
 
     @property
