@@ -19,9 +19,9 @@ export PYTHONUNBUFFERED=1
 N=${N:-"python3 -m NeuralRaycastLib.app.entry"}
 R=$(mktemp -d)
 timeout 15 $N info --device vulkan > "$R/info-vulkan.txt" 2>&1
-timeout 40 python3 tools/coop_probe.py vulkan 4096 1048576 > "$R/probe.txt" 2>&1
+timeout 50 python3 tools/coop_probe.py vulkan 4096 1048576 > "$R/probe.txt" 2>&1
 timeout 75 $N bench --device vulkan --suite sdf_fit --json > "$R/bench-vulkan.json" 2> "$R/bench-vulkan.log"
-timeout 50 $N bench --device cuda --suite sdf_fit --json > "$R/bench-cuda.json" 2> "$R/bench-cuda.log"
+timeout 40 $N bench --device cuda --suite sdf_fit --json > "$R/bench-cuda.json" 2> "$R/bench-cuda.log"
 NEURALRAYCAST_DEVICE=vulkan timeout 50 python3 -m pytest -q Testing/test_coopvec.py -p no:cacheprovider \
     > "$R/tests.txt" 2>&1
 tar -C "$R" -czf "$OUT/coopvec.tar.gz" .
