@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from latent_reference import assert_gradient, assert_row_gradient, decoder, encoder, lookup
 
-from NeuralRaycastLib.appearance.latent import GridLayout, LatentAppearance, LatentConfig
+from NeuralRaycastLib.appearance.latent import BRICK, GridLayout, LatentAppearance, LatentConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -79,7 +79,7 @@ def test_sizes_and_fp16_storage(latent, codes):
     """The grid covers the box at its cell, stores two codes a 32-bit word (half the fp32 bytes), brick by brick,
     and reads back exactly the fp16 codes it was given."""
     assert GRID.dims == (6, 7, 5) and np.allclose(GRID.positions()[-1], BOX[0] + 4.0 * np.array([5, 6, 4]))
-    assert GRID.bricks == (2, 2, 2) and latent.stored == 8 * 4**3
+    assert GRID.bricks == tuple(-(-n // BRICK) for n in GRID.dims) and latent.stored == np.prod(GRID.bricks) * BRICK**3
     assert latent.codes.to_numpy().nbytes == latent.stored * CONFIG.latent * 2
     np.testing.assert_array_equal(latent.grid_codes(), codes.astype(np.float32))
     assert CONFIG.count == (2 * 16 + 16) + (16 * 8 + 8) + (11 * 16 + 16) + (16 * 20 + 20)
@@ -201,9 +201,13 @@ def test_a_sparse_grid_stores_only_its_bricks_and_reads_zero_elsewhere(gpu, para
     """With some bricks left out the grid stores only the others' vertices; a point whose cell lies in stored
     bricks reads exactly the dense grid's codes (lookup, gradients into the stored codes only), one whose corners
     fall in a brick left out reads zero codes there, and the encoder fills only the stored vertices."""
-    slots = np.array([[[0, -1], [1, -1]], [[-1, -1], [2, -1]]], np.int32)  # (z, y, x) bricks; x = 1 left out
+    needed = np.zeros(GRID.bricks[::-1], bool)  # (z, y, x) bricks: the first column along x, and one more
+    needed[:, :, 0] = True
+    needed[0, 1, 1] = True
+    slots = np.where(needed, np.cumsum(needed).reshape(needed.shape) - 1, -1).astype(np.int32)
     sparse = LatentAppearance(gpu, CONFIG, GRID, params, parts=PARTS, slots=slots)
-    assert sparse.stored == 3 * 4**3 and sparse.codes.to_numpy().nbytes == 3 * 4**3 * CONFIG.latent * 2
+    kept_bytes = needed.sum() * BRICK**3 * CONFIG.latent * 2
+    assert sparse.stored == needed.sum() * BRICK**3 and sparse.codes.to_numpy().nbytes == kept_bytes
     sparse.set_grid_codes(codes)
     indices = GRID.stored_indices(slots)
     kept = codes * (indices >= 0)[:, None]

@@ -70,6 +70,21 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     message = capsys.readouterr().err.strip().splitlines()[-1]  # after the study's preparation's progress
     assert message.startswith("neuralraycast share: error:") and str(out) in message and "pretrained" in message
     assert not page.exists()
+    # Only the bricks near the surfaces are stored: fewer codes than the grid over the whole box has.
+    from safetensors import safe_open
+
+    with safe_open(str(appearance), framework="numpy") as handle:
+        grid = json.loads(handle.metadata()["neuralraycast"])["grid"]
+        stored = handle.get_slice("grid").get_shape()[0]
+    assert 0 < stored < grid["dims"][0] * grid["dims"][1] * grid["dims"][2]
+    # A damaged latent grid is refused in one line naming the file, never rendered half-loaded.
+    data = bytearray(appearance.read_bytes())
+    data[-3] ^= 0xFF
+    appearance.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["evaluate", str(out)]) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(appearance) in message and "digest" in message
 
 
 def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appearance(gpu, phantom_study_dir,

@@ -21,7 +21,7 @@ from ..paths import shader_dir
 
 LATENT_PARTS = ("latent_appearance",)
 MAX_GRID_VERTICES = 1 << 26  # a grid past this is a box or cell size gone wrong, not a study
-BRICK = 4  # vertices along each axis of a brick of the latent grid (LATENT_BRICK in shaders/latent_appearance.slang)
+BRICK = 2  # vertices along each axis of a brick of the latent grid (LATENT_BRICK in shaders/latent_appearance.slang)
 BRICK_VERTICES = BRICK**3
 
 

@@ -29,6 +29,9 @@ APPEARANCE_FORMAT = "neuralraycast-latent-grid"
 APPEARANCE_VERSION = 2  # 2: the grid stored brick by brick with its slots
 #: A field that is not exactly 1-Lipschitz (as the renderer's occupancy allows for, field_render.py).
 BAND_LIPSCHITZ = 1.5
+#: Segments further than this many ε from every surface are shaded (the image model's band is BAND_WIDTHS ε,
+#: image_formation.slang) but add nothing a picture shows: the grid holds no codes for them (they read zero).
+VISIBLE_WIDTHS = 2.0
 
 _MODULES: dict[tuple[int, str], Any] = {}
 
@@ -114,26 +117,32 @@ def study_grid(field: NeuralField) -> GridLayout:
 
 
 def brick_slots(nearest: np.ndarray, reach_mm: float) -> np.ndarray:
-    """Brick slots (z, y, x) of the bricks holding a vertex where min_k |s_k| (``nearest``, (z, y, x) over the
-    grid's vertices) is within ``reach_mm``: numbered in order, -1 for the others."""
+    """Brick slots (z, y, x) of the bricks holding a corner of a cell where min_k |s_k| at some corner
+    (``nearest``, (z, y, x) over the grid's vertices) is within ``reach_mm``: numbered in order, -1 for the
+    others."""
     nearest = np.asarray(nearest, np.float32)
+    cells = nearest[:-1, :-1, :-1].copy()
+    for dz, dy, dx in np.ndindex(2, 2, 2):
+        np.minimum(cells, nearest[dz:dz + cells.shape[0], dy:dy + cells.shape[1], dx:dx + cells.shape[2]], out=cells)
+    near = cells <= reach_mm
+    vertices = np.zeros(nearest.shape, bool)
+    for dz, dy, dx in np.ndindex(2, 2, 2):
+        vertices[dz:dz + near.shape[0], dy:dy + near.shape[1], dx:dx + near.shape[2]] |= near
     bricks = [-(-n // BRICK) for n in nearest.shape]
-    padded = np.full([b * BRICK for b in bricks], np.inf, np.float32)
-    padded[:nearest.shape[0], :nearest.shape[1], :nearest.shape[2]] = nearest
-    lowest = padded.reshape(bricks[0], BRICK, bricks[1], BRICK, bricks[2], BRICK).min(axis=(1, 3, 5))
-    needed = lowest <= reach_mm
+    padded = np.zeros([n * BRICK for n in bricks], bool)
+    padded[:nearest.shape[0], :nearest.shape[1], :nearest.shape[2]] = vertices
+    needed = padded.reshape(bricks[0], BRICK, bricks[1], BRICK, bricks[2], BRICK).any(axis=(1, 3, 5))
     slots = np.full(needed.shape, -1, np.int32)
     slots[needed] = np.arange(int(needed.sum()), dtype=np.int32)
     return slots
 
 
 def band_reach(grid: GridLayout, epsilon_mm: float) -> float:
-    """How far from a surface a vertex may lie and still be read: a shaded point lies within the image model's
-    band (BAND_WIDTHS ε, image_formation.slang) of a surface, plus half a sample step, and reads the corners of
-    its cell, up to a cell's diagonal away; the field's distances may stretch that by BAND_LIPSCHITZ."""
-    from ..render.style import BAND_WIDTHS
-
-    return BAND_WIDTHS * epsilon_mm + BAND_LIPSCHITZ * (math.sqrt(3.0) + 1.0) * grid.cell_mm
+    """How far from a surface a cell's nearest corner may lie and the cell still be stored: where a segment adds
+    to a picture, its middle lies within VISIBLE_WIDTHS ε of a surface, give or take half a segment (about ε),
+    and no point of a cell is further than half its diagonal from every corner; the field's distances may
+    stretch those by BAND_LIPSCHITZ."""
+    return VISIBLE_WIDTHS * epsilon_mm + BAND_LIPSCHITZ * (0.5 * math.sqrt(3.0) * grid.cell_mm + epsilon_mm)
 
 
 def study_slots(field: NeuralField, grid: GridLayout, epsilon_mm: float) -> np.ndarray:
@@ -187,26 +196,40 @@ class PretrainedAppearance:
         return latent
 
 
-def values_digest(parameters: np.ndarray, slots: np.ndarray, codes: np.ndarray) -> str:
+def slots_of(stored: np.ndarray, grid: GridLayout) -> np.ndarray:
+    """Brick slots from a bit a brick (stored or not), slots numbered in order."""
+    count = int(np.prod(grid.bricks))
+    bits = np.unpackbits(np.asarray(stored, np.uint8))
+    if bits.size != -(-count // 8) * 8 or bits[count:].any():
+        raise LatentConfigError(f"{bits.size} brick bits for a grid of {count} bricks")
+    needed = bits[:count].astype(bool)
+    slots = np.full(count, -1, np.int32)
+    slots[needed] = np.arange(int(needed.sum()), dtype=np.int32)
+    return slots.reshape(grid.bricks[::-1])
+
+
+def values_digest(parameters: np.ndarray, stored: np.ndarray, codes: np.ndarray) -> str:
     """SHA-256 of a latent appearance's stored values, fed piece by piece (no joined copy of the grid)."""
     digest = hashlib.sha256()
-    for values in (parameters, slots, codes):
+    for values in (parameters, stored, codes):
         digest.update(memoryview(np.ascontiguousarray(values)).cast("B"))
     return digest.hexdigest()
 
 
 def appearance_bytes(latent: LatentAppearance, digest: str) -> bytes:
-    """A study's latent appearance: the networks' parameters, the brick slots and the stored fp16 codes (read
-    back as the device holds them, no conversion), with the grid's sizes and layout."""
+    """A study's latent appearance: the networks' parameters, which bricks are stored (a bit a brick, z, y, x
+    order: their slots follow) and the stored fp16 codes (read back as the device holds them, no conversion),
+    with the grid's sizes and layout."""
     from safetensors.numpy import save
 
     parameters = np.ascontiguousarray(latent.parameters(), np.float32)
+    stored = np.packbits(latent.slots.reshape(-1) >= 0)
     codes = latent.stored_codes()
     metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": latent.config.as_dict(),
                 "grid": {"origin": list(latent.grid.origin), "dims": list(latent.grid.dims),
                          "cell_mm": latent.grid.cell_mm, "brick": BRICK},
-                "pretrained_sha256": digest, "sha256": values_digest(parameters, latent.slots, codes)}
-    return save({"parameters": parameters, "slots": latent.slots, "grid": codes},
+                "pretrained_sha256": digest, "sha256": values_digest(parameters, stored, codes)}
+    return save({"parameters": parameters, "bricks": stored, "grid": codes},
                 metadata={WEIGHTS_KEY: json.dumps(metadata)})
 
 
@@ -222,7 +245,7 @@ def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> La
                 raise WeightsFileError(f"{path}: not a file of version {APPEARANCE_VERSION} of {APPEARANCE_FORMAT}; "
                                        "fit the run again")
             parameters = np.asarray(handle.get_tensor("parameters"), np.float32)
-            slots = np.asarray(handle.get_tensor("slots"), np.int32)
+            stored = np.asarray(handle.get_tensor("bricks"), np.uint8)
             codes = np.asarray(handle.get_tensor("grid"), np.float16)
         config = LatentConfig.from_dict(metadata["latent"])
         grid = GridLayout(tuple(map(float, metadata["grid"]["origin"])), tuple(map(int, metadata["grid"]["dims"])),
@@ -231,12 +254,12 @@ def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> La
         raise
     except Exception as error:  # damaged headers, short files and missing keys raise several types
         raise WeightsFileError(f"{path}: not a latent appearance file ({error})") from error
-    if values_digest(parameters, slots, codes) != metadata.get("sha256"):
+    if values_digest(parameters, stored, codes) != metadata.get("sha256"):
         raise WeightsFileError(f"{path}: the stored values do not match their digest (altered or damaged)")
     if grid != study_grid(field) or metadata["grid"].get("brick") != BRICK:
         raise WeightsFileError(f"{path}: the latent grid is not over this run's field; fit the run again")
     try:
-        latent = LatentAppearance(gpu, config, grid, parameters, slots=slots)
+        latent = LatentAppearance(gpu, config, grid, parameters, slots=slots_of(stored, grid))
         latent.set_stored_codes(codes)
     except LatentConfigError as error:
         raise WeightsFileError(f"{path}: the latent grid's bricks do not match its codes ({error})") from error
