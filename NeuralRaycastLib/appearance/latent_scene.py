@@ -26,7 +26,7 @@ from .pretrain import WEIGHTS_KEY, WeightsFileError, latent_inputs, read_weights
 
 APPEARANCE_FILE = "appearance.safetensors"
 APPEARANCE_FORMAT = "neuralraycast-latent-grid"
-APPEARANCE_VERSION = 2  # 2: the grid stored brick by brick with its slots
+APPEARANCE_VERSION = 2  # 2: the grid stored brick by brick, one bit a brick saying which
 #: A field that is not exactly 1-Lipschitz (as the renderer's occupancy allows for, field_render.py).
 BAND_LIPSCHITZ = 1.5
 #: Segments further than this many ε from every surface are shaded (the image model's band is BAND_WIDTHS ε,
@@ -293,9 +293,11 @@ class FineTune:
         c1, c2 = 1.0 / (1.0 - beta1**self.steps), 1.0 / (1.0 - beta2**self.steps)
         latent = self.latent
         words = latent.stored * latent.config.latent // 2
-        latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
-                                     self.master.storage.device_address, self.m.storage.device_address,
-                                     self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2, epsilon)
+        if words:  # a grid may store nothing: no surface of the study near any of its bricks
+            latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
+                                         self.master.storage.device_address, self.m.storage.device_address,
+                                         self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2,
+                                         epsilon)
         count = latent.config.count
         latent.module.latentParameterAdam(spy.grid((count,)), count, latent.config.decoder_offset,
                                           latent.values.storage.device_address, latent.grads.storage.device_address,
