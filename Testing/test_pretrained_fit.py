@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from NeuralRaycastLib.app.cli import main
@@ -106,6 +107,15 @@ def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appea
     assert (tmp_path / "run" / "appearance.safetensors").is_file()
     assert isinstance(run.renderer.scene, LatentFieldScene)
     assert not [row for row in run.log.rows if row.get("stage") == 2]  # neither a fine-tune nor a score
+    # Encoded from the local inputs the trainer's scene holds on the device (the phantom fills every channel slot):
+    # the codes the study's own upload of the encoder's inputs gives.
+    from NeuralRaycastLib.appearance.latent_scene import load_appearance, uploaded_inputs
+    from NeuralRaycastLib.field.field_render import FieldScene
+
+    assert uploaded_inputs(FieldScene(gpu, run.field, run.prepared), run.prepared) is not None
+    saved = load_appearance(gpu, tmp_path / "run" / "appearance.safetensors", run.field).stored_codes()
+    fresh = PretrainedAppearance.read(SHIPPED_WEIGHTS).encode_study(gpu, run.prepared, run.field).stored_codes()
+    assert saved.size and np.array_equal(saved, fresh)
 
 
 def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gpu, phantom_study_dir, tmp_path):

@@ -304,9 +304,7 @@ class LatentAppearance:
 
     def encode(self, inputs: np.ndarray, ras_to_ijk: np.ndarray) -> None:
         """Fill the grid: the encoder over a study's local inputs (V, I, J, K volumes: normalised channels, then
-        P(x)), sampled trilinearly at every vertex."""
-        import slangpy as spy
-
+        P(x)), sampled trilinearly at every vertex whose brick is stored."""
         from ..render.volume import interleaved_volumes
 
         inputs = np.asarray(inputs, np.float32)
@@ -314,9 +312,16 @@ class LatentAppearance:
             raise LatentConfigError(f"the encoder takes {self.config.inputs} local inputs, the study gives "
                                     f"{inputs.shape[0]}")
         _tensor, volumes = interleaved_volumes(self.gpu, inputs, ras_to_ijk)
+        self.encode_uploaded(volumes)
+        self.gpu.device.wait()
+
+    def encode_uploaded(self, volumes: dict[str, Any]) -> None:
+        """:meth:`encode` from local inputs already on the device (an ``InterleavedVolumes`` struct holding them
+        in the encoder's order), so a study's volumes are not interleaved and uploaded a second time."""
+        import slangpy as spy
+
         count = self.grid.vertices
         self.module.latentEncodeGrid(spy.grid((count,)), count, self.shader_struct(), volumes)
-        self.gpu.device.wait()
 
     def shade(self, points: np.ndarray, directions: np.ndarray) -> np.ndarray:
         """(N, K, 3 + M): per structure the albedo and the materials at RAS points seen along directions."""

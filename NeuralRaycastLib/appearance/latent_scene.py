@@ -159,6 +159,17 @@ def study_epsilon(prepared) -> float:
     return float(march_settings(prepared, RenderStyle.default(prepared.structures, prepared.channel_names))["epsilon"])
 
 
+def uploaded_inputs(scene, prepared) -> dict[str, Any] | None:
+    """The local inputs a field scene holds on the device (the study's channels, then P(x)) where they are the
+    encoder's (:func:`latent_inputs`: every channel slot filled, so P(x) comes in its slot); None otherwise."""
+    from ..field.field_render import FieldScene
+    from .pretrain import CHANNEL_SLOTS
+
+    if isinstance(scene, FieldScene) and len(prepared.channels) == CHANNEL_SLOTS:
+        return scene.inputs
+    return None
+
+
 @dataclass
 class PretrainedAppearance:
     """Pretrained weights, read and checked, for ``fit --appearance pretrained``."""
@@ -182,16 +193,21 @@ class PretrainedAppearance:
     def fine_tunes(self) -> bool:
         return bool(self.fine_tune_steps or self.fine_tune_seconds)
 
-    def encode_study(self, gpu: GpuContext, prepared, field: NeuralField) -> LatentAppearance:
+    def encode_study(self, gpu: GpuContext, prepared, field: NeuralField, scene=None) -> LatentAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
-        training."""
+        training. ``scene``: the trainer's (a FieldScene's local inputs, already on the device, are the encoder's
+        when the study fills every channel slot)."""
         if len(prepared.structures) > self.config.structures:
             raise LatentConfigError(f"the pretrained appearance holds {self.config.structures} structures, the "
                                     f"study has {len(prepared.structures)}")
         grid = study_grid(field)
         latent = LatentAppearance(gpu, self.config, grid, self.parameters,
                                   slots=study_slots(field, grid, study_epsilon(prepared)))
-        latent.encode(latent_inputs(prepared), np.linalg.inv(prepared.affine))
+        uploaded = uploaded_inputs(scene, prepared)
+        if uploaded is not None:
+            latent.encode_uploaded(uploaded)
+        else:
+            latent.encode(latent_inputs(prepared), np.linalg.inv(prepared.affine))
         latent.source_digest = self.digest
         return latent
 
