@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from latent_reference import assert_gradient, assert_row_gradient, decoder, encoder, lookup
 
-from NeuralRaycastLib.appearance.latent import GridLayout, LatentAppearance, LatentConfig
+from NeuralRaycastLib.appearance.latent import BRICK, GridLayout, LatentAppearance, LatentConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -76,10 +76,11 @@ def check(latent: LatentAppearance, kernel: str, rows: np.ndarray, weights: np.n
 
 
 def test_sizes_and_fp16_storage(latent, codes):
-    """The grid covers the box at its cell, stores two codes a 32-bit word (half the fp32 bytes) and reads back
-    exactly the fp16 codes it was given."""
+    """The grid covers the box at its cell, stores two codes a 32-bit word (half the fp32 bytes), brick by brick,
+    and reads back exactly the fp16 codes it was given."""
     assert GRID.dims == (6, 7, 5) and np.allclose(GRID.positions()[-1], BOX[0] + 4.0 * np.array([5, 6, 4]))
-    assert latent.codes.to_numpy().nbytes == GRID.vertices * CONFIG.latent * 2
+    assert GRID.bricks == tuple(-(-n // BRICK) for n in GRID.dims) and latent.stored == np.prod(GRID.bricks) * BRICK**3
+    assert latent.codes.to_numpy().nbytes == latent.stored * CONFIG.latent * 2
     np.testing.assert_array_equal(latent.grid_codes(), codes.astype(np.float32))
     assert CONFIG.count == (2 * 16 + 16) + (16 * 8 + 8) + (11 * 16 + 16) + (16 * 20 + 20)
 
@@ -181,7 +182,7 @@ def test_a_fine_tune_step_moves_the_grid_and_the_decoder_against_their_gradients
     rng = np.random.default_rng(11)
     grid_gradient = rng.normal(size=codes.shape).astype(np.float32)
     grid_gradient[::3] = 0.0
-    appearance.code_grads.copy_from_numpy(grid_gradient.reshape(-1))
+    appearance.set_grid_gradients(grid_gradient)
     gradient = rng.normal(size=CONFIG.count).astype(np.float32)
     appearance.grads.copy_from_numpy(gradient)
     tune = FineTune(appearance, rate_grid=1e-2, rate_decoder=1e-3)
@@ -194,3 +195,48 @@ def test_a_fine_tune_step_moves_the_grid_and_the_decoder_against_their_gradients
     np.testing.assert_allclose(moved[decoder], -1e-3 * np.sign(gradient[decoder]), atol=1e-6)
     assert not moved[: CONFIG.decoder_offset].any()
     assert not appearance.grid_gradients().any() and not appearance.gradients().any()
+
+
+def test_a_sparse_grid_stores_only_its_bricks_and_reads_zero_elsewhere(gpu, params, codes, points, views):
+    """With some bricks left out the grid stores only the others' vertices; a point whose cell lies in stored
+    bricks reads exactly the dense grid's codes (lookup, gradients into the stored codes only), one whose corners
+    fall in a brick left out reads zero codes there, and the encoder fills only the stored vertices."""
+    needed = np.zeros(GRID.bricks[::-1], bool)  # (z, y, x) bricks: the first column along x, and one more
+    needed[:, :, 0] = True
+    needed[0, 1, 1] = True
+    slots = np.where(needed, np.cumsum(needed).reshape(needed.shape) - 1, -1).astype(np.int32)
+    sparse = LatentAppearance(gpu, CONFIG, GRID, params, parts=PARTS, slots=slots)
+    kept_bytes = needed.sum() * BRICK**3 * CONFIG.latent * 2
+    assert sparse.stored == needed.sum() * BRICK**3 and sparse.codes.to_numpy().nbytes == kept_bytes
+    sparse.set_grid_codes(codes)
+    indices = GRID.stored_indices(slots)
+    kept = codes * (indices >= 0)[:, None]
+    np.testing.assert_array_equal(sparse.grid_codes(), kept.astype(np.float32))
+    w = np.random.default_rng(12).normal(size=CONFIG.latent)
+    values, _, _, grid_gradient = check(sparse, "gridCheck", points, w, backward=True)
+    np.testing.assert_allclose(values, lookup(GRID, kept, points) @ w, rtol=1e-4, atol=1e-5)
+    mask = (indices >= 0)[:, None]
+    assert_gradient(lambda c: (lookup(GRID, c.reshape(codes.shape) * mask, points) @ w).sum(), codes.ravel(),
+                    grid_gradient.ravel())
+    assert not grid_gradient[indices < 0].any()
+    dense = lookup(GRID, codes, points) @ w
+    stored = np.all(np.isin(cell_corners(points), np.flatnonzero(indices >= 0)), axis=1)
+    assert stored.any() and not stored.all()
+    np.testing.assert_allclose(values[stored], dense[stored], rtol=1e-4, atol=1e-5)
+    assert not np.allclose(values[~stored], dense[~stored])
+
+    affine = np.eye(4)
+    sparse.set_grid_codes(np.full(codes.shape, 0.5))
+    sparse.encode(np.ones((CONFIG.inputs, 3, 3, 3), np.float32), affine)
+    encoded = sparse.grid_codes()
+    assert not encoded[indices < 0].any()
+    np.testing.assert_allclose(encoded[indices >= 0], encoder(CONFIG, params, np.ones((1, CONFIG.inputs)))
+                               .repeat((indices >= 0).sum(), axis=0), atol=1e-3)
+
+
+def cell_corners(points: np.ndarray) -> np.ndarray:
+    """The vertex indices (the grid's order) of the 8 corners of each point's cell, as the lookup clamps it."""
+    g = np.clip((points - GRID.origin) / GRID.cell_mm, 0, np.array(GRID.dims) - 1)
+    base = np.clip(np.floor(g).astype(int), 0, np.array(GRID.dims) - 2)
+    corners = [base + np.array([c & 1, (c >> 1) & 1, (c >> 2) & 1]) for c in range(8)]
+    return np.stack([(v[:, 2] * GRID.dims[1] + v[:, 1]) * GRID.dims[0] + v[:, 0] for v in corners], axis=1)

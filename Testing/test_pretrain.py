@@ -124,3 +124,33 @@ def test_the_cohort_made_in_several_processes_is_the_cohort_made_in_one(tmp_path
         np.testing.assert_array_equal(a.affine, b.affine)
         np.testing.assert_array_equal(a.boundary, b.boundary)
         np.testing.assert_array_equal(np.asarray(a.channels), np.asarray(b.channels))
+
+
+def test_the_latent_grid_keeps_only_the_bricks_a_shaded_point_can_reach():
+    """Brick slots from min |s| at the grid's vertices: every corner of a cell with a corner within reach of a
+    surface is stored, bricks holding none are not (the file holds a band, not the box), slots numbered in order;
+    other slots refused."""
+    from NeuralRaycastLib.appearance.latent import BRICK, GridLayout, LatentConfigError, check_slots
+    from NeuralRaycastLib.appearance.latent_scene import brick_slots
+
+    grid = GridLayout.over(np.array([[0.0, 0.0, 0.0], [39.0, 39.0, 39.0]]), 1.0)
+    position = grid.positions()
+    nearest = np.abs(np.linalg.norm(position - 20.0, axis=1) - 12.0).reshape(grid.dims[::-1])
+    slots = brick_slots(nearest, 2.5)
+    stored = grid.stored_indices(slots)
+    assert slots.shape == grid.bricks[::-1] and check_slots(grid, slots) is not None
+    assert np.all(stored[nearest.ravel() <= 2.5] >= 0)
+    near = np.argwhere(nearest <= 2.5)
+    for corner in np.ndindex(2, 2, 2):  # the corners of the cells on either side of a vertex within reach
+        z, y, x = np.minimum(near + corner, np.array(nearest.shape) - 1).T
+        assert np.all(stored.reshape(nearest.shape)[z, y, x] >= 0)
+        z, y, x = np.maximum(near - corner, 0).T
+        assert np.all(stored.reshape(nearest.shape)[z, y, x] >= 0)
+    assert 0 < (slots >= 0).sum() * BRICK**3 < 0.5 * grid.vertices
+    middle = 20 // BRICK
+    assert slots[middle, middle, middle] == -1 and slots[0, 0, 0] == -1  # the sphere's middle, the box's corner
+    assert np.unique(stored[stored >= 0]).size == (stored >= 0).sum()
+    with pytest.raises(LatentConfigError, match="in order"):
+        check_slots(grid, np.where(slots >= 0, slots + 1, -1))
+    with pytest.raises(LatentConfigError, match="bricks"):
+        check_slots(grid, slots[:-1])

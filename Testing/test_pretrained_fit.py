@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from NeuralRaycastLib.app.cli import main
@@ -70,6 +71,21 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     message = capsys.readouterr().err.strip().splitlines()[-1]  # after the study's preparation's progress
     assert message.startswith("neuralraycast share: error:") and str(out) in message and "pretrained" in message
     assert not page.exists()
+    # Only the bricks near the surfaces are stored: fewer codes than the grid over the whole box has.
+    from safetensors import safe_open
+
+    with safe_open(str(appearance), framework="numpy") as handle:
+        grid = json.loads(handle.metadata()["neuralraycast"])["grid"]
+        stored = handle.get_slice("grid").get_shape()[0]
+    assert 0 < stored < grid["dims"][0] * grid["dims"][1] * grid["dims"][2]
+    # A damaged latent grid is refused in one line naming the file, never rendered half-loaded.
+    data = bytearray(appearance.read_bytes())
+    data[-3] ^= 0xFF
+    appearance.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["evaluate", str(out)]) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert str(appearance) in message and "digest" in message
 
 
 def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appearance(gpu, phantom_study_dir,
@@ -91,6 +107,15 @@ def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appea
     assert (tmp_path / "run" / "appearance.safetensors").is_file()
     assert isinstance(run.renderer.scene, LatentFieldScene)
     assert not [row for row in run.log.rows if row.get("stage") == 2]  # neither a fine-tune nor a score
+    # Encoded from the local inputs the trainer's scene holds on the device (the phantom fills every channel slot):
+    # the codes the study's own upload of the encoder's inputs gives.
+    from NeuralRaycastLib.appearance.latent_scene import load_appearance, uploaded_inputs
+    from NeuralRaycastLib.field.field_render import FieldScene
+
+    assert uploaded_inputs(FieldScene(gpu, run.field, run.prepared), run.prepared) is not None
+    saved = load_appearance(gpu, tmp_path / "run" / "appearance.safetensors", run.field).stored_codes()
+    fresh = PretrainedAppearance.read(SHIPPED_WEIGHTS).encode_study(gpu, run.prepared, run.field).stored_codes()
+    assert saved.size and np.array_equal(saved, fresh)
 
 
 def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gpu, phantom_study_dir, tmp_path):

@@ -2,8 +2,9 @@
 
 The encoder and the decoder are study independent: their parameters, one flat fp32 buffer (the encoder's
 then the decoder's, each mlp.slang's layout), are what pretraining fits and a weights file holds. A study
-owns only its latent grid: the encoder's codes at every vertex of a grid over its box, stored in fp16, which
-the decoder reads back trilinearly with the view direction. Kernels are compiled once per set of sizes.
+owns only its latent grid: the encoder's codes at the vertices of a grid over its box, stored in fp16 in bricks
+of BRICK³ vertices (only the bricks a shaded point can reach, through an index grid of brick slots), which the
+decoder reads back trilinearly with the view direction. Kernels are compiled once per set of sizes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ..paths import shader_dir
 
 LATENT_PARTS = ("latent_appearance",)
 MAX_GRID_VERTICES = 1 << 26  # a grid past this is a box or cell size gone wrong, not a study
+BRICK = 2  # vertices along each axis of a brick of the latent grid (LATENT_BRICK in shaders/latent_appearance.slang)
+BRICK_VERTICES = BRICK**3
 
 
 class LatentConfigError(ValueError):
@@ -125,6 +128,24 @@ class GridLayout:
     def vertices(self) -> int:
         return int(np.prod(self.dims))
 
+    @property
+    def bricks(self) -> tuple[int, int, int]:
+        """Bricks along x, y, z (the last ones partly past the grid)."""
+        return tuple(-(-n // BRICK) for n in self.dims)  # type: ignore[return-value]
+
+    def all_slots(self) -> np.ndarray:
+        """Brick slots (z, y, x) with every brick stored."""
+        x, y, z = self.bricks
+        return np.arange(x * y * z, dtype=np.int32).reshape(z, y, x)
+
+    def stored_indices(self, slots: np.ndarray) -> np.ndarray:
+        """Where each vertex (the grid's order) is stored under brick ``slots``, -1 where its brick holds none (as
+        LatentGrid.vertexIndex)."""
+        z, y, x = np.meshgrid(*(np.arange(n) for n in self.dims[::-1]), indexing="ij")
+        slot = np.asarray(slots, np.int64)[z // BRICK, y // BRICK, x // BRICK].ravel()
+        local = (((z % BRICK) * BRICK + y % BRICK) * BRICK + x % BRICK).ravel()
+        return np.where(slot >= 0, slot * BRICK_VERTICES + local, -1)
+
     def positions(self) -> np.ndarray:
         """RAS mm of every vertex (vertices, 3), in the grid's order."""
         axes = [self.origin[a] + self.cell_mm * np.arange(self.dims[a]) for a in range(3)]
@@ -153,6 +174,17 @@ def latent_module(gpu: GpuContext, config: LatentConfig, parts: tuple[str, ...] 
     return _MODULES[key]
 
 
+def check_slots(grid: GridLayout, slots: np.ndarray) -> np.ndarray:
+    """Brick slots (z, y, x) as the grid's kernels read them: each stored brick's slot once, 0..n-1 in order."""
+    slots = np.asarray(slots)
+    if slots.shape != grid.bricks[::-1]:
+        raise LatentConfigError(f"brick slots of shape {slots.shape}, the grid has {grid.bricks[::-1]} bricks")
+    stored = slots[slots >= 0]
+    if slots.min(initial=0) < -1 or not np.array_equal(stored, np.arange(stored.size)):
+        raise LatentConfigError("brick slots must number the stored bricks 0, 1, ... in order, -1 for the others")
+    return np.ascontiguousarray(slots, np.int32)
+
+
 def pack_half(codes: np.ndarray) -> np.ndarray:
     """(vertices, Z) codes as the grid stores them: fp16, pairs in uint32s (the even code in the low half)."""
     halves = np.ascontiguousarray(np.asarray(codes, np.float32).astype(np.float16))
@@ -168,7 +200,8 @@ class LatentAppearance:
     """The networks' parameters and gradients and one study's latent grid (codes and gradients) on a device."""
 
     def __init__(self, gpu: GpuContext, config: LatentConfig, grid: GridLayout, parameters: np.ndarray | None = None,
-                 seed: int = 0, parts: tuple[str, ...] = LATENT_PARTS) -> None:
+                 seed: int = 0, parts: tuple[str, ...] = LATENT_PARTS, slots: np.ndarray | None = None) -> None:
+        """``slots``: which bricks hold codes (:func:`check_slots`); None: all of them."""
         import slangpy as spy
 
         self.gpu, self.config, self.grid = gpu, config, grid
@@ -178,9 +211,13 @@ class LatentAppearance:
             raise LatentConfigError(f"expected {config.count} latent appearance parameters, got {values.shape}")
         self.values = spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values))
         self.grads = spy.Tensor.zeros(gpu.device, shape=(config.count,), dtype=float)
-        words = grid.vertices * config.latent // 2
-        self.codes = spy.Tensor.from_numpy(gpu.device, np.zeros(words, np.uint32))
-        self.code_grads = spy.Tensor.zeros(gpu.device, shape=(grid.vertices * config.latent,), dtype=float)
+        self.slots = check_slots(grid, grid.all_slots() if slots is None else slots)
+        self.slot_tensor = spy.Tensor.from_numpy(gpu.device, self.slots.reshape(-1))
+        self.stored = int((self.slots >= 0).sum()) * BRICK_VERTICES  # vertices the grid stores codes for
+        size = max(1, self.stored) * config.latent
+        self.codes = spy.Tensor.from_numpy(gpu.device, np.zeros(size // 2, np.uint32))
+        self.code_grads = spy.Tensor.zeros(gpu.device, shape=(size,), dtype=float)
+        self._indices: np.ndarray | None = None
         self.source_digest = ""  # SHA-256 of the pretrained weights the networks came from ("" if none)
 
     def shader_struct(self, grid_gradients: bool = True) -> dict[str, Any]:
@@ -191,7 +228,8 @@ class LatentAppearance:
             "params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
             "grid": {"values": self.codes.storage.device_address,
                      "grads": self.code_grads.storage.device_address if grid_gradients else 0,
-                     "dims": spy.int3(*self.grid.dims), "origin": spy.float3(*self.grid.origin),
+                     "slots": self.slot_tensor.storage.device_address, "dims": spy.int3(*self.grid.dims),
+                     "bricks": spy.int3(*self.grid.bricks), "origin": spy.float3(*self.grid.origin),
                      "cellInv": 1.0 / self.grid.cell_mm},
             "encoderOffset": 0,
             "decoderOffset": self.config.decoder_offset,
@@ -209,28 +247,64 @@ class LatentAppearance:
     def gradients(self) -> np.ndarray:
         return np.asarray(self.grads.to_numpy(), np.float32).reshape(-1)
 
+    def stored_indices(self) -> np.ndarray:
+        """Where each of the grid's vertices is stored, -1 where its brick holds no codes."""
+        if self._indices is None:
+            self._indices = self.grid.stored_indices(self.slots)
+        return self._indices
+
+    def _dense(self, stored: np.ndarray) -> np.ndarray:
+        """Stored rows (stored vertices, Z) as the whole grid's (vertices, Z), zero where nothing is stored."""
+        indices = self.stored_indices()
+        dense = np.zeros((self.grid.vertices, self.config.latent), np.float32)
+        dense[indices >= 0] = stored[indices[indices >= 0]]
+        return dense
+
+    def _stored(self, dense: np.ndarray, what: str) -> np.ndarray:
+        """The whole grid's rows (vertices, Z) as stored rows (stored vertices, Z)."""
+        dense = np.asarray(dense, np.float32)
+        if dense.shape != (self.grid.vertices, self.config.latent):
+            raise LatentConfigError(f"expected {what} {(self.grid.vertices, self.config.latent)}, got {dense.shape}")
+        indices = self.stored_indices()
+        stored = np.zeros((max(1, self.stored), self.config.latent), np.float32)
+        stored[indices[indices >= 0]] = dense[indices >= 0]
+        return stored
+
     def grid_gradients(self) -> np.ndarray:
-        return np.asarray(self.code_grads.to_numpy(), np.float32).reshape(-1, self.config.latent)
+        """The codes' gradients at every vertex of the grid (vertices, Z); zero where nothing is stored."""
+        stored = np.asarray(self.code_grads.to_numpy(), np.float32).reshape(-1, self.config.latent)
+        return self._dense(stored)
+
+    def set_grid_gradients(self, gradients: np.ndarray) -> None:
+        self.code_grads.copy_from_numpy(self._stored(gradients, "gradients").reshape(-1))
 
     def zero_gradients(self) -> None:
         self.grads.copy_from_numpy(np.zeros(self.config.count, np.float32))
-        self.code_grads.copy_from_numpy(np.zeros(self.grid.vertices * self.config.latent, np.float32))
+        self.code_grads.copy_from_numpy(np.zeros(max(1, self.stored) * self.config.latent, np.float32))
+
+    def stored_codes(self) -> np.ndarray:
+        """The stored codes (stored vertices, Z) in fp16, as the device holds them (brick by brick)."""
+        words = np.ascontiguousarray(self.codes.to_numpy(), np.uint32)
+        return words.view(np.float16).reshape(-1, self.config.latent)[:self.stored]
+
+    def set_stored_codes(self, codes: np.ndarray) -> None:
+        codes = np.asarray(codes)
+        if codes.shape != (self.stored, self.config.latent):
+            raise LatentConfigError(f"expected stored codes {(self.stored, self.config.latent)}, got {codes.shape}")
+        if self.stored:
+            self.codes.copy_from_numpy(np.ascontiguousarray(codes, np.float16).view(np.uint32).reshape(-1))
 
     def grid_codes(self) -> np.ndarray:
-        """The grid's codes (vertices, Z), as the fp16 storage holds them."""
-        return unpack_half(np.asarray(self.codes.to_numpy()), self.config.latent)
+        """The codes at every vertex of the grid (vertices, Z), as the fp16 storage holds them; zero where nothing
+        is stored."""
+        return self._dense(unpack_half(np.asarray(self.codes.to_numpy()), self.config.latent))
 
     def set_grid_codes(self, codes: np.ndarray) -> None:
-        codes = np.asarray(codes, np.float32)
-        if codes.shape != (self.grid.vertices, self.config.latent):
-            raise LatentConfigError(f"expected codes {(self.grid.vertices, self.config.latent)}, got {codes.shape}")
-        self.codes.copy_from_numpy(pack_half(codes))
+        self.codes.copy_from_numpy(pack_half(self._stored(codes, "codes")))
 
     def encode(self, inputs: np.ndarray, ras_to_ijk: np.ndarray) -> None:
         """Fill the grid: the encoder over a study's local inputs (V, I, J, K volumes: normalised channels, then
-        P(x)), sampled trilinearly at every vertex."""
-        import slangpy as spy
-
+        P(x)), sampled trilinearly at every vertex whose brick is stored."""
         from ..render.volume import interleaved_volumes
 
         inputs = np.asarray(inputs, np.float32)
@@ -238,9 +312,16 @@ class LatentAppearance:
             raise LatentConfigError(f"the encoder takes {self.config.inputs} local inputs, the study gives "
                                     f"{inputs.shape[0]}")
         _tensor, volumes = interleaved_volumes(self.gpu, inputs, ras_to_ijk)
+        self.encode_uploaded(volumes)
+        self.gpu.device.wait()
+
+    def encode_uploaded(self, volumes: dict[str, Any]) -> None:
+        """:meth:`encode` from local inputs already on the device (an ``InterleavedVolumes`` struct holding them
+        in the encoder's order), so a study's volumes are not interleaved and uploaded a second time."""
+        import slangpy as spy
+
         count = self.grid.vertices
         self.module.latentEncodeGrid(spy.grid((count,)), count, self.shader_struct(), volumes)
-        self.gpu.device.wait()
 
     def shade(self, points: np.ndarray, directions: np.ndarray) -> np.ndarray:
         """(N, K, 3 + M): per structure the albedo and the materials at RAS points seen along directions."""

@@ -21,12 +21,17 @@ from ..field.field import FieldLayout, NeuralField, field_source
 from ..gpu.device import GpuContext
 from ..paths import shader_dir
 from ..render.scene import WorkLists
-from .latent import GridLayout, LatentAppearance, LatentConfig, LatentConfigError, pack_half
+from .latent import BRICK, GridLayout, LatentAppearance, LatentConfig, LatentConfigError
 from .pretrain import WEIGHTS_KEY, WeightsFileError, latent_inputs, read_weights
 
 APPEARANCE_FILE = "appearance.safetensors"
 APPEARANCE_FORMAT = "neuralraycast-latent-grid"
-APPEARANCE_VERSION = 1
+APPEARANCE_VERSION = 2  # 2: the grid stored brick by brick, one bit a brick saying which
+#: A field that is not exactly 1-Lipschitz (as the renderer's occupancy allows for, field_render.py).
+BAND_LIPSCHITZ = 1.5
+#: Segments further than this many ε from every surface are shaded (the image model's band is BAND_WIDTHS ε,
+#: image_formation.slang) but add nothing a picture shows: the grid holds no codes for them (they read zero).
+VISIBLE_WIDTHS = 2.0
 
 _MODULES: dict[tuple[int, str], Any] = {}
 
@@ -111,6 +116,60 @@ def study_grid(field: NeuralField) -> GridLayout:
     return GridLayout.over(np.stack([origin, origin + np.asarray(field.layout.extent)]), field.layout.finest_cell_mm)
 
 
+def brick_slots(nearest: np.ndarray, reach_mm: float) -> np.ndarray:
+    """Brick slots (z, y, x) of the bricks holding a corner of a cell where min_k |s_k| at some corner
+    (``nearest``, (z, y, x) over the grid's vertices) is within ``reach_mm``: numbered in order, -1 for the
+    others."""
+    nearest = np.asarray(nearest, np.float32)
+    cells = nearest[:-1, :-1, :-1].copy()
+    for dz, dy, dx in np.ndindex(2, 2, 2):
+        np.minimum(cells, nearest[dz:dz + cells.shape[0], dy:dy + cells.shape[1], dx:dx + cells.shape[2]], out=cells)
+    near = cells <= reach_mm
+    vertices = np.zeros(nearest.shape, bool)
+    for dz, dy, dx in np.ndindex(2, 2, 2):
+        vertices[dz:dz + near.shape[0], dy:dy + near.shape[1], dx:dx + near.shape[2]] |= near
+    bricks = [-(-n // BRICK) for n in nearest.shape]
+    padded = np.zeros([n * BRICK for n in bricks], bool)
+    padded[:nearest.shape[0], :nearest.shape[1], :nearest.shape[2]] = vertices
+    needed = padded.reshape(bricks[0], BRICK, bricks[1], BRICK, bricks[2], BRICK).any(axis=(1, 3, 5))
+    slots = np.full(needed.shape, -1, np.int32)
+    slots[needed] = np.arange(int(needed.sum()), dtype=np.int32)
+    return slots
+
+
+def band_reach(grid: GridLayout, epsilon_mm: float) -> float:
+    """How far from a surface a cell's nearest corner may lie and the cell still be stored: where a segment adds
+    to a picture, its middle lies within VISIBLE_WIDTHS ε of a surface, give or take half a segment (about ε),
+    and no point of a cell is further than half its diagonal from every corner; the field's distances may
+    stretch those by BAND_LIPSCHITZ."""
+    return VISIBLE_WIDTHS * epsilon_mm + BAND_LIPSCHITZ * (0.5 * math.sqrt(3.0) * grid.cell_mm + epsilon_mm)
+
+
+def study_slots(field: NeuralField, grid: GridLayout, epsilon_mm: float) -> np.ndarray:
+    """The bricks of a study's latent grid that shaded points can reach: those near the field's surfaces."""
+    nearest = field.nearest_on_grid(np.asarray(grid.origin, np.float64), grid.cell_mm, grid.dims)
+    return brick_slots(nearest, band_reach(grid, epsilon_mm))
+
+
+def study_epsilon(prepared) -> float:
+    """The image model's ε of the study's default style (the band the renderer shades)."""
+    from ..render.reference_render import march_settings
+    from ..render.style import RenderStyle
+
+    return float(march_settings(prepared, RenderStyle.default(prepared.structures, prepared.channel_names))["epsilon"])
+
+
+def uploaded_inputs(scene, prepared) -> dict[str, Any] | None:
+    """The local inputs a field scene holds on the device (the study's channels, then P(x)) where they are the
+    encoder's (:func:`latent_inputs`: every channel slot filled, so P(x) comes in its slot); None otherwise."""
+    from ..field.field_render import FieldScene
+    from .pretrain import CHANNEL_SLOTS
+
+    if isinstance(scene, FieldScene) and len(prepared.channels) == CHANNEL_SLOTS:
+        return scene.inputs
+    return None
+
+
 @dataclass
 class PretrainedAppearance:
     """Pretrained weights, read and checked, for ``fit --appearance pretrained``."""
@@ -134,30 +193,60 @@ class PretrainedAppearance:
     def fine_tunes(self) -> bool:
         return bool(self.fine_tune_steps or self.fine_tune_seconds)
 
-    def encode_study(self, gpu: GpuContext, prepared, field: NeuralField) -> LatentAppearance:
+    def encode_study(self, gpu: GpuContext, prepared, field: NeuralField, scene=None) -> LatentAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
-        training."""
+        training. ``scene``: the trainer's (a FieldScene's local inputs, already on the device, are the encoder's
+        when the study fills every channel slot)."""
         if len(prepared.structures) > self.config.structures:
             raise LatentConfigError(f"the pretrained appearance holds {self.config.structures} structures, the "
                                     f"study has {len(prepared.structures)}")
-        latent = LatentAppearance(gpu, self.config, study_grid(field), self.parameters)
-        latent.encode(latent_inputs(prepared), np.linalg.inv(prepared.affine))
+        grid = study_grid(field)
+        latent = LatentAppearance(gpu, self.config, grid, self.parameters,
+                                  slots=study_slots(field, grid, study_epsilon(prepared)))
+        uploaded = uploaded_inputs(scene, prepared)
+        if uploaded is not None:
+            latent.encode_uploaded(uploaded)
+        else:
+            latent.encode(latent_inputs(prepared), np.linalg.inv(prepared.affine))
         latent.source_digest = self.digest
         return latent
 
 
+def slots_of(stored: np.ndarray, grid: GridLayout) -> np.ndarray:
+    """Brick slots from a bit a brick (stored or not), slots numbered in order."""
+    count = int(np.prod(grid.bricks))
+    bits = np.unpackbits(np.asarray(stored, np.uint8))
+    if bits.size != -(-count // 8) * 8 or bits[count:].any():
+        raise LatentConfigError(f"{bits.size} brick bits for a grid of {count} bricks")
+    needed = bits[:count].astype(bool)
+    slots = np.full(count, -1, np.int32)
+    slots[needed] = np.arange(int(needed.sum()), dtype=np.int32)
+    return slots.reshape(grid.bricks[::-1])
+
+
+def values_digest(parameters: np.ndarray, stored: np.ndarray, codes: np.ndarray) -> str:
+    """SHA-256 of a latent appearance's stored values, fed piece by piece (no joined copy of the grid)."""
+    digest = hashlib.sha256()
+    for values in (parameters, stored, codes):
+        digest.update(memoryview(np.ascontiguousarray(values)).cast("B"))
+    return digest.hexdigest()
+
+
 def appearance_bytes(latent: LatentAppearance, digest: str) -> bytes:
-    """A study's latent appearance: the networks' parameters and the fp16 grid, with its sizes and layout."""
+    """A study's latent appearance: the networks' parameters, which bricks are stored (a bit a brick, z, y, x
+    order: their slots follow) and the stored fp16 codes (read back as the device holds them, no conversion),
+    with the grid's sizes and layout."""
     from safetensors.numpy import save
 
     parameters = np.ascontiguousarray(latent.parameters(), np.float32)
-    codes = np.ascontiguousarray(latent.grid_codes().astype(np.float16))
+    stored = np.packbits(latent.slots.reshape(-1) >= 0)
+    codes = latent.stored_codes()
     metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": latent.config.as_dict(),
                 "grid": {"origin": list(latent.grid.origin), "dims": list(latent.grid.dims),
-                         "cell_mm": latent.grid.cell_mm},
-                "pretrained_sha256": digest,
-                "sha256": hashlib.sha256(parameters.tobytes() + codes.tobytes()).hexdigest()}
-    return save({"parameters": parameters, "grid": codes}, metadata={WEIGHTS_KEY: json.dumps(metadata)})
+                         "cell_mm": latent.grid.cell_mm, "brick": BRICK},
+                "pretrained_sha256": digest, "sha256": values_digest(parameters, stored, codes)}
+    return save({"parameters": parameters, "bricks": stored, "grid": codes},
+                metadata={WEIGHTS_KEY: json.dumps(metadata)})
 
 
 def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> LatentAppearance:
@@ -168,24 +257,30 @@ def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> La
     try:
         with safe_open(str(path), framework="numpy") as handle:
             metadata = json.loads((handle.metadata() or {})[WEIGHTS_KEY])
+            if metadata.get("format") != APPEARANCE_FORMAT or metadata.get("version") != APPEARANCE_VERSION:
+                raise WeightsFileError(f"{path}: not a file of version {APPEARANCE_VERSION} of {APPEARANCE_FORMAT}; "
+                                       "fit the run again")
             parameters = np.asarray(handle.get_tensor("parameters"), np.float32)
+            stored = np.asarray(handle.get_tensor("bricks"), np.uint8)
             codes = np.asarray(handle.get_tensor("grid"), np.float16)
         config = LatentConfig.from_dict(metadata["latent"])
         grid = GridLayout(tuple(map(float, metadata["grid"]["origin"])), tuple(map(int, metadata["grid"]["dims"])),
                           float(metadata["grid"]["cell_mm"]))  # type: ignore[arg-type]
+    except WeightsFileError:
+        raise
     except Exception as error:  # damaged headers, short files and missing keys raise several types
         raise WeightsFileError(f"{path}: not a latent appearance file ({error})") from error
-    if metadata.get("format") != APPEARANCE_FORMAT or metadata.get("version") != APPEARANCE_VERSION:
-        raise WeightsFileError(f"{path}: not a file of version {APPEARANCE_VERSION} of {APPEARANCE_FORMAT}")
-    if hashlib.sha256(parameters.tobytes() + codes.tobytes()).hexdigest() != metadata.get("sha256"):
+    if values_digest(parameters, stored, codes) != metadata.get("sha256"):
         raise WeightsFileError(f"{path}: the stored values do not match their digest (altered or damaged)")
-    if grid != study_grid(field) or codes.shape != (grid.vertices, config.latent):
+    if grid != study_grid(field) or metadata["grid"].get("brick") != BRICK:
         raise WeightsFileError(f"{path}: the latent grid is not over this run's field; fit the run again")
-    latent = LatentAppearance(gpu, config, grid, parameters)
-    latent.codes.copy_from_numpy(pack_half(codes))
+    try:
+        latent = LatentAppearance(gpu, config, grid, parameters, slots=slots_of(stored, grid))
+        latent.set_stored_codes(codes)
+    except LatentConfigError as error:
+        raise WeightsFileError(f"{path}: the latent grid's bricks do not match its codes ({error})") from error
     latent.source_digest = str(metadata.get("pretrained_sha256", ""))
     return latent
-
 
 
 class FineTune:
@@ -196,8 +291,9 @@ class FineTune:
         import slangpy as spy
 
         self.latent, self.rate_grid, self.rate_decoder = latent, rate_grid, rate_decoder
-        device, size = latent.gpu.device, latent.grid.vertices * latent.config.latent
-        self.master = spy.Tensor.from_numpy(device, np.ascontiguousarray(latent.grid_codes().reshape(-1)))
+        device, size = latent.gpu.device, max(1, latent.stored) * latent.config.latent
+        words = np.ascontiguousarray(latent.codes.to_numpy(), np.uint32)
+        self.master = spy.Tensor.from_numpy(device, words.view(np.float16).astype(np.float32))
         self.m = spy.Tensor.zeros(device, shape=(size,), dtype=float)
         self.v = spy.Tensor.zeros(device, shape=(size,), dtype=float)
         decoder = latent.config.count - latent.config.decoder_offset
@@ -212,10 +308,12 @@ class FineTune:
         self.steps += 1
         c1, c2 = 1.0 / (1.0 - beta1**self.steps), 1.0 / (1.0 - beta2**self.steps)
         latent = self.latent
-        words = latent.grid.vertices * latent.config.latent // 2
-        latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
-                                     self.master.storage.device_address, self.m.storage.device_address,
-                                     self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2, epsilon)
+        words = latent.stored * latent.config.latent // 2
+        if words:  # a grid may store nothing: no surface of the study near any of its bricks
+            latent.module.latentGridAdam(spy.grid((words,)), words, latent.shader_struct()["grid"],
+                                         self.master.storage.device_address, self.m.storage.device_address,
+                                         self.v.storage.device_address, self.rate_grid, beta1, beta2, c1, c2,
+                                         epsilon)
         count = latent.config.count
         latent.module.latentParameterAdam(spy.grid((count,)), count, latent.config.decoder_offset,
                                           latent.values.storage.device_address, latent.grads.storage.device_address,

@@ -168,7 +168,7 @@ def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appeara
     from ..appearance.latent_scene import fine_tune, latent_renderer
 
     with clock.phase("encode"):
-        latent = appearance.encode_study(gpu, prepared, field)
+        latent = appearance.encode_study(gpu, prepared, field, getattr(trainer.renderer, "scene", None))
         gpu.device.wait()
     if tuning and appearance.fine_tunes:
         with clock.phase("fine-tune"):

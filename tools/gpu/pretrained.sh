@@ -123,15 +123,15 @@ def number(value, digits=2):
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-print("| study | appearance | held-out PSNR (fit / evaluate) | SSIM | fit wall s | study → renderable s | "
-      "fine-tune steps | 1024² ms/frame | model bytes | latent grid bytes |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("| study | appearance | held-out PSNR (fit / evaluate) | SSIM | fit wall s | study → renderable s | save s | "
+      "fine-tune steps | 1024² ms/frame | model bytes | latent grid bytes | grid / model |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for study in studies:
     for kind in ("network", "shipped", "new", "new+ft"):
         name = f"{study}-{kind}"
         folder = results / "runs" / name
         if not folder.exists():
-            print(f"| {study} | {kind} | not run | | | | | | | |")
+            print(f"| {study} | {kind} | not run | | | | | | | | | |")
             continue
         log = json.loads((folder / "train_log.json").read_text()) if (folder / "train_log.json").exists() else {}
         rows = log.get("rows", [])
@@ -147,19 +147,24 @@ for study in studies:
         evaluated = evaluated or metrics
         wall = text(f"fit-{name}.wall").strip().splitlines()
         found = re.search(r"study to renderable model: ([0-9.]+) s", text(f"fit-{name}.out"))
+        save = re.search(r"study to renderable model: .* save ([0-9.]+) s", text(f"fit-{name}.out"))
         try:
             frames = json.loads(text(f"frame-rate-{name}.out") or "{}")
         except json.JSONDecodeError:
             frames = {}
         listing = (folder / "files.txt").read_text() if (folder / "files.txt").exists() else ""
         sizes = {line.split()[-1]: int(line.split()[4]) for line in listing.splitlines() if len(line.split()) > 8}
+        model, grid = sizes.get("model.safetensors", 0), sizes.get("appearance.safetensors", 0)
         print(f"| {study} | {kind} | {number(psnr)} / {number(evaluated.get('heldout_psnr'))} | {number(ssim, 4)} | "
               f"{wall[-1] if wall else '—'} | {found.group(1) if found else '—'} | "
-              f"{steps if steps is not None else '—'} | {number(frames.get('ms_per_frame'), 1)} | "
-              f"{sizes.get('model.safetensors', 0):,} | {sizes.get('appearance.safetensors', 0):,} |")
+              f"{save.group(1) if save else '—'} | {steps if steps is not None else '—'} | "
+              f"{number(frames.get('ms_per_frame'), 1)} | {model:,} | {grid:,} | "
+              f"{number(grid / model if grid and model else None)} |")
 print()
 print("Renderable time: the fit's phases less compile and the reference views (its printed breakdown is in "
-      "logs/fit-*.out). Wall: the whole `fit` process, reference views and held-out score included.")
+      "logs/fit-*.out); save: that breakdown's save phase (model and latent grid written). Wall: the whole `fit` "
+      "process, reference views and held-out score included. grid / model: appearance.safetensors bytes over "
+      "model.safetensors bytes (the target: below 1).")
 print()
 print("```")
 print((results / "steps.txt").read_text() if (results / "steps.txt").exists() else "")
