@@ -24,8 +24,7 @@ def assert_compiles(failures) -> None:
 @pytest.mark.parametrize("target", ["spirv", "cuda", "metal"])
 def test_every_kernel_compiles_for_the_target(target):
     """The modules loaded by name, the field modules (a software device's and a GPU's; on CUDA also its two
-    tensor-core variants, on SPIR-V its geometry network on cooperative vectors, everywhere that network's
-    per-thread fallback) and the pretrained appearance's."""
+    tensor-core variants) and the pretrained appearance's."""
     failures = shader_targets.compile_named_modules(target)
     for variant in shader_targets.field_variants(target):
         failures += shader_targets.compile_field_module(target, variant)
@@ -50,8 +49,7 @@ def test_every_kernel_python_calls_is_compiled():
         called |= set(re.findall(r"_query\(\"(\w+)\"", text))
     compiled = {kernel for kernels in shader_targets.MODULE_KERNELS.values() for kernel in kernels}
     compiled |= set(shader_targets.FIELD_KERNELS + shader_targets.COOPERATIVE_FIELD_KERNELS
-                    + shader_targets.COOPVEC_FIELD_KERNELS + shader_targets.LATENT_KERNELS
-                    + shader_targets.LATENT_SCENE_KERNELS)
+                    + shader_targets.LATENT_KERNELS + shader_targets.LATENT_SCENE_KERNELS)
     assert called, "no kernel calls found: the pattern no longer matches the code"
     assert sorted(called - compiled) == []
 

@@ -28,9 +28,8 @@ from .compiler_log import route_slangpy_messages
 from .memory_budget import MemoryBudget, resolve_budget
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
-BACKENDS = ("cuda", "vulkan")  # auto's order, best first
-MAC_BACKENDS = ("metal", "vulkan")  # auto's order on macOS: slangpy has no CUDA there
-CHOICES = ("auto", *BACKENDS, "metal")
+BACKENDS = ("cuda", "vulkan")
+CHOICES = ("auto", *BACKENDS)
 
 INSTALL_HINT = (
     "Install one of: an NVIDIA driver (for CUDA or Vulkan), or Mesa's Vulkan drivers version 23 or newer "
@@ -185,14 +184,6 @@ def requested_backend(choice: str | None = None) -> str:
     return value
 
 
-def backend_order(wanted: str, system: str) -> tuple[str, ...]:
-    """The backends to try, best first, for ``wanted`` (auto, or one by name) on ``system`` (platform.system()):
-    a name alone; auto tries Metal, then Vulkan on macOS, and CUDA, then Vulkan elsewhere."""
-    if wanted != "auto":
-        return (wanted,)
-    return MAC_BACKENDS if system == "Darwin" else BACKENDS
-
-
 def shader_cache_path(backend: str) -> Path:
     return cache_folder("shaders") / backend
 
@@ -276,28 +267,6 @@ def tensor_core_networks(backend: str, capability: int | None, setting: str) -> 
     if setting == "0":
         return False, f"{COOPERATIVE_ENV}=0"
     return True, f"compute capability {capability / 10:.1f}"
-
-
-COOPVEC_ENV = "NEURALRAYCAST_COOPVEC"  # 0: never; half: the weights' gradients summed in half (default float)
-#: coopvec_mlp.slang's Kind of each NEURALRAYCAST_COOPVEC setting: where the weights' gradients are summed.
-COOPVEC_KINDS = {"float": 2, "half": 1}
-
-
-def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -> tuple[int | None, str]:
-    """The SDF fit's geometry network on cooperative vectors: coopvec_mlp.slang's Kind where it runs on them,
-    else None, and the reason. On Vulkan devices that report them, unless the NEURALRAYCAST_COOPVEC
-    ``setting`` is "0" ("half" sums the weights' gradients in half, for drivers that cannot sum in float).
-    Slang emits their instructions for every Vulkan device, so one without them (lavapipe) keeps the per-thread
-    network."""
-    if backend != "vulkan":
-        return None, "Vulkan only"
-    if not cooperative_vector:
-        return None, "the Vulkan device has no cooperative vectors"
-    value = setting.strip().lower()
-    if value == "0":
-        return None, f"{COOPVEC_ENV}=0"
-    kind = COOPVEC_KINDS.get(value, COOPVEC_KINDS["float"])
-    return kind, f"cooperative vectors, the weights' gradients summed in {'half' if kind == 1 else 'float'}"
 
 
 @contextmanager
@@ -528,7 +497,7 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
         ) from error
     route_slangpy_messages()  # the compiler's warnings into a log file, not the user's terminal
 
-    order = backend_order(wanted, here.platform.system)
+    order = BACKENDS if wanted == "auto" else (wanted,)
     tried: dict[str, str] = {}
     logger, level = _quiet_slangpy_logs()
     try:

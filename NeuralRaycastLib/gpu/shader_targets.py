@@ -59,8 +59,6 @@ FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "
 #: Those a field module has only with its geometry network on tensor cores (FIELD_COOPERATIVE, CUDA's).
 COOPERATIVE_FIELD_KERNELS = ("networksToTiled", "networkGradientsFromTiled", "geometryTiledCount",
                              "geometryGradientLength", "appearanceTiledCount")
-#: Those a field module has only with its geometry network on cooperative vectors (the SDF fit's, on Vulkan).
-COOPVEC_FIELD_KERNELS = ("coopVecGeometryToHalf", "coopVecAddGradients", "coopVecHalfCount")
 #: The structure slots the named modules are compiled for (the device's own session's).
 STRUCTURE_SLOTS = 8
 #: The modules whose kernels HLSL cannot express, and why: Direct3D 12 is out of reach for training and for
@@ -297,8 +295,7 @@ def compile_source(unit: str, source: str, kernels: tuple[str, ...], target: str
 class FieldVariant:
     """One field module a device loads: its network sizes (``small``: a software device's; else a GPU's),
     structures (and so its structure slots), hash and geometry network (``cooperative``: 0 per thread, 1 on
-    tensor cores, 2 on tensor cores with frozen weights, 3 to 5 on cooperative vectors: field.py's
-    COOPVEC_GEOMETRY plus coopvec_mlp.slang's Kind)."""
+    tensor cores, 2 on tensor cores with frozen weights)."""
 
     small: bool
     structures: int
@@ -307,8 +304,7 @@ class FieldVariant:
 
     @property
     def name(self) -> str:
-        kind = ("field", "cooperative_field", "frozen_field", "coopvec_fallback_field", "coopvec_half_field",
-                "coopvec_float_field")[self.cooperative]
+        kind = ("field", "cooperative_field", "frozen_field")[self.cooperative]
         return f"{kind}_{'small' if self.small else 'full'}_{self.structures}_{self.hash}"
 
 
@@ -318,24 +314,17 @@ FIELD_VARIANTS = (FieldVariant(small=True, structures=3), FieldVariant(small=Fal
 #: Those CUDA loads besides (tensor-core networks, on GPUs of compute capability 8.0 and newer).
 CUDA_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=1),
                        FieldVariant(small=False, structures=4, cooperative=2))
-#: Those Vulkan loads besides for the SDF fit (the geometry network on cooperative vectors, where the device has
-#: them; with the weights' gradients summed in half one operand of one instruction differs), and their per-thread
-#: fallback, which every target compiles (the cooperative-vector instructions are SPIR-V's alone).
-COOPVEC_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=5),)
-COOPVEC_FALLBACK_VARIANT = FieldVariant(small=True, structures=3, cooperative=3)
 
 
 def field_variants(target: str) -> tuple[FieldVariant, ...]:
-    return (FIELD_VARIANTS + (CUDA_FIELD_VARIANTS if target == "cuda" else ())
-            + (COOPVEC_FIELD_VARIANTS if target == "spirv" else ()) + (COOPVEC_FALLBACK_VARIANT,))
+    return FIELD_VARIANTS + (CUDA_FIELD_VARIANTS if target == "cuda" else ())
 
 
 def compile_field_module(target: str, variant: FieldVariant) -> list[TargetFailure]:
     """The kernels of the field module ``variant`` compiled for ``target``."""
     from .device import structure_slots
 
-    kernels = FIELD_KERNELS + (COOPERATIVE_FIELD_KERNELS if variant.cooperative in (1, 2) else ()) \
-        + (COOPVEC_FIELD_KERNELS if variant.cooperative >= 3 else ())
+    kernels = FIELD_KERNELS + (COOPERATIVE_FIELD_KERNELS if variant.cooperative else ())
     with tempfile.TemporaryDirectory() as name:
         return _failures(_library(), Path(name), variant.name, field_module_source(variant), kernels, target,
                          module_defines(target, structure_slots(variant.structures)))
@@ -363,11 +352,10 @@ def named_module_source(name: str) -> str:
 
 def field_module_source(variant: FieldVariant) -> str:
     """The field module's source (field/field.py's field_source) of ``variant``, for a study of two channels."""
-    from ..field.field import COOPVEC_GEOMETRY, field_source
+    from ..field.field import field_source
 
-    coop_vectors = variant.cooperative - COOPVEC_GEOMETRY if variant.cooperative >= COOPVEC_GEOMETRY else None
     return field_source(_field_layout(variant), cooperative=variant.cooperative == 1,
-                        frozen_geometry=variant.cooperative == 2, coop_vectors=coop_vectors)
+                        frozen_geometry=variant.cooperative == 2)
 
 
 def _field_layout(variant: FieldVariant):
