@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from NeuralRaycastLib.bench.workstation import fit_rows, save_seconds
+from NeuralRaycastLib.bench.workstation import fit_rows, printed_phases
 from NeuralRaycastLib.train.phases import PhaseClock
 
 
@@ -44,17 +44,20 @@ def test_a_phase_that_fails_is_still_recorded_and_a_device_without_memory_figure
 
 
 def test_the_workstation_bench_tabulates_a_fits_phases_its_start_peak_memory_and_psnr():
-    printed = "done: 9.8 s\ntime: load 0.1 s · boundary maps 2.0 s · train 9.9 s · save 0.5 s; 12.5 s in all\n"
-    assert save_seconds(printed) == 0.5
+    printed = ("done: 9.8 s\ntime: load 0.1 s (0.8 GiB) · boundary maps 2.0 s · train 9.9 s · reference views written "
+               "4.8 s (3.2 GiB) · save 0.5 s; 17.3 s in all\n")
+    assert printed_phases(printed) == {"load": 0.1, "boundary maps": 2.0, "train": 9.9,
+                                       "reference views written": 4.8, "save": 0.5}
     log = {"phases": [{"name": "load", "seconds": 0.1, "peak_bytes": 1 << 30},
                       {"name": "boundary maps", "seconds": 2.0, "peak_bytes": 1 << 30},
                       {"name": "train", "seconds": 9.9, "peak_bytes": 3 << 30}],
            "memory": {"budget_bytes": 4 << 30, "budget_source": "--gpu-memory"}, "seconds": 9.9,
            "rows": [{"heldout_psnr": 30.0}, {"step": 5}, {"heldout_psnr": 41.5}]}
-    rows = {row.metric: row for row in fit_rows("budget 4G", {"wall": 15.0, "log": log, "printed": printed},
+    rows = {row.metric: row for row in fit_rows("budget 4G", {"wall": 20.0, "log": log, "printed": printed},
                                                 "standard", before=1 << 30)}
     assert rows["fit, budget 4G: save"].value == 0.5
-    assert rows["fit, budget 4G: start and the rest"].value == pytest.approx(15.0 - 12.5)
+    assert rows["fit, budget 4G: reference views written"].value == 4.8  # after train_log.json's record
+    assert rows["fit, budget 4G: start and the rest"].value == pytest.approx(20.0 - 17.3)
     assert rows["fit, budget 4G: peak GPU memory"].value == 2.0  # the bench's own process's memory taken off
     assert "4.0 GiB (--gpu-memory)" in rows["fit, budget 4G: peak GPU memory"].notes
     assert rows["fit, budget 4G: held-out PSNR"].value == 41.5  # the last held-out figure, not the first

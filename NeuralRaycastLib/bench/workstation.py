@@ -46,15 +46,18 @@ def timed_fit(command: list[str], out: Path) -> dict:
     return {"wall": wall, "log": log, "printed": done.stdout}
 
 
-def save_seconds(printed: str) -> float | None:
-    """The save phase's seconds from fit's closing ``time:`` line (train_log.json is written within it)."""
+def printed_phases(printed: str) -> dict[str, float]:
+    """Each phase's seconds from fit's closing ``time:`` line, which also has the phases that come after
+    train_log.json's record is taken (the reference pictures written, the save)."""
+    phases = {}
     for line in printed.splitlines():
         if line.startswith("time:"):
-            for part in line[len("time:"):].split("·"):
+            for part in line[len("time:"):].split(";")[0].split("·"):
                 words = part.split()
-                if words[:1] == ["save"]:
-                    return float(words[1])
-    return None
+                if "s" in words:
+                    at = words.index("s")
+                    phases[" ".join(words[:at - 1])] = float(words[at - 1])
+    return phases
 
 
 def bench_workstation(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
@@ -91,9 +94,9 @@ def fit_rows(name: str, result: dict, preset: str, before: int = 0) -> list[Benc
     log = result["log"]
     phases = [{**phase, "peak_bytes": None if phase.get("peak_bytes") is None else phase["peak_bytes"] - before}
               for phase in log.get("phases", [])]
-    save = save_seconds(result["printed"])
-    if save is not None:
-        phases.append({"name": "save", "seconds": save, "peak_bytes": None})
+    logged = {phase["name"] for phase in phases}
+    phases += [{"name": name, "seconds": seconds, "peak_bytes": None}
+               for name, seconds in printed_phases(result["printed"]).items() if name not in logged]
     rows = []
     for phase in phases:
         peak = phase.get("peak_bytes")
