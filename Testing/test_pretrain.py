@@ -30,12 +30,12 @@ def test_the_cohort_holds_no_evaluation_seed_and_differs_by_seed():
 
 
 def test_the_shipped_weights_are_small_sound_and_say_the_command_that_makes_them():
-    """``pretrain --out FILE --studies 3 --seed 0``, the other settings the defaults."""
+    """``pretrain --out FILE --studies 16 --seed 0``, the other settings the defaults."""
     assert SHIPPED_WEIGHTS.stat().st_size <= MAX_WEIGHTS_BYTES
     config, parameters, metadata = read_weights(SHIPPED_WEIGHTS)
     assert np.isfinite(parameters).all() and config.inputs == 5 and config.structures == 4
-    assert metadata["pretrain"] == asdict(PretrainConfig(studies=3, seed=0))
-    assert metadata["cohort"] == [list(study) for study in cohort(3, 0)]
+    assert metadata["pretrain"] == asdict(PretrainConfig(studies=16, seed=0))
+    assert metadata["cohort"] == [list(study) for study in cohort(16, 0)]
     assert metadata["final_loss"] < 0.01
 
 
