@@ -27,6 +27,7 @@ from ..study.study import Study
 from .memory import check_run_fits
 from .phases import PhaseClock
 from .presets import RunSettings
+from .pretrained import pretrained_appearance
 from .run_folder import (
     RUN_FOLDER_REFUSAL,
     RunNotSavedError,
@@ -159,26 +160,3 @@ def train_study(
     finally:
         writer.shutdown()
     return TrainedRun(folder, prepared, field, renderer or trainer.renderer, settings, views, log, clock)
-
-
-def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appearance: PretrainedAppearance,
-                          trainer: Trainer, clock: PhaseClock, progress: Progress | None, tuning: bool = True):
-    """The fitted field's latent appearance (the encoder over the study, then, where ``tuning``, the optional
-    fine-tune of the grid and the decoder) and its renderer, set up as a finished field's pictures are."""
-    from ..appearance.latent_scene import fine_tune, latent_renderer
-
-    with clock.phase("encode"):
-        latent = appearance.encode_study(gpu, prepared, field, getattr(trainer.renderer, "scene", None))
-        gpu.device.wait()
-    if tuning and appearance.fine_tunes:
-        with clock.phase("fine-tune"):
-            losses = fine_tune(trainer, latent, appearance.fine_tune_steps, progress, appearance.fine_tune_seconds)
-            gpu.device.wait()
-        trainer.log.rows.append({"step": trainer.config.geometry.steps + len(losses), "stage": 2,
-                                 "loss": losses[-1] if losses else float("nan"), "fine_tune_steps": len(losses)})
-    with clock.phase("picture settings"):
-        c = trainer.config
-        renderer = latent_renderer(gpu, prepared, field, latent, c.max_samples, c.render_cell_mm,
-                                   c.render_shade_weight)
-        gpu.device.wait()
-    return latent, renderer

@@ -127,7 +127,7 @@ def warm_up_pretrained(trainer: Trainer) -> None:
     from ..appearance.latent_scene import PretrainedAppearance
     from ..appearance.pretrain import SHIPPED_WEIGHTS
     from .phases import PhaseClock
-    from .run import pretrained_appearance
+    from .pretrained import pretrained_appearance
 
     appearance = PretrainedAppearance.read(SHIPPED_WEIGHTS, fine_tune_steps=1)
     _latent, renderer = pretrained_appearance(trainer.gpu, trainer.prepared, trainer.field, appearance, trainer,
