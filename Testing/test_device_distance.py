@@ -1,6 +1,7 @@
 """The device's exact distance transform (shaders/distance_transform.slang) gives the CPU's values: against a
 brute-force search, against the ``edt`` package the boundary maps use without a device, for masks that are empty
-or fill the grid, and along lines longer than any fixed per-thread array would hold."""
+or fill the grid, and along lines longer than any fixed per-thread array would hold; boundary maps made with it
+keep the processor's accuracy bounds, and their cache entries are kept apart from the processor's."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import itertools
 import numpy as np
 import pytest
 
+from NeuralRaycastLib.study import preprocess
 from NeuralRaycastLib.study.device_distance import distance_transform, squared_distance_transform
+from NeuralRaycastLib.study.preprocess import EXACT_REACH_MM, prepare, signed_distance
+from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
+from NeuralRaycastLib.study.study import load_study
 
 ANISOTROPIC = (0.7, 1.3, 2.1)
 
@@ -63,3 +68,66 @@ def test_a_fortran_ordered_mask_is_read_in_its_index_order(gpu):
     inside[3, 4, 5] = False
     expected = np.sqrt(brute_force_squared(inside, ANISOTROPIC)).astype(np.float32)
     np.testing.assert_allclose(distance_transform(gpu, inside, ANISOTROPIC), expected, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape_name", ["shell", "slit ring"])
+def test_a_boundary_map_on_the_device_is_the_whole_grid_one(gpu, shape_name, monkeypatch):
+    """signed_distance with a device takes both its transforms there and keeps the bounds the processor's
+    transforms are held to: exact near the mask, the same sides, never further than the distance beyond."""
+    from test_preprocess import whole_grid_signed_distance
+
+    from NeuralRaycastLib.study import device_distance
+
+    taken = []
+    monkeypatch.setattr(device_distance, "distance_transform",
+                        lambda *args, __transform=device_distance.distance_transform: taken.append(1)
+                        or __transform(*args))
+
+    spacing = np.array([1.5, 2.0, 2.5])
+    shape = (72, 50, 44)
+    centre = np.array([30.3, 40.2, 50.1])
+    points = (np.indices(shape).reshape(3, -1).T * spacing).reshape(*shape, 3)
+    if shape_name == "slit ring":
+        across = np.linalg.norm((points - centre)[..., :2], axis=-1)
+        slit = (np.abs(points[..., 1] - centre[1]) < 1.7) & (points[..., 0] > centre[0])
+        inside = (across < 14.0) & (across >= 5.0) & (np.abs(points[..., 2] - centre[2]) < 6.0) & ~slit
+    else:
+        inside = (np.linalg.norm(points - centre, axis=-1) < 13.0) & (np.linalg.norm(points - centre, axis=-1) >= 6.5)
+    reference = whole_grid_signed_distance(inside, spacing)
+    on_device = signed_distance(inside, spacing, gpu=gpu)
+    assert len(taken) == 2  # outside and inside
+    near = np.abs(reference) <= EXACT_REACH_MM
+    np.testing.assert_allclose(on_device[near], reference[near], atol=1e-4)
+    np.testing.assert_array_equal(np.sign(on_device), np.sign(reference))
+    assert np.all(on_device[~near] <= reference[~near] + 1e-4)
+    np.testing.assert_allclose(on_device, signed_distance(inside, spacing), atol=1e-4)
+
+
+def test_a_study_prepared_on_the_device_is_cached_apart_and_reused_without_it(gpu, phantom_study_dir, tmp_path,
+                                                                               monkeypatch):
+    """The device's maps agree with the processor's within the cache's float16 rounding, keep the phantom's
+    accuracy, and are kept under a key of their own; a later preparation without a device (a run reopened by
+    ``evaluate``) reads them instead of making the maps again, and the device reads an entry the processor made."""
+    study = load_study(phantom_study_dir)
+    on_device = prepare(study, cache_root=tmp_path / "device", gpu=gpu)
+    on_cpu = prepare(study, cache_root=tmp_path / "cpu")
+    assert on_device.key != on_cpu.key
+    assert [entry.name for entry in (tmp_path / "device").iterdir()] == [on_device.key]
+    np.testing.assert_allclose(on_device.boundary, on_cpu.boundary, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(on_device.mask, on_cpu.mask)
+    voxel = float(on_device.spacing.min())
+    points = voxel_centres(on_device.affine, study.shape)
+    for name in Phantom.structure_names:  # test_preprocess's bound on the processor's maps
+        exact = Phantom().sdf(name, points)
+        band = np.abs(exact) < 3 * voxel
+        error = np.abs(on_device.boundary[on_device.structure_index(name)][band] - exact[band])
+        assert error.mean() <= 0.5 * voxel, f"{name}: mean error {error.mean():.3f} mm"
+
+    def no_maps(*args, **kwargs):
+        raise AssertionError("the maps were made again instead of read from the cache")
+
+    monkeypatch.setattr(preprocess, "mask_and_boundary_maps", no_maps)
+    reopened = prepare(study, cache_root=tmp_path / "device")
+    assert reopened.key == on_device.key
+    np.testing.assert_array_equal(reopened.boundary, on_device.boundary)
+    assert prepare(study, cache_root=tmp_path / "cpu", gpu=gpu).key == on_cpu.key
