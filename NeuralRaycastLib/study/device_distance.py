@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+#: The axes of the passes, in order: the edt package's for a C-ordered grid (the last index first).
+PASS_AXES = (2, 1, 0)
 #: Threads of the device share it one transform at a time (a device's calls are not made from two threads).
 _LOCK = threading.Lock()
 
@@ -55,13 +57,15 @@ def squared_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray
         apex = spy.Tensor.empty(device, shape=(size,), dtype="int")
         apex_value = spy.Tensor.empty(device, shape=(size,), dtype=float)
         begins = spy.Tensor.empty(device, shape=(size,), dtype=float)
-        for order, axis in enumerate((2, 1, 0)):
+        for order, axis in enumerate(PASS_AXES):
             lines, length, inner = _axis_lines(shape, axis)
+            step = np.float32(spacing[axis])
             module.distanceLine(spy.grid((lines,)), {
                 "values": values.storage.device_address, "mask": mask.storage.device_address,
                 "apex": apex.storage.device_address, "apexValue": apex_value.storage.device_address,
                 "begins": begins.storage.device_address, "lines": lines, "length": length, "inner": inner,
-                "weight": float(spacing[axis]) ** 2, "fromMask": int(order == 0), "root": int(root and axis == 0),
+                "spacing": float(step), "weight": float(step * step), "fromMask": int(order == 0),
+                "root": int(root and order == len(PASS_AXES) - 1),
             })
         out = np.asarray(values.to_numpy(), np.float32).reshape(shape)
     return out
