@@ -131,3 +131,21 @@ def test_a_study_prepared_on_the_device_is_cached_apart_and_reused_without_it(gp
     assert reopened.key == on_device.key
     np.testing.assert_array_equal(reopened.boundary, on_device.boundary)
     assert prepare(study, cache_root=tmp_path / "cpu", gpu=gpu).key == on_cpu.key
+
+
+def test_a_transform_beyond_the_memory_budget_is_taken_on_the_processor():
+    """A grid whose transform the device's budget cannot hold is transformed by the processor, never sent to the
+    device (this stand-in has none to send it to)."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gpu.memory_budget import MemoryBudget
+    from NeuralRaycastLib.study.device_distance import BYTES_PER_VOXEL, fits_device
+
+    outside = np.ones((20, 16, 12), bool)
+    outside[3, 4, 5] = False
+    small = SimpleNamespace(memory=MemoryBudget(outside.size * BYTES_PER_VOXEL - 1, "a test"))
+    assert not fits_device(small, outside.shape)
+    assert fits_device(SimpleNamespace(memory=MemoryBudget(outside.size * BYTES_PER_VOXEL, "a test")), outside.shape)
+    spacing = np.array(ANISOTROPIC)
+    np.testing.assert_array_equal(preprocess._distance_transform(outside, spacing, small),
+                                  preprocess._distance_transform(outside, spacing))

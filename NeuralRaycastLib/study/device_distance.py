@@ -14,8 +14,19 @@ import numpy as np
 
 #: The axes of the passes, in order: the edt package's for a C-ordered grid (the last index first).
 PASS_AXES = (2, 1, 0)
+#: Device memory a voxel of the transform takes: its squared distance, its byte of the mask and three words of
+#: the lines' scratch.
+BYTES_PER_VOXEL = 17
 #: Threads of the device share it one transform at a time (a device's calls are not made from two threads).
 _LOCK = threading.Lock()
+
+
+def fits_device(gpu: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the transform of a grid of ``shape`` fits the device's GPU memory budget (gpu/memory_budget.py);
+    where it does not (a large grid, a small budget), the processor's transform is taken instead."""
+    from ..gpu.device import memory_budget
+
+    return int(np.prod(shape, dtype=np.int64)) * BYTES_PER_VOXEL <= memory_budget(gpu).work_bytes
 
 
 def _axis_lines(shape: tuple[int, int, int], axis: int) -> tuple[int, int, int]:
