@@ -149,3 +149,28 @@ def test_a_transform_beyond_the_memory_budget_is_taken_on_the_processor():
     spacing = np.array(ANISOTROPIC)
     np.testing.assert_array_equal(preprocess._distance_transform(outside, spacing, small),
                                   preprocess._distance_transform(outside, spacing))
+
+
+def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, monkeypatch):
+    """train_study (fit, the demo, the Slicer module) hands its device to the preparation, so the boundary maps'
+    transforms run there; nothing is written when the preparation stops it."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.train import run
+    from NeuralRaycastLib.train.presets import RunSettings
+
+    class Prepared(Exception):
+        pass
+
+    given = []
+
+    def prepare_for_run(study, settings, progress, gpu=None):
+        given.append(gpu)
+        raise Prepared
+
+    device = SimpleNamespace(backend="vulkan", report=SimpleNamespace(software=True, adapter="a CPU"))
+    monkeypatch.setattr(run, "prepare_for_run", prepare_for_run)
+    with pytest.raises(Prepared):
+        run.train_study(device, phantom_study_dir, tmp_path / "run", RunSettings("quick"), warm_up=False)
+    assert given == [device]
+    assert not (tmp_path / "run").exists()
