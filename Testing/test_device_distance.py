@@ -151,6 +151,33 @@ def test_a_transform_beyond_the_memory_budget_is_taken_on_the_processor():
                                   preprocess._distance_transform(outside, spacing))
 
 
+def test_a_device_that_fails_the_transform_leaves_it_to_the_processor_and_is_said_once(caplog):
+    """A driver's error in the device's transform does not stop the maps: the processor's transform gives the
+    same values, one warning line says so, and the device is not asked again."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gpu.memory_budget import GIB, MemoryBudget
+
+    calls = []
+
+    def load_module(name, structures=None):
+        calls.append(name)
+        raise RuntimeError("a driver's error\nand its details")
+
+    failing = SimpleNamespace(memory=MemoryBudget(GIB, "a test"), device=None, load_module=load_module)
+    outside = np.ones((9, 8, 7), bool)
+    outside[2, 3, 4] = False
+    spacing = np.array(ANISOTROPIC)
+    expected = preprocess._distance_transform(outside, spacing)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            np.testing.assert_array_equal(preprocess._distance_transform(outside, spacing, failing), expected)
+    assert calls == ["distance_transform"]
+    warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert warnings == ["the boundary maps' distance transforms run on the processor: the device could not take "
+                        "them (a driver's error)"]
+
+
 def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, monkeypatch):
     """train_study (fit, the demo, the Slicer module) hands its device to the preparation, so the boundary maps'
     transforms run there; nothing is written when the preparation stops it."""

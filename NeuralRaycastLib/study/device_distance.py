@@ -7,6 +7,7 @@ few cores. The values are those of the CPU's exact transforms (``edt``, scipy) t
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -85,3 +86,23 @@ def squared_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray
 def distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     """Distance in mm (float32) from each voxel of ``inside`` to the nearest voxel not in it, on the device."""
     return squared_distance_transform(gpu, inside, spacing, root=True)
+
+
+#: Devices that refused a transform (by id): said once, then not asked again.
+_REFUSED: set[int] = set()
+
+
+def device_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray) -> np.ndarray | None:
+    """:func:`distance_transform` where the grid fits the device's memory budget and the device takes it, else
+    None (the caller takes the processor's transform). A device that fails it (a driver's error) is said once in
+    the log and not asked again: the maps are the same either way, only slower."""
+    if id(gpu) in _REFUSED or not fits_device(gpu, inside.shape):
+        return None
+    try:
+        return distance_transform(gpu, inside, spacing)
+    except RuntimeError as error:
+        _REFUSED.add(id(gpu))
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        logging.getLogger(__name__).warning("the boundary maps' distance transforms run on the processor: the "
+                                            "device could not take them (%s)", first[:200])
+        return None

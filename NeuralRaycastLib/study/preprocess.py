@@ -253,14 +253,16 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
 def _distance_transform(outside: np.ndarray, spacing: np.ndarray, gpu: Any = None) -> np.ndarray:
     """Euclidean distance in mm (float32) from each voxel of ``outside`` to the nearest voxel that is not in it
     (0 there): with ``gpu``, the exact transform on the device (study/device_distance.py), the same values to
-    float32 rounding, where it fits the device's memory budget; else the exact transform of the ``edt`` package
-    on all cores, anisotropic spacing respected, or, where that package is not installed (a Slicer that could
-    not reach the package index), scipy's exact transform of the same values on one core."""
+    float32 rounding, where it fits the device's memory budget and the device takes it (a device that refuses
+    it is said once, and the maps are made here); else the exact transform of the ``edt`` package on all cores,
+    anisotropic spacing respected, or, where that package is not installed (a Slicer that could not reach the
+    package index), scipy's exact transform of the same values on one core."""
     if gpu is not None:
-        from .device_distance import distance_transform, fits_device
+        from .device_distance import device_distance_transform
 
-        if fits_device(gpu, outside.shape):
-            return distance_transform(gpu, outside, spacing)
+        distance = device_distance_transform(gpu, outside, spacing)
+        if distance is not None:
+            return distance
     try:
         import edt
     except ImportError:
