@@ -305,7 +305,8 @@ def fake_training(monkeypatch, prepared, tmp_path):
     steps: list[str] = []
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress: steps.append("prepare") or prepared)
+    monkeypatch.setattr(run, "prepare_for_run",
+                        lambda study, settings, progress, gpu=None: steps.append("prepare") or prepared)
     monkeypatch.setattr(run, "study_within_budget", lambda study, settings, budget, progress: (study, settings))
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: synthetic_views(prepared, 4))
     monkeypatch.setattr(run, "NeuralField", lambda gpu, layout, seed: field)

@@ -331,7 +331,7 @@ def test_a_fit_cancelled_before_training_exits_130_with_nothing_written(tmp_path
         return "views"
 
     monkeypatch.setattr(cli, "open_device", lambda device: fake_gpu())
-    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress: "prepared")
+    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None: "prepared")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
     monkeypatch.setattr(run, "check_run_fits", lambda budget, layout, prepared, config: None)
     monkeypatch.setattr(run, "reference_views_for_run", views_then_ctrl_c)

@@ -4,7 +4,10 @@ ran in, when it started and ended (seconds from the start) and the processor tim
 rest of a step's wall clock is waiting, or work it handed to other threads). The longest chain of steps is the
 wall clock of the maps: what to shorten first.
 
-    python tools/maps_timeline.py STUDY [--runs N] [--json FILE]
+    python tools/maps_timeline.py STUDY [--runs N] [--json FILE] [--device]
+
+``--device`` opens the GPU device first and takes the distance transforms there, as ``fit`` does; the device's
+transforms are then listed as ``distance_transform`` (each a thread's wait for the device).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ STEPS = {
                                           "_far_field", "disagreement", "smoothed_label", "mask_and_boundary_maps",
                                           "_distance_transform", "_derived_from_maps", "_derived_from_mask",
                                           "_rounded_probability", "write_entry", "normalise_channel"],
+    "NeuralRaycastLib.study.device_distance": ["squared_distance_transform"],
     "NeuralRaycastLib.mesh.surface_distance": ["smooth_surface", "candidate_triangles_and_reach", "mesh_distances",
                                                "mesh_pieces", "agree_with_labels", "candidates_after_move"],
 }
@@ -59,7 +63,15 @@ def main() -> None:
     parser.add_argument("study")
     parser.add_argument("--runs", type=int, default=2, help="runs; the last one is listed (the first imports)")
     parser.add_argument("--json", type=Path, help="also write every run's steps here")
+    parser.add_argument("--device", action="store_true", help="take the distance transforms on the GPU device")
     args = parser.parse_args()
+    gpu = None
+    if args.device:
+        from NeuralRaycastLib.gpu.device import open_device
+
+        began = time.perf_counter()
+        gpu = open_device()
+        print(f"device {gpu.report.adapter} ({gpu.backend}) opened in {time.perf_counter() - began:.2f} s")
     from NeuralRaycastLib.study.study import load_study
 
     began = time.perf_counter()
@@ -74,7 +86,7 @@ def main() -> None:
     for run in range(args.runs):
         state["records"], state["start"] = [], time.perf_counter()
         cpu = time.process_time()
-        preprocess.prepare(study, use_cache=False)
+        preprocess.prepare(study, use_cache=False, gpu=gpu)
         wall, cpu = time.perf_counter() - state["start"], time.process_time() - cpu
         runs.append({"wall": wall, "processor": cpu, "steps": sorted(state["records"], key=lambda r: r["start"])})
         print(f"run {run + 1}: prepare {wall:.2f} s wall, {cpu:.2f} s processor time")

@@ -36,6 +36,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "bvh": ("traceClosest", "occluded"),
     "composite": ("compositeRay", "compositeSegmentBackward", "finishPixel", "packPicture"),
     "device_check": ("deviceCheck",),
+    "distance_transform": ("distanceLine",),
     "image_loss": ("imageLossPixel", "imageLossPatchSums", "imageLossGradient"),
     "view_score": ("viewScorePixel", "viewScoreRows"),
     "mesh_shadows": ("meshKeyVisibility", "meshKeyVisibilityByGrid", "meshAmbientVisibility"),

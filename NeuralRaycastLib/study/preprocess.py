@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -185,7 +186,8 @@ def _widened_box(mask: np.ndarray, margin: int) -> tuple[slice, ...]:
 
 
 def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: bool = True,
-                    name: str = "a mask", note: LabelNote | None = None, detect_drawn: bool = True) -> np.ndarray:
+                    name: str = "a mask", note: LabelNote | None = None, detect_drawn: bool = True,
+                    gpu: Any = None) -> np.ndarray:
     """Signed distance in mm to the boundary of a voxel mask; negative inside (``name``: what the mask is,
     for the error a mask without a boundary raises).
 
@@ -207,6 +209,9 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     A drawn label (ragged, stair-stepped; see :mod:`.drawn_labels`) is not followed voxel by voxel: its
     surface is the zero level of its smoothed, volume-kept distance, and the mask its voxels below it. ``note``
     is told whether the label was taken as drawn; ``detect_drawn=False`` follows every label as it is.
+
+    ``gpu``: an open device (gpu/device.py's GpuContext) to take the distance transforms on, or None for the
+    processor's (see :func:`_distance_transform`).
     """
     spacing = np.asarray(spacing, dtype=np.float64)
     if not inside.any() or inside.all():
@@ -224,7 +229,7 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     # surface then takes the second worker instead of waiting for the first.
     with ThreadPoolExecutor(2) as pool:
         surface = pool.submit(_smoothed_surface, box, spacing, origin) if smooth_surface else None
-        sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
+        sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin, gpu)
         if surface is not None and detect_drawn:
             share = disagreement(sdf, box)
             drawn = is_drawn(share, spacing)
@@ -235,7 +240,7 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
                 smoothed = smoothed_label(sdf, box, smoothing_mm(spacing) / spacing)
                 box = smoothed < 0
                 low, high = (corner + origin for corner in voxel_box(box))
-                sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin)
+                sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin, gpu)
                 surface = pool.submit(_contour_surface, smoothed, spacing, origin)
         if surface is not None:
             _smooth_near_surface(sdf, box, spacing, origin, *surface.result())
@@ -245,11 +250,19 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
     return out
 
 
-def _distance_transform(outside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+def _distance_transform(outside: np.ndarray, spacing: np.ndarray, gpu: Any = None) -> np.ndarray:
     """Euclidean distance in mm (float32) from each voxel of ``outside`` to the nearest voxel that is not in it
-    (0 there): the exact transform of the ``edt`` package on all cores, anisotropic spacing respected, or, where
-    that package is not installed (a Slicer that could not reach the package index), scipy's exact transform
-    of the same values on one core."""
+    (0 there): with ``gpu``, the exact transform on the device (study/device_distance.py), the same values to
+    float32 rounding, where it fits the device's memory budget and the device takes it (a device that refuses
+    it is said once, and the maps are made here); else the exact transform of the ``edt`` package on all cores,
+    anisotropic spacing respected, or, where that package is not installed (a Slicer that could not reach the
+    package index), scipy's exact transform of the same values on one core."""
+    if gpu is not None:
+        from .device_distance import device_distance_transform
+
+        distance = device_distance_transform(gpu, outside, spacing)
+        if distance is not None:
+            return distance
     try:
         import edt
     except ImportError:
@@ -283,14 +296,16 @@ def _feature_distance(features: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     return np.sqrt(total, out=total)
 
 
-def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray, high: np.ndarray,
+                           gpu: Any = None) -> np.ndarray:
     """The mask's Euclidean distance transform both ways, shortened by half a voxel, negative inside, exact
     over the box: it holds every inside voxel (``low``..``high``), the nearest one of each outside voxel, and
     the inside transform is taken over those and one voxel beyond, where the nearest outside voxel of each
-    inside one lies. The two transforms run in threads (they release the interpreter)."""
+    inside one lies. The two transforms run in threads (they release the interpreter), on ``gpu`` where given."""
     half = np.float32(0.5 * float(spacing.min()))
     near = tuple(slice(max(lo - 1, 0), min(hi + 2, n)) for lo, hi, n in zip(low, high, box.shape, strict=True))
-    sdf, inside_distance = map_in_threads(lambda outside: _distance_transform(outside, spacing), [~box, box[near]])
+    sdf, inside_distance = map_in_threads(lambda outside: _distance_transform(outside, spacing, gpu),
+                                           [~box, box[near]])
     sdf -= half
     sdf[near] = np.where(box[near], half - inside_distance, sdf[near])
     return sdf
@@ -436,9 +451,11 @@ def _array_digest(array: np.ndarray | None) -> bytes:
     return digest.digest()
 
 
-def _cache_key(study: Study, structures: list[Structure], pieces: tuple[float, bool]) -> str:
-    """A digest of everything preparing reads (``pieces``: its minimum piece size and whether small pieces are
-    kept apart); the arrays are hashed in threads, one each."""
+def _cache_keys(study: Study, structures: list[Structure], pieces: tuple[float, bool]) -> tuple[str, str]:
+    """Digests of everything preparing reads (``pieces``: its minimum piece size and whether small pieces are
+    kept apart), the arrays hashed in threads, one each: (maps of the processor's distance transforms, maps of
+    the device's). The device's transform rounds differently in float32's last place, so a fresh run's maps can
+    differ from the processor's by a float16 step in a few voxels: their entries are kept apart."""
     arrays = [np.asarray(study.affine, np.float64), *study.channels.values()]
     arrays += [study.labels, study.probability, study.brain_mask]
     digest = hashlib.sha256(f"v{PREPROCESS_VERSION}".encode())
@@ -447,7 +464,9 @@ def _cache_key(study: Study, structures: list[Structure], pieces: tuple[float, b
         digest.update(part)
     digest.update(repr([(s.name, s.labels) for s in structures]).encode())
     digest.update(repr(pieces).encode())
-    return digest.hexdigest()[:32]
+    device = digest.copy()
+    device.update(b"device distance transform")
+    return digest.hexdigest()[:32], device.hexdigest()[:32]
 
 
 CACHED_ARRAYS = ("boundary", "mask", "probability", "occupancy", "bounds")
@@ -509,16 +528,29 @@ def prepare(
     progress: Progress | None = None,
     min_piece_ml: float = MIN_PIECE_ML,
     keep_small_pieces: bool = False,
+    gpu: Any = None,
 ) -> PreparedStudy:
     """Derive everything the field needs from a study (see the module docstring). Pieces of a label smaller
     than ``min_piece_ml`` are left out of its surface (``keep_small_pieces``: kept as surfaces of their own);
-    either way they are listed in ``label_notes``."""
+    either way they are listed in ``label_notes``.
+
+    ``gpu``: an open device to take the distance transforms on (the boundary maps' longest part), else the
+    processor. A cache entry made either way is used by both (they agree within float32 rounding), the one made
+    the same way first, so a run reopened without a device gets the maps it was trained on."""
     check_min_piece_ml(min_piece_ml)
     report = progress or (lambda message, fraction: None)
     structures = make_structures(study.structures, include_brain=True, colors=study.colors)
-    key = _cache_key(study, structures, (float(min_piece_ml), bool(keep_small_pieces)))
-    path = (cache_root or cache_folder("prepared")) / key
-    entry = _load_cached(path, study.shape, len(structures)) if use_cache else None
+    keys = _cache_keys(study, structures, (float(min_piece_ml), bool(keep_small_pieces)))
+    if gpu is not None:
+        keys = keys[::-1]
+    root = cache_root or cache_folder("prepared")
+    key, entry = keys[0], None
+    for candidate in keys if use_cache else ():
+        entry = _load_cached(root / candidate, study.shape, len(structures))
+        if entry is not None:
+            key = candidate
+            break
+    path = root / key
 
     channels = np.empty((len(study.channels), *study.shape), np.float32)
     if entry is not None:
@@ -538,7 +570,7 @@ def prepare(
             _normalise_channels(study, brain, derived["ranges"], channels)
 
         mask, boundary, notes = mask_and_boundary_maps(
-            study, structures, report, min_piece_ml, keep_small_pieces, with_mask=with_mask,
+            study, structures, report, min_piece_ml, keep_small_pieces, gpu=gpu, with_mask=with_mask,
             with_label_maps=lambda maps: derived.update(probability=_rounded_probability(study, structures, maps)))
         probability, occupancy, bounds = derived["probability"], derived["occupancy"], derived["bounds"]
         if use_cache:
@@ -617,7 +649,7 @@ def _brain_mask(study: Study) -> np.ndarray:
 
 def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Progress,
                             min_piece_ml: float = MIN_PIECE_ML, keep_small_pieces: bool = False, *,
-                            with_mask: Callable[[np.ndarray], object] | None = None,
+                            gpu: Any = None, with_mask: Callable[[np.ndarray], object] | None = None,
                             with_label_maps: Callable[[np.ndarray], object] | None = None,
                             ) -> tuple[np.ndarray, np.ndarray, dict[str, LabelNote]]:
     """The brain mask, every structure's signed distance (S, I, J, K), rounded to float16 as the cache keeps
@@ -628,7 +660,8 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
 
     What needs only part of this work runs beside the rest, off that longest way: ``with_mask`` (given the
     mask) as soon as the mask is found, ``with_label_maps`` (given the maps) once the maps of every structure
-    but the brain are done; their errors are raised after the structures'."""
+    but the brain are done; their errors are raised after the structures'. ``gpu``: where the distance
+    transforms are taken (see :func:`signed_distance`)."""
     boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
     notes: dict[str, LabelNote] = {}
 
@@ -637,9 +670,10 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
         name = _structure_name(study, structure)
         mask, apart, note = tidy_label(structure_mask(structure, study.labels, brain), study.affine,
                                        min_piece_ml, keep_small_pieces)
-        distance = signed_distance(mask, study.spacing, name=name, note=note)
+        distance = signed_distance(mask, study.spacing, name=name, note=note, gpu=gpu)
         if apart is not None:  # small pieces as drawn, each a surface of its own
-            np.minimum(distance, signed_distance(apart, study.spacing, name=name, detect_drawn=False), out=distance)
+            np.minimum(distance, signed_distance(apart, study.spacing, name=name, detect_drawn=False, gpu=gpu),
+                       out=distance)
         boundary[index] = distance.astype(np.float16)
         notes[structure.name] = note
 

@@ -106,7 +106,7 @@ def train_study(
         with clock.phase("load"):
             loaded, settings = study_within_budget(study, settings, budget, progress)
         with clock.phase("boundary maps"):
-            prepared = prepare_for_run(loaded, settings, progress)
+            prepared = prepare_for_run(loaded, settings, progress, gpu)
         layout = settings.field_layout(gpu, prepared)
         check_run_fits(budget, layout, prepared, settings.schedule(config))  # before any work on the device
         if warm_up:

@@ -42,11 +42,11 @@ RUN_FOLDER_REFUSAL = ("a run is written into a new or empty folder, or over an e
                       "else")
 
 
-def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None
-                    ) -> PreparedStudy:
+def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None,
+                    gpu: GpuContext | None = None) -> PreparedStudy:
     """A study (in memory, e.g. read from a Slicer scene, or its file) downsampled as the settings ask (the
     quick preset; ``progress`` is told the grids before and after) and prepared: brain mask, boundary maps,
-    tumour probability."""
+    tumour probability (their distance transforms on ``gpu`` where given)."""
     if not isinstance(study, Study):
         study = load_study_cached(study)
     if settings.max_voxels:
@@ -54,7 +54,7 @@ def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: 
         if study is not full and progress is not None:
             progress(Note(downsampling_note(full, study)), 0.0)
     return prepare(study, progress=progress, min_piece_ml=settings.min_piece_ml,
-                   keep_small_pieces=settings.keep_small_pieces)
+                   keep_small_pieces=settings.keep_small_pieces, gpu=gpu)
 
 
 def study_within_budget(study: Study | str | Path, settings: RunSettings, budget: MemoryBudget,
@@ -277,7 +277,7 @@ def open_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = No
     if not run.get("study"):
         raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
                          "use it where it was trained")
-    return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress))
+    return load_run(gpu, folder, prepare_for_run(run["study"], run["settings"], progress, gpu))
 
 
 def export_run(folder: str | Path, out: str | Path, precision: str = "float16", overwrite: bool = False) -> Path:
