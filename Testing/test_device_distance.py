@@ -201,3 +201,23 @@ def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, mon
         run.train_study(device, phantom_study_dir, tmp_path / "run", RunSettings("quick"), warm_up=False)
     assert given == [device]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting, on_device", [(None, False), ("0", False), ("1", True)])
+def test_a_runs_preparation_takes_the_device_only_where_asked(phantom_study_dir, monkeypatch, setting, on_device):
+    """$NEURALRAYCAST_DEVICE_MAPS=1 sends the boundary maps' transforms of a run's preparation to its device;
+    unset (the default, until the device path is timed on GPU hosts) they stay on the processor."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.train import run_folder
+    from NeuralRaycastLib.train.presets import RunSettings
+
+    given = []
+    monkeypatch.setattr(run_folder, "prepare", lambda study, **options: given.append(options["gpu"]))
+    if setting is None:
+        monkeypatch.delenv("NEURALRAYCAST_DEVICE_MAPS", raising=False)
+    else:
+        monkeypatch.setenv("NEURALRAYCAST_DEVICE_MAPS", setting)
+    device = SimpleNamespace(backend="vulkan")
+    run_folder.prepare_for_run(phantom_study_dir, RunSettings("quick"), None, device)
+    assert given == [device if on_device else None]

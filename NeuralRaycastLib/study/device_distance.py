@@ -8,6 +8,7 @@ few cores. The values are those of the CPU's exact transforms (``edt``, scipy) t
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -20,6 +21,18 @@ PASS_AXES = (2, 1, 0)
 BYTES_PER_VOXEL = 17
 #: Threads of the device share it one transform at a time (a device's calls are not made from two threads).
 _LOCK = threading.Lock()
+
+
+#: Set to 1 to have ``fit`` (and what opens a run) take the boundary maps' transforms on its device. Off by
+#: default until the device path has been timed on GPU hosts, where it is meant to shorten the maps; the CPU's
+#: transforms are the reference either way.
+MAPS_ON_DEVICE_VARIABLE = "NEURALRAYCAST_DEVICE_MAPS"
+
+
+def maps_device(gpu: Any) -> Any:
+    """The device a run's preparation should take its transforms on: ``gpu`` where $NEURALRAYCAST_DEVICE_MAPS is
+    1, else None (the processor's)."""
+    return gpu if os.environ.get(MAPS_ON_DEVICE_VARIABLE, "0").strip() == "1" else None
 
 
 def fits_device(gpu: Any, shape: tuple[int, ...]) -> bool:
