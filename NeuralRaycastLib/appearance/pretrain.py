@@ -39,8 +39,8 @@ WEIGHTS_FORMAT = "neuralraycast-latent-appearance"
 WEIGHTS_VERSION = 1
 WEIGHTS_KEY = "neuralraycast"
 MAX_WEIGHTS_BYTES = 5 * 2**20
-#: The weights the package ships: ``neuralraycast pretrain --out FILE --studies 3 --seed 0`` (the defaults
-#: otherwise) on the software device; the file's metadata says how it was made.
+#: The weights the package ships: ``neuralraycast pretrain --out FILE --studies 16 --seed 0`` (the defaults
+#: otherwise) on a GPU; the file's metadata says how it was made.
 SHIPPED_WEIGHTS = Path(__file__).with_name("pretrained.safetensors")
 
 
