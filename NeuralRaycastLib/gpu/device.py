@@ -284,7 +284,7 @@ def tensor_core_networks(backend: str, capability: int | None, setting: str) -> 
     return True, f"compute capability {capability / 10:.1f}"
 
 
-COOPVEC_ENV = "NEURALRAYCAST_COOPVEC"  # 0: never; half: the weights' gradients summed in half (default float)
+COOPVEC_ENV = "NEURALRAYCAST_COOPVEC"  # 0: never; float: the weights' gradients summed in float (default half)
 #: coopvec_mlp.slang's Kind of each NEURALRAYCAST_COOPVEC setting: where the weights' gradients are summed.
 COOPVEC_KINDS = {"float": 2, "half": 1}
 
@@ -292,7 +292,8 @@ COOPVEC_KINDS = {"float": 2, "half": 1}
 def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -> tuple[int | None, str]:
     """The SDF fit's geometry network on cooperative vectors: coopvec_mlp.slang's Kind where it runs on them,
     else None, and the reason. On Vulkan devices that report them, unless the NEURALRAYCAST_COOPVEC
-    ``setting`` is "0" ("half" sums the weights' gradients in half, for drivers that cannot sum in float).
+    ``setting`` is "0". The weights' gradients are summed in half unless it is "float": on an H100 the driver's
+    float sums came back wrong (docs/shader-targets.md), its half sums right within half precision.
     Slang emits their instructions for every Vulkan device, so one without them (lavapipe) keeps the per-thread
     network."""
     if backend != "vulkan":
@@ -302,7 +303,7 @@ def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -
     value = setting.strip().lower()
     if value == "0":
         return None, f"{COOPVEC_ENV}=0"
-    kind = COOPVEC_KINDS.get(value, COOPVEC_KINDS["float"])
+    kind = COOPVEC_KINDS.get(value, COOPVEC_KINDS["half"])
     return kind, f"cooperative vectors, the weights' gradients summed in {'half' if kind == 1 else 'float'}"
 
 
