@@ -19,6 +19,7 @@ from NeuralRaycastLib.field.field import (
     COOPVEC_FALLBACK,
     FieldLayout,
     NeuralField,
+    coop_gradient_scale,
     coop_vector_sized,
     load_field_module,
 )
@@ -38,6 +39,9 @@ def test_the_network_on_cooperative_vectors_is_chosen_from_the_devices_features(
                                                             "in half")
     assert coop_vector_networks("vulkan", True, "half")[0] == 1
     assert coop_vector_networks("vulkan", True, "float")[0] == 2
+    # a point's share of the default batch's mean loss (65536 points, four structures) taken into half's normal
+    # range by an exact power of two, and a large share brought down likewise
+    assert coop_gradient_scale(1.0 / (65536 * 4)) == 256.0 and coop_gradient_scale(1.0 / 96) == 0.125
     assert coop_vector_networks("vulkan", True, "0") == (None, "NEURALRAYCAST_COOPVEC=0")
     assert coop_vector_networks("vulkan", False, "1") == (None, "the Vulkan device has no cooperative vectors")
     assert coop_vector_networks("cuda", True, "1")[0] is None

@@ -445,6 +445,17 @@ def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ..
     return _MODULES[key]
 
 
+#: What a point's share of the SDF fit's mean loss is scaled to before the cooperative vectors take its gradient
+#: into half: well inside half's normal range (from 6.1e-05), with a batch's sums far below its largest (65504).
+COOP_GRADIENT_TARGET = 2.0 ** -10
+
+
+def coop_gradient_scale(point_weight: float) -> float:
+    """The power of two that brings ``point_weight`` (a point's weight in the loss) to about
+    COOP_GRADIENT_TARGET: exact to apply and to take back out."""
+    return 2.0 ** round(math.log2(COOP_GRADIENT_TARGET / point_weight)) if point_weight > 0 else 1.0
+
+
 def coop_vector_sized(layout: FieldLayout) -> bool:
     """Whether the geometry network's inputs and hidden width are multiples of 8: the cooperative vectors read
     a layer's weights a row at a time, and a row must span a multiple of 16 bytes."""
@@ -489,6 +500,9 @@ class NeuralField:
         self.coop_vectors: int | None = coop_vectors
         self._coop_vector_module = None
         self._coop_vector_buffers: dict[str, Any] | None = None
+        #: The cooperative vectors' gradient scale (coopvec_mlp.slang's CoopVecNetwork.gradientScale; the SDF fit
+        #: sets it from its loss's scale, coop_gradient_scale).
+        self.coop_gradient_scale = 1.0
         self.parts = parts
         self.module = load_field_module(gpu, layout, parts)
         self.kernels = layout.kernels
@@ -603,8 +617,8 @@ class NeuralField:
         else:
             offsets = [offset // 4 for offset in offsets]
         self.sdf_fit_module.coopVecAddGradients(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, sums.device_address,
-                                                offsets, halves, self.grads.storage.device_address,
-                                                self.kernels.geometry_offset)
+                                                offsets, halves, 1.0 / self.coop_gradient_scale,
+                                                self.grads.storage.device_address, self.kernels.geometry_offset)
 
     @property
     def frozen_module(self):
@@ -738,7 +752,8 @@ class NeuralField:
             struct["coopGeometry"] = {
                 "weights": buffers["weights"].device_address, "weightGradients": buffers["sums"],
                 "gradientOffsets": buffers["offsets"],
-                "biasGradients": self.grads.storage.device_address + 4 * self.kernels.geometry_offset}
+                "biasGradients": self.grads.storage.device_address + 4 * self.kernels.geometry_offset,
+                "gradientScale": self.coop_gradient_scale}
         return struct
 
     def default_step_mm(self) -> float:

@@ -19,7 +19,7 @@ from ..gpu.device import GpuContext, PassClock
 from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy
-from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
+from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField, coop_gradient_scale
 
 WAVE = 32  # points per wave
 STEPS_AHEAD = 4  # fit steps sent to the device before waiting for it (SdfFitter.run)
@@ -208,6 +208,8 @@ class SdfFitter:
         settings["dataScale"] *= weight
         settings["eikonalScale"] *= weight
         field = self.field
+        if field.coop_vectors is not None:
+            field.coop_gradient_scale = coop_gradient_scale(settings["dataScale"])
         struct = self._field_struct()
         clock.lap("weights to tensor-core layout" if field.cooperative or field.coop_vectors is not None
                   else "settings")
