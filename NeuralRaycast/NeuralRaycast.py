@@ -35,7 +35,7 @@ README_URL = "https://github.com/SlicerNeuralRaycast/SlicerNeuralRaycast#readme"
 #: The library's presets (NeuralRaycastLib.train.presets) and devices (gpu.device.CHOICES), spelled out here so
 #: that loading this file imports nothing but Slicer; a test checks they match the library's.
 PRESETS = ("auto", "quick", "standard", "high")
-DEVICES = ("auto", "cuda", "vulkan")
+DEVICES = ("auto", "cuda", "vulkan", "metal")
 #: What a run trains: the neural field, or ray-traced Gaussians (``fit --representation``).
 REPRESENTATIONS = ("field", "gaussians")
 #: What to lower when a run does not fit the GPU's memory, in the module's words.
@@ -225,7 +225,7 @@ class NeuralRaycastParameterNode:
     brainMaskVolume - optional brain mask (non-zero inside, e.g. a label map from skull stripping); where
         absent the brain is found by thresholding the reference channel.
     preset - training quality preset; auto is quick on a software device and standard on a GPU.
-    device - slangpy device: auto, cuda or vulkan.
+    device - slangpy device: auto, cuda, vulkan or metal.
     gpuMemory - GPU memory the work may take (e.g. 6G); empty: the GPU's free memory less a margin.
     seed - random seed for reproducible training.
     iterations - training iterations; 0 uses the preset's number.

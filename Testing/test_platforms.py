@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,16 +52,21 @@ def test_a_platform_without_a_wheel_is_refused_naming_it_and_what_is_supported(h
         check_platform(here=here)
 
 
-def test_a_mac_installs_slangpy_but_no_device_is_known_to_open_unless_vulkan_is_asked_for():
-    """slangpy has a wheel for macOS 26 on Apple silicon, but NeuralRaycast opens CUDA or Vulkan, never Metal:
-    the module refuses there unless the device is set to vulkan (a Vulkan driver over Metal, untried)."""
+def test_a_mac_installs_slangpy_but_no_device_is_known_to_open_unless_metal_or_vulkan_is_asked_for():
+    """slangpy has a wheel for macOS 26 on Apple silicon, and NeuralRaycast tries Metal, then Vulkan there, but
+    has not been run on a Mac: the module refuses unless the device is set to metal or vulkan."""
     mac = Platform("Darwin", "arm64", (3, 12), macos=(26, 1))
     for device in ("auto", "cuda"):
         support = platform_support(mac, device)
         assert not support.runs and support.wheel.tag == "macosx_26_0_arm64"
-        assert support.reason.startswith("macOS arm64, macOS 26.1, CPython 3.12: slangpy installs, but NeuralRaycast "
-                                         "opens CUDA or Vulkan devices only, never Metal")
-    assert platform_support(mac, "vulkan").runs
+        assert support.reason.startswith("macOS arm64, macOS 26.1, CPython 3.12: slangpy installs, and NeuralRaycast "
+                                         "tries Metal, then Vulkan (a driver over Metal, MoltenVK), but has not been "
+                                         "run on a Mac: set the device to metal or vulkan to try them")
+    for device in ("metal", "vulkan"):
+        assert platform_support(mac, device).runs
+        assert platform_support(mac, device).describe().startswith(
+            "macOS arm64, macOS 26.1, CPython 3.12: slangpy 0.43.1 wheel macosx_26_0_arm64; devices tried: the "
+            "device asked for (slangpy installs")
 
 
 def test_what_each_platform_gets():
@@ -69,12 +75,14 @@ def test_what_each_platform_gets():
     linux = platform_support(Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 36)))).describe()
     assert linux.startswith("Linux x86_64, glibc 2.36, CPython 3.12: slangpy 0.43.1 wheel manylinux_2_34_x86_64; "
                             "devices tried: CUDA on NVIDIA GPUs (tensor-core networks from compute capability 8.0")
-    assert "else Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks); else Mesa's lavapipe" in linux
+    assert ("else Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks; the SDF fit's geometry network on "
+            "cooperative vectors where the GPU has them); else Mesa's lavapipe") in linux
     windows = platform_support(Platform("Windows", "AMD64", (3, 12))).describe()
     assert "CUDA on NVIDIA GPUs" in windows and "lavapipe" not in windows
     summary = platforms.platforms_summary()
     assert summary.startswith(f"NeuralRaycast runs where slangpy 0.43.1 has a wheel and a device opens: {SUPPORTED}.")
-    assert "never Metal" in summary
+    assert "macOS 26 or newer on Apple silicon: slangpy installs, and NeuralRaycast tries Metal, then Vulkan" \
+        in summary
 
 
 def test_this_interpreter_is_read_as_the_wheel_tags_read_it():
@@ -133,4 +141,38 @@ def test_where_no_device_opens_the_message_names_the_platform(monkeypatch):
     with pytest.raises(device.GpuUnavailableError) as raised:
         device.open_device("cuda")
     assert "no GPU device works on macOS arm64, macOS 26.0, CPython 3.12 (cuda: no cuda here). macOS arm64" in \
-        str(raised.value) and "never Metal" in str(raised.value)
+        str(raised.value) and "tries Metal, then Vulkan" in str(raised.value)
+    with pytest.raises(device.GpuUnavailableError) as raised:
+        device.open_device("auto")
+    assert str(raised.value).startswith("no GPU device works on macOS arm64, macOS 26.0, CPython 3.12 (metal: no "
+                                        "metal here; vulkan: no vulkan here).")
+
+
+def test_auto_tries_metal_then_vulkan_on_macos_and_cuda_then_vulkan_elsewhere(monkeypatch):
+    """The devices `auto` opens, best first, on each system; a device asked for by name is the only one tried,
+    and the first that opens is the one every later call gets."""
+    import NeuralRaycastLib.gpu.device as device
+
+    assert device.backend_order("auto", "Darwin") == ("metal", "vulkan")
+    for system in ("Linux", "Windows"):
+        assert device.backend_order("auto", system) == ("cuda", "vulkan")
+    assert device.backend_order("metal", "Darwin") == ("metal",)
+    assert device.backend_order("vulkan", "Darwin") == ("vulkan",)
+    assert device.requested_backend("Metal") == "metal"
+
+    tried = []
+
+    def vulkan_only(backend):
+        tried.append(backend)
+        if backend != "vulkan":
+            raise RuntimeError(f"no {backend} here")
+        return object(), None
+
+    monkeypatch.setattr(device, "_CONTEXTS", {})
+    monkeypatch.setattr(device, "_open", vulkan_only)
+    monkeypatch.setattr(device, "_report", lambda *args: SimpleNamespace(backend=args[1]))
+    monkeypatch.setattr(device, "_cuda_memory", lambda context: None)
+    monkeypatch.setattr(device, "use_memory_budget", lambda context, memory: None)
+    monkeypatch.setattr(platforms, "this_platform", lambda: Platform("Darwin", "arm64", (3, 12), macos=(26, 0)))
+    assert device.open_device("auto").backend == "vulkan"
+    assert tried == ["metal", "vulkan"]

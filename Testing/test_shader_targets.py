@@ -24,7 +24,8 @@ def assert_compiles(failures) -> None:
 @pytest.mark.parametrize("target", ["spirv", "cuda", "metal"])
 def test_every_kernel_compiles_for_the_target(target):
     """The modules loaded by name, the field modules (a software device's and a GPU's; on CUDA also its two
-    tensor-core variants) and the pretrained appearance's."""
+    tensor-core variants, on SPIR-V its geometry network on cooperative vectors, everywhere that network's
+    per-thread fallback) and the pretrained appearance's."""
     failures = shader_targets.compile_named_modules(target)
     for variant in shader_targets.field_variants(target):
         failures += shader_targets.compile_field_module(target, variant)
@@ -49,7 +50,8 @@ def test_every_kernel_python_calls_is_compiled():
         called |= set(re.findall(r"_query\(\"(\w+)\"", text))
     compiled = {kernel for kernels in shader_targets.MODULE_KERNELS.values() for kernel in kernels}
     compiled |= set(shader_targets.FIELD_KERNELS + shader_targets.COOPERATIVE_FIELD_KERNELS
-                    + shader_targets.LATENT_KERNELS + shader_targets.LATENT_SCENE_KERNELS)
+                    + shader_targets.COOPVEC_FIELD_KERNELS + shader_targets.LATENT_KERNELS
+                    + shader_targets.LATENT_SCENE_KERNELS)
     assert called, "no kernel calls found: the pattern no longer matches the code"
     assert sorted(called - compiled) == []
 
@@ -92,3 +94,23 @@ def test_the_shared_pages_renderer_compiles_to_wgsl(small):
     layout = FieldLayout.build(field_config_for(2.0, small=small), np.array([[0, 0, 0], [180, 220, 180]], float), 4, 2)
     wgsl = compile_wgsl(web_source(layout), layout.structures)
     assert "renderPixel" in wgsl and set(wgsl_bindings(wgsl)) >= {"webScene", "webView", "webPixels"}
+
+
+#: What the cooperative vectors' Slang is named in the code made of it (shaders/coopvec_mlp.slang's network and
+#: operations, neural_field.slang's member of the field); CUDA's prelude has OptiX's own, which these leave out.
+COOPVEC_NAMES = re.compile(r"CoopVecNetwork|CoopVecMlp|CoopVecLayout|coopVec[A-Z]\w*|coopGeometry")
+
+
+def test_the_cuda_and_per_thread_field_modules_hold_no_cooperative_vector_code():
+    """Only the cooperative vectors' own field variants are compiled with FIELD_COOPVEC: every other one (CUDA's
+    tensor-core kernels among them, which crashed while compiling with that code in) is made into code that
+    names none of it, in the field struct every kernel takes or anywhere else; their fallback variant does."""
+    kernels = ("fitLoss", "fieldDistances")
+    for variant in shader_targets.field_variants("cuda"):
+        coop = variant.cooperative >= 3
+        assert ("FIELD_COOPVEC" in shader_targets.field_defines("cuda", variant)) == coop, variant.name
+        if not coop:
+            code = shader_targets.field_module_code("cuda", variant, kernels).decode(errors="replace")
+            assert COOPVEC_NAMES.findall(code) == [], variant.name
+    fallback = shader_targets.field_module_code("cuda", shader_targets.COOPVEC_FALLBACK_VARIANT, kernels)
+    assert COOPVEC_NAMES.search(fallback.decode(errors="replace"))

@@ -1204,7 +1204,7 @@ def test_an_unsupported_platform_is_refused_before_anything_is_installed(module,
             (platforms.Platform("Windows", "ARM64", (3, 12)), "auto", "Windows arm64, CPython 3.12: slangpy 0.43.1 "
                                                                       "has no wheel for Windows on arm64"),
             (platforms.Platform("Darwin", "arm64", (3, 12), macos=(26, 0)), "auto", "macOS arm64, macOS 26.0, CPython "
-                                                                                    "3.12: slangpy installs, but"),
+                                                                                    "3.12: slangpy installs, and"),
             (platforms.Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 28))), "vulkan",
              "slangpy's Linux wheels need glibc 2.34 or newer")):
         monkeypatch.setattr(platforms, "this_platform", lambda here=here: here)
@@ -1213,8 +1213,8 @@ def test_an_unsupported_platform_is_refused_before_anything_is_installed(module,
         assert named in str(raised.value) and "Windows x64, Linux x86-64 and Linux aarch64" in str(raised.value)
         assert asked == []  # no question, no constraints file, no install
 
-    # a supported platform goes on to ask; so does a Mac where the device is set to vulkan (the module's setting,
-    # or NEURALRAYCAST_DEVICE behind auto), to try a Vulkan driver over Metal
+    # a supported platform goes on to ask; so does a Mac where the device is set to metal or vulkan (the module's
+    # setting, or NEURALRAYCAST_DEVICE behind auto), to try them
     monkeypatch.setattr(platforms, "this_platform",
                         lambda: platforms.Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 36))))
     module.installDependencies(logic, "auto")
@@ -1222,9 +1222,10 @@ def test_an_unsupported_platform_is_refused_before_anything_is_installed(module,
     monkeypatch.setattr(platforms, "this_platform",
                         lambda: platforms.Platform("Darwin", "arm64", (3, 12), macos=(26, 0)))
     module.installDependencies(logic, "vulkan")
+    module.installDependencies(logic, "metal")
     monkeypatch.setenv("NEURALRAYCAST_DEVICE", "vulkan")
     module.installDependencies(logic, "auto")
-    assert len(asked) == 9
+    assert len(asked) == 12
 
 
 def test_the_modules_help_says_what_each_platform_gets(module, monkeypatch):
@@ -1238,4 +1239,4 @@ def test_the_modules_help_says_what_each_platform_gets(module, monkeypatch):
     monkeypatch.setattr(slicer.app, "connect", lambda *args: None, raising=False)
     module.NeuralRaycast(parent)
     assert platforms_summary() in parent.helpText
-    assert "never Metal" in parent.helpText and "tensor-core" in parent.helpText
+    assert "tries Metal, then Vulkan" in parent.helpText and "tensor-core" in parent.helpText

@@ -679,7 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def device_option(p: argparse.ArgumentParser, memory: bool = True) -> None:
         p.add_argument("--device", choices=CHOICES, default=None,
-                       help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan)")
+                       help=f"GPU backend (default: ${DEVICE_ENV} or auto = CUDA, else Vulkan; on macOS Metal, "
+                            "else Vulkan)")
         if memory:
             p.add_argument("--gpu-memory", metavar="AMOUNT", default=None,
                            help=f"GPU memory the work may take, e.g. 6G, 6GiB or 6000M (binary units); batches, "

@@ -100,16 +100,18 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     rate = fit_rate(fitter, 10 if quick else 40)
     phase_rows = fit_phase_rows(fitter)
     comparison = []
-    if field.cooperative:  # the same steps with the per-thread network, for the ratio
+    if field.cooperative or field.coop_vectors is not None:  # the same steps with the per-thread network
+        setting = "NEURALRAYCAST_COOPERATIVE=0" if field.cooperative else "NEURALRAYCAST_COOPVEC=0"
         comparison = [BenchRow("sdf_fit", "points/s with the per-thread network", per_thread_fit_rate(fitter), "1/s",
-                               "same batch and loss, every level active (what NEURALRAYCAST_COOPERATIVE=0 runs)")]
+                               f"same batch and loss, every level active (what {setting} runs)")]
     levels = len(layout.levels)
     return comparison + [
         BenchRow("sdf_fit", "field module load", load, "s", "first process on this machine compiles"),
         BenchRow("sdf_fit", "first step (compiles the fit kernels)", first, "s", "cached on disk after the first run"),
         BenchRow("sdf_fit", "points/s (forward + backward + Adam)", rate, "1/s",
                  f"batch {batch}, all {levels} levels active, Eikonal on every {fit_config.eikonal_every}th wave of "
-                 "32 points; geometry network " + ("on tensor cores" if field.cooperative else "per thread")),
+                 "32 points; geometry network " + ("on tensor cores" if field.cooperative else "per thread"
+                                                   if field.coop_vectors is None else "on cooperative vectors")),
         BenchRow("sdf_fit", "time to mean |s - B| <= 0.5 mm (5 mm band)" if reached
                  else f"mean |s - B| after {budget:.0f} s budget", elapsed if reached else error,
                  "s" if reached else "mm", f"{steps} steps of {fitter.batch} points, warm kernels, coarse to fine "
@@ -153,13 +155,15 @@ def fit_rate(fitter, steps: int = 40) -> float:
 
 
 def per_thread_fit_rate(fitter, steps: int = 10) -> float:
-    """Points/s of ``fitter``'s steps with the geometry network per thread instead of on tensor cores."""
+    """Points/s of ``fitter``'s steps with the geometry network per thread instead of on tensor cores or
+    cooperative vectors."""
     field = fitter.field
     previous, field.cooperative = field.cooperative, False
+    vectors, field.coop_vectors = field.coop_vectors, None
     try:
         return fit_rate(fitter, steps)
     finally:
-        field.cooperative = previous
+        field.cooperative, field.coop_vectors = previous, vectors
 
 
 def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:

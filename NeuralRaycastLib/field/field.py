@@ -22,7 +22,9 @@ import numpy as np
 
 from ..gpu.device import (
     COOPERATIVE_ENV,
+    COOPVEC_ENV,
     GpuContext,
+    coop_vector_networks,
     device_memory,
     memory_budget,
     structure_slots,
@@ -40,6 +42,13 @@ MAX_STRUCTURES = 8
 INPUT_CAPACITY = 5
 CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
+#: FIELD_COOPERATIVE of the geometry network on cooperative vectors is this plus coopvec_mlp.slang's Kind (0: its
+#: per-thread fallback, 1 and 2: on the device, the weights' gradients summed in half or float).
+COOPVEC_GEOMETRY = 3
+COOPVEC_FALLBACK = 0
+#: What the session of a field module on cooperative vectors defines, and no other session: every cooperative-vector
+#: construct of the shaders sits behind it, so the CUDA and per-thread modules are the same Slang as without them.
+COOPVEC_DEFINES = {"FIELD_COOPVEC": "1"}
 TABLE_INIT = 1e-4  # Instant-NGP: table entries start in U(-1e-4, 1e-4)
 # How a hashed level finds a vertex's entry (EncodingConfig.hash), and the value of each in
 # shaders/hash_encoding.slang (FIELD_HASHING). Which levels are dense is no define but a value the kernels are
@@ -401,28 +410,56 @@ _MODULES: dict[tuple[int, str], Any] = {}
 
 
 def field_source(layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS, cooperative: bool = False,
-                 frozen_geometry: bool = False) -> str:
+                 frozen_geometry: bool = False, coop_vectors: int | None = None) -> str:
     """The Slang source of a field module: the sizes of the layout's kernels (its capacity, not the study's
     counts) as #defines, then the kernel files. ``cooperative`` puts the geometry network on tensor cores (for
     kernels where whole waves evaluate it together); ``frozen_geometry`` as well, its backward passes giving
-    input gradients alone (the renderer's)."""
+    input gradients alone (the renderer's); ``coop_vectors`` (coopvec_mlp.slang's Kind) on cooperative vectors,
+    compiled in a session with :data:`COOPVEC_DEFINES` (:func:`field_session_defines`)."""
     lines = [f"#define {name} {value}" for name, value in layout.kernels.defines().items()]
-    lines.append(f"#define FIELD_COOPERATIVE {FROZEN_GEOMETRY if frozen_geometry else int(cooperative)}")
+    value = FROZEN_GEOMETRY if frozen_geometry else int(cooperative)
+    if coop_vectors is not None:
+        value = COOPVEC_GEOMETRY + coop_vectors
+    lines.append(f"#define FIELD_COOPERATIVE {value}")
     for part in parts:
         lines.append((shader_dir() / f"{part}.slang").read_text())
     return "\n".join(lines)
 
 
+def field_session_defines(coop_vectors: int | None) -> dict[str, str]:
+    """The defines a field module's session needs besides the device's: FIELD_COOPVEC for the cooperative
+    vectors' variant alone."""
+    return dict(COOPVEC_DEFINES) if coop_vectors is not None else {}
+
+
 def load_field_module(gpu: GpuContext, layout: FieldLayout, parts: tuple[str, ...] = FIELD_PARTS,
-                      cooperative: bool = False, frozen_geometry: bool = False):
+                      cooperative: bool = False, frozen_geometry: bool = False, coop_vectors: int | None = None):
     """Compile (once per process, config and device) the field kernels for this layout's kernel sizes: layouts
     that differ only in their structures and inputs within one capacity share them."""
-    source = field_source(layout, parts, cooperative, frozen_geometry)
+    source = field_source(layout, parts, cooperative, frozen_geometry, coop_vectors)
     name = "field_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:
-        _MODULES[key] = gpu.load_module_from_source(name, source, layout.kernels.structures)
+        _MODULES[key] = gpu.load_module_from_source(name, source, layout.kernels.structures,
+                                                    field_session_defines(coop_vectors) or None)
     return _MODULES[key]
+
+
+#: What a point's share of the SDF fit's mean loss is scaled to before the cooperative vectors take its gradient
+#: into half: well inside half's normal range (from 6.1e-05), with a batch's sums far below its largest (65504).
+COOP_GRADIENT_TARGET = 2.0 ** -10
+
+
+def coop_gradient_scale(point_weight: float) -> float:
+    """The power of two that brings ``point_weight`` (a point's weight in the loss) to about
+    COOP_GRADIENT_TARGET: exact to apply and to take back out."""
+    return 2.0 ** round(math.log2(COOP_GRADIENT_TARGET / point_weight)) if point_weight > 0 else 1.0
+
+
+def coop_vector_sized(layout: FieldLayout) -> bool:
+    """Whether the geometry network's inputs and hidden width are multiples of 8: the cooperative vectors read
+    a layer's weights a row at a time, and a row must span a multiple of 16 bytes."""
+    return layout.kernels.defines()["FIELD_ENCODED"] % 8 == 0 and layout.config.network.hidden % 8 == 0
 
 
 class NeuralField:
@@ -438,6 +475,7 @@ class NeuralField:
         seed: int = 0,
         parts: tuple[str, ...] = FIELD_PARTS,
         cooperative: bool | None = None,
+        coop_vectors: int | str | None = "auto",
     ) -> None:
         import slangpy as spy
 
@@ -454,6 +492,18 @@ class NeuralField:
                                    f"(got {layout.config.network.hidden} and "
                                    f"{layout.config.network.appearance_hidden})")
         self.cooperative = cooperative
+        # The SDF fit's geometry network on cooperative vectors (coopvec_mlp.slang's Kind; None: not; "auto": where
+        # the device has them).
+        if coop_vectors == "auto":
+            coop_vectors = None if cooperative or not coop_vector_sized(layout) else coop_vector_networks(
+                gpu.backend, gpu.report.cooperative_vector, os.environ.get(COOPVEC_ENV, "1"))[0]
+        self.coop_vectors: int | None = coop_vectors
+        self._coop_vector_module = None
+        self._coop_vector_buffers: dict[str, Any] | None = None
+        #: The cooperative vectors' gradient scale (coopvec_mlp.slang's CoopVecNetwork.gradientScale; the SDF fit
+        #: sets it from its loss's scale, coop_gradient_scale).
+        self.coop_gradient_scale = 1.0
+        self.parts = parts
         self.module = load_field_module(gpu, layout, parts)
         self.kernels = layout.kernels
         values = layout.initial_parameters(seed) if parameters is None else np.asarray(parameters, np.float32)
@@ -479,6 +529,96 @@ class NeuralField:
         if self._cooperative_module is None:
             self._cooperative_module = load_field_module(self.gpu, self.layout, FIELD_PARTS, cooperative=True)
         return self._cooperative_module
+
+    @property
+    def sdf_fit_module(self):
+        """The module the SDF fit runs: ``fit_module``, or the geometry network on cooperative vectors."""
+        if self.coop_vectors is None:
+            return self.fit_module
+        if self._coop_vector_module is None:
+            self._coop_vector_module = load_field_module(self.gpu, self.layout, self.parts,
+                                                         coop_vectors=self.coop_vectors)
+        return self._coop_vector_module
+
+    def coop_vector_layers(self) -> list[tuple[int, int]]:
+        """The geometry network's layers as (outputs, inputs), first to last."""
+        defines, net = self.kernels.defines(), self.layout.config.network
+        widths = [defines["FIELD_ENCODED"]] + [net.hidden] * net.hidden_layers + [defines["FIELD_GEOMETRY_OUTPUTS"]]
+        return list(zip(widths[1:], widths[:-1], strict=True))
+
+    def coop_vector_buffers(self) -> dict[str, Any]:
+        """The cooperative vectors' buffers, made on first use: the geometry network's half copy, its weights'
+        gradient sums (each layer's matrix at its byte offset: the device's training-optimal layout, or
+        row-major float in the fallback) and, on the device, the row-major sums they are converted to."""
+        if self._coop_vector_buffers is None:
+            import slangpy as spy
+
+            device = self.gpu.device
+            usage = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
+            kind = spy.DataType.float32 if self.coop_vectors != 1 else spy.DataType.float16
+            offsets, row_major, at = [], [], 0
+            for rows, cols in self.coop_vector_layers():
+                offsets.append(at)
+                size = 4 * rows * cols
+                if self.coop_vectors != COOPVEC_FALLBACK:
+                    size = device.get_coop_vec_matrix_size(rows, cols, spy.CoopVecMatrixLayout.training_optimal, kind)
+                at += -(-size // 64) * 64
+            floats = 0
+            for rows, cols in self.coop_vector_layers():
+                row_major.append(floats)
+                floats += rows * cols
+            with device_memory("the geometry network on cooperative vectors"):
+                halves = int(self.sdf_fit_module.coopVecHalfCount())
+                self._coop_vector_buffers = {
+                    "weights": device.create_buffer(size=2 * halves, usage=usage),
+                    "sums": device.create_buffer(size=at, usage=usage),
+                    "row_major": device.create_buffer(size=4 * floats, usage=usage),
+                    "offsets": offsets + [0] * (3 - len(offsets)),
+                    "row_major_offsets": row_major + [0] * (3 - len(row_major)),
+                    "kind": kind,
+                }
+        return self._coop_vector_buffers
+
+    def upload_coop_vector_network(self) -> None:
+        """The geometry network's half copy from the current weights, and its weights' gradient sums zeroed
+        (before each pass of the SDF fit on cooperative vectors)."""
+        import slangpy as spy
+
+        buffers = self.coop_vector_buffers()
+        self.sdf_fit_module.coopVecGeometryToHalf(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS,
+                                                  self.values.storage.device_address, self.kernels.geometry_offset,
+                                                  buffers["weights"].device_address)
+        encoder = self.gpu.device.create_command_encoder()
+        encoder.clear_buffer(buffers["sums"])
+        self.gpu.device.submit_command_buffer(encoder.finish())
+
+    def add_coop_vector_gradients(self) -> None:
+        """Add the weights' gradient sums of a pass on cooperative vectors to the field's gradients: on the device
+        each layer's matrix converted from the training-optimal layout to row-major first (of the sums' own
+        type: the conversion changes the layout, not the type)."""
+        import slangpy as spy
+
+        buffers = self.coop_vector_buffers()
+        sums, offsets, halves = buffers["sums"], buffers["offsets"], 0
+        if self.coop_vectors != COOPVEC_FALLBACK:
+            device, encoder = self.gpu.device, self.gpu.device.create_command_encoder()
+            kind = buffers["kind"]
+            halves = int(kind == spy.DataType.float16)
+            for (rows, cols), offset, target in zip(self.coop_vector_layers(), offsets,
+                                                    buffers["row_major_offsets"], strict=False):
+                encoder.convert_coop_vec_matrix(
+                    buffers["row_major"],
+                    device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.row_major, kind,
+                                                       (2 if halves else 4) * target),
+                    sums, device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.training_optimal,
+                                                             kind, offset))
+            device.submit_command_buffer(encoder.finish())
+            sums, offsets = buffers["row_major"], buffers["row_major_offsets"]
+        else:
+            offsets = [offset // 4 for offset in offsets]
+        self.sdf_fit_module.coopVecAddGradients(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, sums.device_address,
+                                                offsets, halves, 1.0 / self.coop_gradient_scale,
+                                                self.grads.storage.device_address, self.kernels.geometry_offset)
 
     @property
     def frozen_module(self):
@@ -573,9 +713,11 @@ class NeuralField:
     def zero_gradients(self) -> None:
         self.grads.copy_from_numpy(np.zeros(self.kernels.gradient_count, np.float32))
 
-    def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
+    def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True,
+                      coop_vectors: bool = False) -> dict[str, Any]:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
-        kernels of ``fit_module`` and ``frozen_module`` where the geometry network runs on tensor cores.
+        kernels of ``fit_module`` and ``frozen_module`` where the geometry network runs on tensor cores,
+        ``coop_vectors`` for those of ``sdf_fit_module`` where it runs on cooperative vectors.
         Without ``geometry_network_gradients`` the per-thread geometry network's backward pass returns input
         gradients only (its weights are left out; on tensor cores that is ``frozen_module``'s)."""
         import slangpy as spy
@@ -593,7 +735,7 @@ class NeuralField:
         tiled = {"geometry": {"values": 0, "grads": 0}, "appearance": {"values": 0, "grads": 0}}
         if cooperative:
             tiled = self.tiled_networks()
-        return {
+        struct = {
             "params": params,
             "grid": {"levels": levels, "origin": spy.float3(*self.layout.origin), "activeLevels": self.active_levels,
                      "denseLevels": self.layout.dense_levels, "shiftedGrads": self.kernels.shifted_gradients},
@@ -605,6 +747,14 @@ class NeuralField:
             "appearanceOffset": self.kernels.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,
         }
+        if coop_vectors:  # the member exists only in the modules of the cooperative vectors' session
+            buffers = self.coop_vector_buffers()
+            struct["coopGeometry"] = {
+                "weights": buffers["weights"].device_address, "weightGradients": buffers["sums"],
+                "gradientOffsets": buffers["offsets"],
+                "biasGradients": self.grads.storage.device_address + 4 * self.kernels.geometry_offset,
+                "gradientScale": self.coop_gradient_scale}
+        return struct
 
     def default_step_mm(self) -> float:
         """The step of :meth:`distance_gradients`' tetrahedral differences: half the finest active cell."""

@@ -19,7 +19,7 @@ from ..gpu.device import GpuContext, PassClock
 from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy
-from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField
+from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField, coop_gradient_scale
 
 WAVE = 32  # points per wave
 STEPS_AHEAD = 4  # fit steps sent to the device before waiting for it (SdfFitter.run)
@@ -208,10 +208,13 @@ class SdfFitter:
         settings["dataScale"] *= weight
         settings["eikonalScale"] *= weight
         field = self.field
+        if field.coop_vectors is not None:
+            field.coop_gradient_scale = coop_gradient_scale(settings["dataScale"])
         struct = self._field_struct()
-        clock.lap("weights to tensor-core layout" if field.cooperative else "settings")
+        clock.lap("weights to tensor-core layout" if field.cooperative or field.coop_vectors is not None
+                  else "settings")
         # The waves with the Eikonal term, then the others (shaders/sdf_fit.slang's pointIndex says why apart).
-        module = field.fit_module
+        module = field.sdf_fit_module
         for kernel, points in ((module.fitEikonalWaves, self.eikonal_points),
                                (module.fitPlainWaves, self.batch - self.eikonal_points)):
             if points:
@@ -220,6 +223,9 @@ class SdfFitter:
         if field.cooperative:
             field.add_tiled_gradients()
             clock.lap("tensor-core gradients back")
+        if field.coop_vectors is not None:
+            field.add_coop_vector_gradients()
+            clock.lap("cooperative-vector gradients back")
 
     def profile_steps(self, steps: int = 10) -> dict[str, float]:
         """Mean seconds per phase of a fit step, waiting for the device after each phase (the field trains on)."""
@@ -231,7 +237,11 @@ class SdfFitter:
         return {name: seconds / steps for name, seconds in timings.items()}
 
     def _field_struct(self) -> dict:
-        """The field for the fit kernels (with tensor cores, after copying the current weights to them)."""
+        """The field for the fit kernels (with tensor cores or cooperative vectors, after copying the current
+        weights to them)."""
+        if self.field.coop_vectors is not None:
+            self.field.upload_coop_vector_network()
+            return self.field.shader_struct(coop_vectors=True)
         if not self.field.cooperative:
             return self.field.shader_struct()
         self.field.upload_tiled_networks()
@@ -241,7 +251,7 @@ class SdfFitter:
         """The loss of the next step's batch, with the current parameters."""
         import slangpy as spy
 
-        values = self.field.fit_module.fitLoss(
+        values = self.field.sdf_fit_module.fitLoss(
             spy.grid((self.batch,)),
             self._field_struct(),
             self.boundary,

@@ -28,8 +28,9 @@ from .compiler_log import route_slangpy_messages
 from .memory_budget import MemoryBudget, resolve_budget
 
 DEVICE_ENV = "NEURALRAYCAST_DEVICE"
-BACKENDS = ("cuda", "vulkan")
-CHOICES = ("auto", *BACKENDS)
+BACKENDS = ("cuda", "vulkan")  # auto's order, best first
+MAC_BACKENDS = ("metal", "vulkan")  # auto's order on macOS: slangpy has no CUDA there
+CHOICES = ("auto", *BACKENDS, "metal")
 
 INSTALL_HINT = (
     "Install one of: an NVIDIA driver (for CUDA or Vulkan), or Mesa's Vulkan drivers version 23 or newer "
@@ -123,7 +124,7 @@ class GpuContext:
     device: Any  # slangpy.Device
     backend: str
     report: DeviceReport
-    _sessions: dict[int, Any] = field(default_factory=dict, repr=False)
+    _sessions: dict[tuple[int, tuple[tuple[str, str], ...]], Any] = field(default_factory=dict, repr=False)
     #: The loaded modules by (name, slots): a module keeps the kernels built for its calls, so a second run in
     #: the same process (another study, a second training in Slicer) builds none of them again.
     _modules: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
@@ -145,32 +146,38 @@ class GpuContext:
                                                              self.session(structures).load_module(f"{name}.slang"))
         return self._modules[key]
 
-    def load_module_from_source(self, name: str, source: str, structures: int | None = None) -> Any:
-        """A module of generated source (``name`` unique to it), as :meth:`load_module`."""
+    def load_module_from_source(self, name: str, source: str, structures: int | None = None,
+                                defines: dict[str, str] | None = None) -> Any:
+        """A module of generated source (``name`` unique to it), as :meth:`load_module`; ``defines`` for every
+        module of its session (the imported ones too), as :meth:`session`."""
         import slangpy as spy
 
-        return spy.Module.load_from_module(self.device, self.session(structures).load_module_from_source(name, source))
+        session = self.session(structures, defines)
+        return spy.Module.load_from_module(self.device, session.load_module_from_source(name, source))
 
-    def session(self, structures: int | None = None) -> Any:
+    def session(self, structures: int | None = None, defines: dict[str, str] | None = None) -> Any:
         """The Slang session whose modules are compiled for ``structures`` structures: the device's own for
         the most slots, else one made on first use with STRUCTURE_SLOTS defined (its parsed modules cached
-        apart, as they depend on it)."""
+        apart, as they depend on it). ``defines`` (e.g. FIELD_COOPVEC) get a session of their own likewise: the
+        modules they change are never those the device's other sessions hold."""
         slots = structure_slots(structures)
-        if slots == STRUCTURE_SLOTS[-1]:
+        extra = tuple(sorted((defines or {}).items()))
+        if slots == STRUCTURE_SLOTS[-1] and not extra:
             return self.device.slang_session
-        if slots not in self._sessions:
+        if (slots, extra) not in self._sessions:
             import slangpy as spy
 
             options = self.device.desc.compiler_options
-            defines = {**dict(options.defines), "STRUCTURE_SLOTS": str(slots)}
+            all_defines = {**dict(options.defines), "STRUCTURE_SLOTS": str(slots), **dict(extra)}
             cache = None
             if self.device.desc.module_cache_path:
-                cache = Path(self.device.desc.module_cache_path) / f"slots{slots}"
+                suffix = "".join(f"_{name}{value}" for name, value in extra)
+                cache = Path(self.device.desc.module_cache_path) / f"slots{slots}{suffix}"
                 cache.mkdir(parents=True, exist_ok=True)
-            self._sessions[slots] = self.device.create_slang_session(
-                spy.SlangCompilerOptions({"include_paths": list(options.include_paths), "defines": defines}),
+            self._sessions[(slots, extra)] = self.device.create_slang_session(
+                spy.SlangCompilerOptions({"include_paths": list(options.include_paths), "defines": all_defines}),
                 cache_path=None if cache is None else str(cache))
-        return self._sessions[slots]
+        return self._sessions[(slots, extra)]
 
 
 def requested_backend(choice: str | None = None) -> str:
@@ -182,6 +189,14 @@ def requested_backend(choice: str | None = None) -> str:
     if value not in CHOICES:
         raise ValueError(f"unknown device '{value}': choose one of {', '.join(CHOICES)}")
     return value
+
+
+def backend_order(wanted: str, system: str) -> tuple[str, ...]:
+    """The backends to try, best first, for ``wanted`` (auto, or one by name) on ``system`` (platform.system()):
+    a name alone; auto tries Metal, then Vulkan on macOS, and CUDA, then Vulkan elsewhere."""
+    if wanted != "auto":
+        return (wanted,)
+    return MAC_BACKENDS if system == "Darwin" else BACKENDS
 
 
 def shader_cache_path(backend: str) -> Path:
@@ -267,6 +282,29 @@ def tensor_core_networks(backend: str, capability: int | None, setting: str) -> 
     if setting == "0":
         return False, f"{COOPERATIVE_ENV}=0"
     return True, f"compute capability {capability / 10:.1f}"
+
+
+COOPVEC_ENV = "NEURALRAYCAST_COOPVEC"  # 0: never; float: the weights' gradients summed in float (default half)
+#: coopvec_mlp.slang's Kind of each NEURALRAYCAST_COOPVEC setting: where the weights' gradients are summed.
+COOPVEC_KINDS = {"float": 2, "half": 1}
+
+
+def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -> tuple[int | None, str]:
+    """The SDF fit's geometry network on cooperative vectors: coopvec_mlp.slang's Kind where it runs on them,
+    else None, and the reason. On Vulkan devices that report them, unless the NEURALRAYCAST_COOPVEC
+    ``setting`` is "0". The weights' gradients are summed in half unless it is "float": on an H100 the driver's
+    float sums came back wrong (docs/shader-targets.md), its half sums right within half precision.
+    Slang emits their instructions for every Vulkan device, so one without them (lavapipe) keeps the per-thread
+    network."""
+    if backend != "vulkan":
+        return None, "Vulkan only"
+    if not cooperative_vector:
+        return None, "the Vulkan device has no cooperative vectors"
+    value = setting.strip().lower()
+    if value == "0":
+        return None, f"{COOPVEC_ENV}=0"
+    kind = COOPVEC_KINDS.get(value, COOPVEC_KINDS["half"])
+    return kind, f"cooperative vectors, the weights' gradients summed in {'half' if kind == 1 else 'float'}"
 
 
 @contextmanager
@@ -497,7 +535,7 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
         ) from error
     route_slangpy_messages()  # the compiler's warnings into a log file, not the user's terminal
 
-    order = BACKENDS if wanted == "auto" else (wanted,)
+    order = backend_order(wanted, here.platform.system)
     tried: dict[str, str] = {}
     logger, level = _quiet_slangpy_logs()
     try:

@@ -7,7 +7,8 @@ imports slangpy or opens a device.
 
 slangpy 0.43.1 ships wheels for CPython 3.9 to 3.14 (Slicer's Python is 3.12) on Windows x64, Linux x86-64 and
 aarch64 with glibc 2.34 or newer (manylinux_2_34), and macOS 26 or newer on Apple silicon. Of slangpy's
-devices NeuralRaycast opens CUDA, then Vulkan (gpu/device.py's order); it never opens Metal.
+devices NeuralRaycast opens CUDA, then Vulkan, and on macOS Metal, then Vulkan (gpu/device.py's order); no
+device has been opened on a Mac yet, so there the device must be asked for by name.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ MACOS_MINIMUM = (26, 0)
 #: What a GPU gets where CUDA opens, and what Vulkan gets (gpu/device.py tries CUDA first).
 CUDA_DEVICES = ("CUDA on NVIDIA GPUs (tensor-core networks from compute capability 8.0; the per-thread "
                 "networks on older GPUs)")
-VULKAN_DEVICES = "Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks)"
+VULKAN_DEVICES = ("Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks; the SDF fit's geometry network "
+                  "on cooperative vectors where the GPU has them)")
 LAVAPIPE = "Mesa's lavapipe on the CPU (Vulkan, the per-thread networks; slow, the quick preset)"
-METAL_NOT_USED = ("slangpy installs, but NeuralRaycast opens CUDA or Vulkan devices only, never Metal, and has not "
-                  "been run on a Mac: a Vulkan driver over Metal (MoltenVK) with the device set to vulkan is untried")
+METAL_UNTRIED = ("slangpy installs, and NeuralRaycast tries Metal, then Vulkan (a driver over Metal, MoltenVK), but "
+                 "has not been run on a Mac: set the device to metal or vulkan to try them")
+#: The devices that may be asked for by name where none is known to open (a Mac's).
+UNTRIED_DEVICES = ("metal", "vulkan")
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ WHEEL_PLATFORMS = (
     WheelPlatform("Linux", "aarch64", "manylinux_2_34_aarch64", "Linux aarch64",
                   (CUDA_DEVICES, VULKAN_DEVICES, LAVAPIPE), note="not yet run on such a machine"),
     WheelPlatform("Darwin", "arm64", "macosx_26_0_arm64", "macOS 26 or newer on Apple silicon", (),
-                  note=METAL_NOT_USED),
+                  note=METAL_UNTRIED),
 )
 
 
@@ -95,7 +99,7 @@ class Support:
         """One line for ``neuralraycast info`` and the module: the platform, its wheel and its devices."""
         if not self.runs:
             return self.reason
-        devices = "; else ".join(self.wheel.devices) or "Vulkan, as asked"
+        devices = "; else ".join(self.wheel.devices) or "the device asked for"
         note = f" ({self.wheel.note})" if self.wheel.note else ""
         return (f"{self.platform.describe()}: slangpy {SLANGPY_VERSION} wheel {self.wheel.tag}; devices tried: "
                 f"{devices}{note}")
@@ -155,12 +159,13 @@ def _wheel_for(here: Platform) -> tuple[WheelPlatform | None, str]:
 
 
 def platform_support(here: Platform, device: str = "auto") -> Support:
-    """Whether NeuralRaycast runs on ``here`` with ``device`` (auto, cuda or vulkan) asked for, and what it
-    gets: a pure function of the table above."""
+    """Whether NeuralRaycast runs on ``here`` with ``device`` (auto, cuda, vulkan or metal) asked for, and what
+    it gets: a pure function of the table above. Where no device is known to open, one asked for by name
+    (UNTRIED_DEVICES) is let through to be tried."""
     wheel, why = _wheel_for(here)
     if wheel is None:
         return Support(here, None, False, f"{here.describe()}: {why}. {supported_platforms()}")
-    if not wheel.devices and device != "vulkan":
+    if not wheel.devices and device not in UNTRIED_DEVICES:
         return Support(here, wheel, False, f"{here.describe()}: {wheel.note}. {supported_platforms()}")
     return Support(here, wheel, True, "")
 

@@ -60,6 +60,9 @@ FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "
 #: Those a field module has only with its geometry network on tensor cores (FIELD_COOPERATIVE, CUDA's).
 COOPERATIVE_FIELD_KERNELS = ("networksToTiled", "networkGradientsFromTiled", "geometryTiledCount",
                              "geometryGradientLength", "appearanceTiledCount")
+#: Those a field module has only with its geometry network on cooperative vectors (the SDF fit's, on Vulkan;
+#: compiled with field.py's COOPVEC_DEFINES, which no other variant sees).
+COOPVEC_FIELD_KERNELS = ("coopVecGeometryToHalf", "coopVecAddGradients", "coopVecHalfCount")
 #: The structure slots the named modules are compiled for (the device's own session's).
 STRUCTURE_SLOTS = 8
 #: The modules whose kernels HLSL cannot express, and why: Direct3D 12 is out of reach for training and for
@@ -203,13 +206,16 @@ def _target_code(lib: ctypes.CDLL, request: int, entries: int) -> bytes:
     return b"\n".join(parts)
 
 
-def _compile(lib: ctypes.CDLL, path: Path, target: str, entries: list[str], defines: dict[str, str]) \
-        -> tuple[bool, str]:
+def _compile(lib: ctypes.CDLL, path: Path, target: str, entries: list[str], defines: dict[str, str],
+             code_out: list[bytes] | None = None) -> tuple[bool, str]:
     """Whether the compiler made ``target`` code holding every entry point of ``path``, and its diagnostics
-    (a missing entry point's name where it made code without it)."""
+    (a missing entry point's name where it made code without it); the code appended to ``code_out`` where
+    given (made without line directives, so it names no file)."""
     import slangpy as spy
 
     args = [str(path), "-target", target, "-I", str(spy.SHADER_PATH), "-I", str(shader_dir())]
+    if code_out is not None:
+        args += ["-line-directive-mode", "none"]
     for name, value in defines.items():
         args += ["-D", f"{name}={value}"]
     for entry in entries:
@@ -228,6 +234,8 @@ def _compile(lib: ctypes.CDLL, path: Path, target: str, entries: list[str], defi
         missing = [entry for entry in entries if entry.encode() not in code]
         if missing:
             return False, f"error: no {target} code for {', '.join(missing)}\n{diagnostics}"
+        if code_out is not None:
+            code_out.append(code)
         return True, diagnostics
     finally:
         lib.spDestroyCompileRequest(request)
@@ -296,7 +304,8 @@ def compile_source(unit: str, source: str, kernels: tuple[str, ...], target: str
 class FieldVariant:
     """One field module a device loads: its network sizes (``small``: a software device's; else a GPU's),
     structures (and so its structure slots), hash and geometry network (``cooperative``: 0 per thread, 1 on
-    tensor cores, 2 on tensor cores with frozen weights)."""
+    tensor cores, 2 on tensor cores with frozen weights, 3 to 5 on cooperative vectors: field.py's
+    COOPVEC_GEOMETRY plus coopvec_mlp.slang's Kind)."""
 
     small: bool
     structures: int
@@ -305,7 +314,8 @@ class FieldVariant:
 
     @property
     def name(self) -> str:
-        kind = ("field", "cooperative_field", "frozen_field")[self.cooperative]
+        kind = ("field", "cooperative_field", "frozen_field", "coopvec_fallback_field", "coopvec_half_field",
+                "coopvec_float_field")[self.cooperative]
         return f"{kind}_{'small' if self.small else 'full'}_{self.structures}_{self.hash}"
 
 
@@ -315,20 +325,56 @@ FIELD_VARIANTS = (FieldVariant(small=True, structures=3), FieldVariant(small=Fal
 #: Those CUDA loads besides (tensor-core networks, on GPUs of compute capability 8.0 and newer).
 CUDA_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=1),
                        FieldVariant(small=False, structures=4, cooperative=2))
+#: Those Vulkan loads besides for the SDF fit (the geometry network on cooperative vectors, where the device has
+#: them; with the weights' gradients summed in half one operand of one instruction differs), and their per-thread
+#: fallback, which every target compiles (the cooperative-vector instructions are SPIR-V's alone).
+COOPVEC_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=4),
+                          FieldVariant(small=False, structures=4, cooperative=5))
+COOPVEC_FALLBACK_VARIANT = FieldVariant(small=True, structures=3, cooperative=3)
 
 
 def field_variants(target: str) -> tuple[FieldVariant, ...]:
-    return FIELD_VARIANTS + (CUDA_FIELD_VARIANTS if target == "cuda" else ())
+    return (FIELD_VARIANTS + (CUDA_FIELD_VARIANTS if target == "cuda" else ())
+            + (COOPVEC_FIELD_VARIANTS if target == "spirv" else ()) + (COOPVEC_FALLBACK_VARIANT,))
+
+
+def field_kernels(variant: FieldVariant) -> tuple[str, ...]:
+    """The kernels Python calls on the field module ``variant``."""
+    return FIELD_KERNELS + (COOPERATIVE_FIELD_KERNELS if variant.cooperative in (1, 2) else ()) \
+        + (COOPVEC_FIELD_KERNELS if variant.cooperative >= 3 else ())
+
+
+def field_defines(target: str, variant: FieldVariant) -> dict[str, str]:
+    """The defines the field module ``variant`` is compiled with on ``target``: the device's, and its session's
+    own (field.py's field_session_defines: FIELD_COOPVEC for the cooperative vectors' variants alone)."""
+    from ..field.field import COOPVEC_GEOMETRY, field_session_defines
+    from .device import structure_slots
+
+    coop_vectors = variant.cooperative - COOPVEC_GEOMETRY if variant.cooperative >= COOPVEC_GEOMETRY else None
+    return {**module_defines(target, structure_slots(variant.structures)), **field_session_defines(coop_vectors)}
 
 
 def compile_field_module(target: str, variant: FieldVariant) -> list[TargetFailure]:
     """The kernels of the field module ``variant`` compiled for ``target``."""
-    from .device import structure_slots
-
-    kernels = FIELD_KERNELS + (COOPERATIVE_FIELD_KERNELS if variant.cooperative else ())
     with tempfile.TemporaryDirectory() as name:
-        return _failures(_library(), Path(name), variant.name, field_module_source(variant), kernels, target,
-                         module_defines(target, structure_slots(variant.structures)))
+        return _failures(_library(), Path(name), variant.name, field_module_source(variant), field_kernels(variant),
+                         target, field_defines(target, variant))
+
+
+def field_module_code(target: str, variant: FieldVariant, kernels: tuple[str, ...] | None = None) -> bytes:
+    """The ``target`` code the compiler makes of the field module ``variant`` (``kernels``, by default every one
+    Python calls), for reading what a device would run; a ShaderTargetError where it does not compile."""
+    kernels = field_kernels(variant) if kernels is None else kernels
+    source = field_module_source(variant)
+    code: list[bytes] = []
+    with tempfile.TemporaryDirectory() as name:
+        path = Path(name) / f"{variant.name}_{target}.slang"
+        path.write_text(source + "\n" + entry_points(source, kernels))
+        ok, diagnostics = _compile(_library(), path, target, [entry_name(k) for k in kernels],
+                                   field_defines(target, variant), code)
+    if not ok:
+        raise ShaderTargetError(f"{variant.name} does not compile for {target}: {_first_error(diagnostics)}")
+    return code[0]
 
 
 def compile_latent_modules(target: str) -> list[TargetFailure]:
@@ -353,10 +399,11 @@ def named_module_source(name: str) -> str:
 
 def field_module_source(variant: FieldVariant) -> str:
     """The field module's source (field/field.py's field_source) of ``variant``, for a study of two channels."""
-    from ..field.field import field_source
+    from ..field.field import COOPVEC_GEOMETRY, field_source
 
+    coop_vectors = variant.cooperative - COOPVEC_GEOMETRY if variant.cooperative >= COOPVEC_GEOMETRY else None
     return field_source(_field_layout(variant), cooperative=variant.cooperative == 1,
-                        frozen_geometry=variant.cooperative == 2)
+                        frozen_geometry=variant.cooperative == 2, coop_vectors=coop_vectors)
 
 
 def _field_layout(variant: FieldVariant):
