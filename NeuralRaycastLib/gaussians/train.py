@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from math import erf
 
 import numpy as np
 
@@ -28,6 +29,10 @@ from .geometry import JointStructures, StructureTrainConfig
 from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
+#: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
+#: P(m < 3) for three degrees of freedom, less the subtracted constant over the ball, relative to (2π)^1.5.
+TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.5)
+                       - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
 #: its 23), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
 #: and its structure logits with their gradients and moments (4 floats each, for up to 8 structures).
@@ -227,8 +232,8 @@ def initial_gaussians(prepared: PreparedStudy, views: ReferenceViews, config: Ga
     voxel = voxel_mm(prepared)
     width = np.minimum(config.spread * np.sqrt(samples.areas), 0.5 * config.max_scale_voxels * voxel)
     thickness = np.minimum(config.thickness_voxels * voxel, width)
-    # A layer of Gaussians, one per area a, has the optical depth w (2π)^1.5 s_t² s_n / a across it.
-    w = samples.depths * samples.areas / ((2 * np.pi) ** 1.5 * width**2 * thickness)
+    # A layer of Gaussians, one per area a, has the optical depth w (2π)^1.5 s_t² s_n · TRUNCATED_MASS / a across it.
+    w = samples.depths * samples.areas / ((2 * np.pi) ** 1.5 * width**2 * thickness * TRUNCATED_MASS)
     opacity = np.clip(w * voxel / config.density_per_voxel, 0.01, 0.99)
     logit = np.log(opacity / (1 - opacity))
     log_scales = np.log(np.stack([width, width, thickness], axis=1))
