@@ -30,12 +30,13 @@ def rotations(q: np.ndarray) -> np.ndarray:
 
 
 def density_and_colour(values: np.ndarray, n: int, density_scale: float, x: np.ndarray, d: np.ndarray):
-    """(σ, σ·c) at a point x (3,) seen along d (3,)."""
+    """(σ, σ·c) at a point x (3,) seen along d (3,): each Gaussian's density w G(x) |d · a|, a its third axis."""
     position, log_scale, quaternion, logit, sh = unpack(values, n)
-    local = np.einsum("nab,na->nb", rotations(quaternion), x - position) / np.exp(log_scale)
+    rotation = rotations(quaternion)
+    local = np.einsum("nab,na->nb", rotation, x - position) / np.exp(log_scale)
     m2 = (local**2).sum(axis=1)
     g = np.where(m2 < 9.0, np.maximum(np.exp(-0.5 * m2) - CUTOFF, 0.0), 0.0)
-    wg = density_scale / (1.0 + np.exp(-logit)) * g
+    wg = density_scale / (1.0 + np.exp(-logit)) * g * np.abs(rotation[:, :, 2] @ np.asarray(d, np.float64))
     basis = np.array([SH_C0, -SH_C1 * d[1], SH_C1 * d[2], -SH_C1 * d[0]])
     colour = 1.0 / (1.0 + np.exp(-np.einsum("l,nlc->nc", basis, sh)))
     return wg.sum(), (wg[:, None] * colour).sum(axis=0)

@@ -220,3 +220,28 @@ def test_training_step_on_the_device_matches_the_host_loss(gpu, scene):
     np.testing.assert_array_equal(seen, expected > 0)
     assert seen[6] == 0 and seen.sum() >= 3  # the Gaussian no ray reaches has none
     scene.zero_gradients()
+
+
+def test_a_layer_of_flat_gaussians_is_as_opaque_from_every_angle(gpu):
+    """A layer of flat Gaussians stands for a surface, which the reference views give the same optical depth
+    at every crossing: rays through it head-on, at 30° and at 60° see the same alpha (a plain volume density
+    would double the optical depth at 60°, and a picture's silhouettes would glare), as the float64 reference."""
+    spacing, width, thickness, depth = 1.0, 1.0, 0.3, 0.4
+    xy = np.stack(np.meshgrid(np.arange(-12, 13), np.arange(-12, 13)), axis=-1).reshape(-1, 2) * spacing
+    n = len(xy)
+    w = depth * spacing**2 / ((2 * np.pi) ** 1.5 * width**2 * thickness)
+    gaussians = GaussianSet(np.concatenate([xy, np.zeros((n, 1))], axis=1),
+                            np.log(np.tile([width, width, thickness], (n, 1))), np.tile([1.0, 0.0, 0.0, 0.0], (n, 1)),
+                            np.full(n, np.log(w / (1 - w))), np.zeros((n, 4, 3)))
+    box = np.array([[-14.0, -14.0, -4.0], [14.0, 14.0, 4.0]])
+    scene = GaussianScene(gpu, gaussians, GridShape.for_box(box, 2.0), density_scale=1.0,
+                          march=MarchSettings(STEP, 1e-4))
+    angles = np.radians([0.0, 30.0, 60.0])
+    directions = np.stack([np.zeros(3), np.sin(angles), np.cos(angles)], axis=1)
+    rays = np.concatenate([-3.0 * directions, directions], axis=1).astype(np.float32).astype(np.float64)
+    _, _, values = device_render(scene, rays)
+    np.testing.assert_allclose(values, reference(scene, scene.parameters().astype(np.float64), rays, 1e-4),
+                               rtol=2e-5, atol=2e-6)
+    # the intended optical depth, less the truncated Gaussians' share (about a tenth)
+    assert 1.0 - np.exp(-0.85 * depth) < values[0, 3] < 1.0 - np.exp(-depth)
+    np.testing.assert_allclose(values[:, 3], values[0, 3], rtol=2e-3)

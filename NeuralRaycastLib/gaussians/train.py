@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from math import erf
 
 import numpy as np
 
@@ -22,11 +23,16 @@ from ..render.camera import Camera
 from ..render.image_loss import DeviceImageLoss
 from ..render.patches import PatchSampler, pack_cameras
 from ..render.reference_views import ReferenceViews
+from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
 from .geometry import JointStructures, StructureTrainConfig
 from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
+#: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
+#: P(m < 3) for three degrees of freedom, less the subtracted constant over the ball, relative to (2π)^1.5.
+TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.5)
+                       - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
 #: its 23), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
 #: and its structure logits with their gradients and moments (4 floats each, for up to 8 structures).
@@ -43,8 +49,9 @@ class GaussianTrainConfig:
     density_per_voxel: float = 2.0  # w_max · voxel: the densest a Gaussian gets, in voxels' optical depth
     step_voxels: float = 0.35  # segment length, in voxels of the prepared study
     cell_voxels: float = 3.0  # grid cells, in voxels
-    scale_voxels: float = 0.6  # initial standard deviation, in voxels
-    initial_depth: float = 0.7  # the optical depth across a structure's surface at first
+    scale_voxels: float = 0.6  # standard deviation above which densification splits a Gaussian, in voxels
+    spread: float = 1.0  # initial width (standard deviation) along the surface, in spacings of the Gaussians
+    thickness_voxels: float = 0.5  # initial standard deviation across the surface, in voxels
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
     rate_density: float = 0.1
@@ -94,25 +101,91 @@ def gaussian_cap(budget: MemoryBudget, config: GaussianTrainConfig) -> int:
     return cap
 
 
-def surface_points(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` RAS points on the structures' surfaces: voxels of their boundary bands (|B_k| under a voxel),
-    each structure's share that of its band's voxels (a tenth of an equal share at least: small structures
-    keep detail), jittered inside the voxel; and for each point the voxels of its band it stands for (its
-    surface's share, which sizes its Gaussian)."""
+@dataclass
+class SurfaceSamples:
+    """Points on the structures' surfaces: RAS positions (N, 3), unit outward normals (N, 3), the surface area
+    each stands for (N,, mm²) and the optical depth one crossing of its structure's surface has in the reference
+    views (N,)."""
+
+    positions: np.ndarray
+    normals: np.ndarray
+    areas: np.ndarray
+    depths: np.ndarray
+
+
+def crossing_depths(prepared: PreparedStudy) -> list[float]:
+    """Each structure's optical depth per crossing of its surface in the reference views' image formation
+    (render/style.py's default style, the one the views are rendered with)."""
+    style = RenderStyle.default(prepared.structures, prepared.channel_names)
+    return [style.structures[s.name].optical_depth() for s in prepared.structures]
+
+
+def spread_evenly(points: np.ndarray, count: int, area: float, rng: np.random.Generator) -> np.ndarray:
+    """Indices of about ``count`` of ``points`` (on a surface of ``area`` mm²) spread evenly over it: one a cell
+    of a grid whose cell size is tuned to give that many, so that no two lie much closer than the cells and
+    no patch of surface is left bare (a random choice clumps them, and a clumped layer speckles the picture)."""
+    order = rng.permutation(len(points))
+    if count >= len(points):
+        return order
+    offset = rng.uniform(0.0, 1.0, 3)
+    size = np.sqrt(area / count)
+
+    def one_a_cell(size: float) -> np.ndarray:
+        cells = np.floor(points[order] / size + offset).astype(np.int64)
+        return order[np.unique(cells, axis=0, return_index=True)[1]]
+
+    chosen = one_a_cell(size)
+    for _ in range(8):  # the cells a surface crosses depend on its orientation: tune the size to the count
+        size *= np.sqrt(len(chosen) / count)
+        chosen = one_a_cell(size)
+    for _ in range(40):
+        if len(chosen) >= count:
+            break
+        size *= 0.97
+        chosen = one_a_cell(size)
+    return rng.permutation(chosen)[:count]
+
+
+def surface_points(prepared: PreparedStudy, count: int, rng: np.random.Generator) -> SurfaceSamples:
+    """About ``count`` points on the structures' surfaces: voxels of their boundary bands (|B_k| under a voxel)
+    moved onto the zero level along ∇B_k, each structure's share that of its band's voxels (a tenth of an
+    equal share at least: small structures keep detail), spread evenly over each surface."""
     band = voxel_mm(prepared)
-    per_structure = [np.argwhere(np.abs(b) < band) for b in prepared.boundary]
-    per_structure = [v for v in per_structure if len(v)]
+    linear = prepared.affine[:3, :3]
+    voxel_volume = abs(float(np.linalg.det(linear)))
+    depths = crossing_depths(prepared)
+    per_structure = [(k, np.argwhere(np.abs(b) < band)) for k, b in enumerate(prepared.boundary)]
+    per_structure = [(k, v) for k, v in per_structure if len(v)]
     if not per_structure:
         raise ValueError("the study has no structure surface to place Gaussians on")
-    sizes = np.array([len(v) for v in per_structure], np.float64)
+    sizes = np.array([len(v) for _, v in per_structure], np.float64)
     shares = np.maximum(sizes / sizes.sum(), 0.1 / len(sizes))
     shares = np.ceil(count * shares / shares.sum()).astype(np.int64)
-    chosen = [v[rng.choice(len(v), min(int(share), len(v)), replace=False)]
-              for v, share in zip(per_structure, shares, strict=True)]
-    stands_for = np.concatenate([np.full(len(c), len(v) / len(c)) for c, v in zip(chosen, per_structure, strict=True)])
-    ijk = np.concatenate(chosen) + rng.uniform(-0.5, 0.5, (len(stands_for), 3))
-    affine = prepared.affine
-    return ijk @ affine[:3, :3].T + affine[:3, 3], stands_for
+    parts: list[SurfaceSamples] = []
+    to_ras = np.linalg.inv(linear).T  # ∇ in RAS from ∇ in voxel indices
+    for (k, voxels), share in zip(per_structure, shares, strict=True):
+        boundary = prepared.boundary[k]
+        gradient = np.stack([g[tuple(voxels.T)] for g in np.gradient(boundary)], axis=1) @ to_ras.T
+        length = np.linalg.norm(gradient, axis=1, keepdims=True)
+        normals = np.where(length > 1e-6, gradient / np.maximum(length, 1e-6), np.array([0.0, 0.0, 1.0]))
+        distance = boundary[tuple(voxels.T)].astype(np.float64)
+        positions = voxels @ linear.T + prepared.affine[:3, 3] - distance[:, None] * normals
+        area = len(voxels) * voxel_volume / (2.0 * band)  # the band is two voxels thick
+        chosen = spread_evenly(positions, int(share), area, rng)
+        parts.append(SurfaceSamples(positions[chosen], normals[chosen], np.full(len(chosen), area / len(chosen)),
+                                    np.full(len(chosen), depths[k])))
+    return SurfaceSamples(*(np.concatenate([getattr(p, name) for p in parts])
+                            for name in ("positions", "normals", "areas", "depths")))
+
+
+def rotations_to(normals: np.ndarray) -> np.ndarray:
+    """(N, 4) unit quaternions (w, x, y, z) turning the z axis onto each unit normal (a Gaussian's third axis)."""
+    x, y, z = np.asarray(normals, np.float64).T
+    q = np.stack([1.0 + z, -y, x, np.zeros_like(z)], axis=1)
+    norm = np.linalg.norm(q, axis=1, keepdims=True)
+    flipped = norm[:, 0] < 1e-6  # the normal is -z: half a turn about x
+    q[flipped] = (0.0, 1.0, 0.0, 0.0)
+    return q / np.where(flipped[:, None], 1.0, norm)
 
 
 def project(camera: Camera, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,24 +219,25 @@ def view_colours(points: np.ndarray, views: ReferenceViews, indices: list[int]) 
 
 def initial_gaussians(prepared: PreparedStudy, views: ReferenceViews, config: GaussianTrainConfig,
                       count: int) -> GaussianSet:
+    """Flat Gaussians on the structures' surfaces, their third axis along the normal, that together make a
+    layer of even optical depth: each as wide as its share of the surface (``spread`` of the spacing, so that
+    neighbours overlap), ``thickness_voxels`` thick, of the density that gives its structure's surface the
+    optical depth a crossing has in the reference views; coloured from the training views."""
     rng = np.random.default_rng(config.seed)
-    positions, stands_for = surface_points(prepared, count, rng)
-    n = len(positions)
-    colour = np.clip(view_colours(positions, views, views.training), 0.02, 0.98)
+    samples = surface_points(prepared, count, rng)
+    n = len(samples.positions)
+    colour = np.clip(view_colours(samples.positions, views, views.training), 0.02, 0.98)
     sh = np.zeros((n, 4, 3))
     sh[:, 0] = np.log(colour / (1 - colour)) / SH_C0
-    rotations = np.zeros((n, 4))
-    rotations[:, 0] = 1.0
-    # A band is about two voxels thick: a point stands for half its voxels' area of surface, a disc of radius
-    # s / scale_voxels. A layer of such Gaussians has the optical depth w (2π)^1.5 s³ / area across it.
     voxel = voxel_mm(prepared)
-    scale = config.scale_voxels * voxel * np.sqrt(np.maximum(stands_for / 2.0, 1.0))
-    scale = np.minimum(scale, 0.5 * config.max_scale_voxels * voxel)  # pruning drops larger ones
-    area = (scale / config.scale_voxels) ** 2
-    w = config.initial_depth * area / ((2 * np.pi) ** 1.5 * scale**3)
+    width = np.minimum(config.spread * np.sqrt(samples.areas), 0.5 * config.max_scale_voxels * voxel)
+    thickness = np.minimum(config.thickness_voxels * voxel, width)
+    # A layer of Gaussians, one per area a, has the optical depth w (2π)^1.5 s_t² s_n · TRUNCATED_MASS / a across it.
+    w = samples.depths * samples.areas / ((2 * np.pi) ** 1.5 * width**2 * thickness * TRUNCATED_MASS)
     opacity = np.clip(w * voxel / config.density_per_voxel, 0.01, 0.99)
     logit = np.log(opacity / (1 - opacity))
-    return GaussianSet(positions, np.repeat(np.log(scale)[:, None], 3, axis=1), rotations, logit, sh)
+    log_scales = np.log(np.stack([width, width, thickness], axis=1))
+    return GaussianSet(samples.positions, log_scales, rotations_to(samples.normals), logit, sh)
 
 
 def scene_grid(prepared: PreparedStudy, config: GaussianTrainConfig) -> GridShape:
