@@ -1,6 +1,6 @@
 """The Gaussian branch on the command line: ``fit --representation gaussians`` on the phantom with the quick
 preset, then ``evaluate`` (pictures and geometry per structure), ``render`` and ``mesh`` on its run folder, and
-the refusals (a damaged model file, a model file without structure weights, commands the branch does not offer
+the refusals (a damaged model file, a model file of an earlier version, commands the branch does not offer
 yet) as one line and exit status 2."""
 
 from __future__ import annotations
@@ -114,12 +114,13 @@ def test_mesh_writes_a_mesh_per_structure(gaussian_run, tmp_path, capsys):
         assert all(h - lo > 10 for lo, h in zip(low, high, strict=True)), name  # a closed surface, not a speck
 
 
-def version_1_run(run, folder):
-    """A copy of ``run`` whose model file is as version 1 wrote it: no structure weights."""
+def old_version_run(run, folder):
+    """A copy of ``run`` whose model file says format version 2 (before the Gaussians' density followed their
+    orientation)."""
     from safetensors import safe_open
     from safetensors.numpy import load, save
 
-    from NeuralRaycastLib.field.model_io import METADATA_KEY, _digest
+    from NeuralRaycastLib.field.model_io import METADATA_KEY
 
     folder.mkdir()
     for entry in ("run.json", "train_log.json"):
@@ -127,23 +128,23 @@ def version_1_run(run, folder):
     tensors = load((run / "gaussians.safetensors").read_bytes())
     with safe_open(str(run / "gaussians.safetensors"), framework="numpy") as handle:
         metadata = json.loads(handle.metadata()[METADATA_KEY])
-    del tensors["structures"]
-    metadata.update(format_version=1, tensors_sha256=_digest(tensors))
+    metadata.update(format_version=2)
     (folder / "gaussians.safetensors").write_bytes(save(tensors, metadata={METADATA_KEY: json.dumps(metadata)}))
     return folder
 
 
-def test_a_model_without_structure_weights_renders_but_geometry_is_refused(gaussian_run, tmp_path, capsys):
+def test_a_model_of_an_earlier_version_is_refused_by_every_command(gaussian_run, tmp_path, capsys):
     _, run = gaussian_run
-    old = version_1_run(run, tmp_path / "old")
-    assert main(["render", str(old), "--views", "1", "--size", "16", "16", "--out", str(tmp_path / "views")]) == 0
-    for command in (["mesh", str(old), "--out", str(tmp_path / "m")], ["evaluate", str(old)]):
+    old = old_version_run(run, tmp_path / "old")
+    for command in (["render", str(old), "--views", "1", "--size", "16", "16", "--out", str(tmp_path / "views")],
+                    ["mesh", str(old), "--out", str(tmp_path / "m")], ["evaluate", str(old)]):
         capsys.readouterr()
         assert main(command) == 2
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1, error
-        assert str(old / "gaussians.safetensors") in error and "structure weights" in error and "fit" in error
-    assert not (tmp_path / "m").exists() and not (old / "metrics.json").exists()
+        assert str(old / "gaussians.safetensors") in error and "version 2" in error and "fit" in error
+    assert not (tmp_path / "m").exists() and not (tmp_path / "views").exists()
+    assert not (old / "metrics.json").exists()
 
 
 def test_damaged_model_and_field_only_commands_are_refused_in_one_line(gaussian_run, tmp_path, capsys):

@@ -1,6 +1,5 @@
 """Gaussian model files: written and read back exactly, and refused (ModelFileError naming the file) when they
-come from an unknown version, hold tensors of the wrong shape, or were made for another study; files of version
-1 (before the structure weights) still read, without them."""
+come from an unknown or an earlier version, hold tensors of the wrong shape, or were made for another study."""
 
 from __future__ import annotations
 
@@ -80,14 +79,19 @@ def test_non_finite_gaussians_are_not_written(tmp_path):
     assert not (tmp_path / "g.safetensors").exists()
 
 
-def test_version_1_file_reads_without_structure_weights(tmp_path):
-    def as_version_1(metadata, tensors):
-        metadata.update(format_version=1)
-        del tensors["structures"]
+@pytest.mark.parametrize("version", [1, 2])
+def test_files_of_earlier_versions_are_refused_with_what_to_do(tmp_path, version):
+    """Before version 3 a Gaussian's density did not follow its orientation: such a file would render otherwise
+    than it was trained, so it is refused in one line naming it and saying to fit again."""
+    def as_old(metadata, tensors):
+        metadata.update(format_version=version)
+        if version == 1:
+            del tensors["structures"]
 
-    read = load_gaussians(rewritten(tmp_path, as_version_1))
-    assert read.structures is None
-    assert read.gaussians.flat().tobytes() == model().gaussians.flat().tobytes()
+    path = rewritten(tmp_path, as_old)
+    with pytest.raises(ModelFileError, match=f"format version {version}.*fit the study again") as error:
+        load_gaussians(path)
+    assert str(path) in str(error.value) and len(str(error.value).splitlines()) == 1
 
 
 def test_structure_weights_of_the_wrong_shape_are_refused(tmp_path):

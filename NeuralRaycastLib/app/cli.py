@@ -564,7 +564,7 @@ def cmd_mesh(args: argparse.Namespace) -> int:
     if _is_gaussian_run(args.study):  # the Gaussians' structure weights
         from ..gaussians.run import open_gaussian_run
 
-        run = open_gaussian_run(_device(args), args.study, ConsoleProgress("prepare"), geometry=True)
+        run = open_gaussian_run(_device(args), args.study, ConsoleProgress("prepare"))
         meshes = run.meshes(args.smooth, args.decimate)
     elif (Path(args.study) / "run.json").exists():  # a run folder: the learned surfaces
         from ..train.run_folder import open_run

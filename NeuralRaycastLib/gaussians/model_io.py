@@ -5,10 +5,10 @@ settings (grid, density scale, segment length) and a SHA-256 of the tensor bytes
 anything is used; a file that is truncated, tampered with, from an unknown version or for another study is
 refused with a ModelFileError naming it, never half-loaded.
 
-Version 2 adds the Gaussians' structure weights (a tensor ``structures`` of one logit per Gaussian and
-structure of the study's geometry): the geometry of ``evaluate`` and ``mesh``. Version 1 files are still
-read, without structure weights (``structures`` None): they render and score pictures, and the geometry
-commands refuse them in one line (fit again for Dice and meshes).
+Version 2 added the Gaussians' structure weights (a tensor ``structures`` of one logit per Gaussian and
+structure of the study's geometry): the geometry of ``evaluate`` and ``mesh``. Version 3: a Gaussian's density
+along a ray follows its orientation (shaders/gaussians.slang's angle factor), so the same parameters render
+otherwise; files of earlier versions are refused in one line that says to fit the study again.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from ..files import write_bytes
 from .scene import GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: Versions recognised: the current one is read, the earlier ones refused with what to do.
+KNOWN_VERSIONS = (1, 2, 3)
 #: The tensors and the shape of one Gaussian's part of each.
 TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (4, 3)}
 
@@ -39,7 +40,7 @@ class GaussianModel:
     march: MarchSettings
     geometry: StudyGeometry
     extra: dict[str, Any]
-    #: (N, K) structure logits, K the geometry's structures (None for files of version 1).
+    #: (N, K) structure logits, K the geometry's structures.
     structures: np.ndarray | None = None
 
 
@@ -96,9 +97,13 @@ def _settings(path: Path, metadata: dict[str, Any]) -> tuple[int, GridShape, flo
 def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> GaussianModel:
     """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
     path = Path(path)
-    tensors, metadata, version = read_checked(path, FORMAT, READABLE_VERSIONS)
+    tensors, metadata, version = read_checked(path, FORMAT, KNOWN_VERSIONS)
+    if version < FORMAT_VERSION:
+        raise ModelFileError(f"{path}: Gaussians of format version {version}, written before their density followed "
+                             f"their orientation (version {FORMAT_VERSION}): they would not render as trained; fit "
+                             "the study again")
     count, grid, density, march, geometry = _settings(path, metadata)
-    shapes = {**TENSORS, "structures": (len(geometry.structures),)} if version >= 2 else TENSORS
+    shapes = {**TENSORS, "structures": (len(geometry.structures),)}
     if set(tensors) != set(shapes):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(shapes)}")
     for name, shape in shapes.items():

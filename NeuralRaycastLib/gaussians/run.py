@@ -85,8 +85,6 @@ class GaussianRun:
 
     def distances(self) -> np.ndarray:
         """(K, I, J, K) signed distances (mm) of the structures' insides from the Gaussians' structure weights."""
-        if self.structures is None:
-            raise without_structure_weights(self.folder / MODEL_FILE)
         return occupancy_distances(self.scene, self.structures, self.prepared)
 
     def meshes(self, smoothing_iterations: int = 0, decimation: float = 0.0) -> list:
@@ -146,24 +144,15 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
         files.write_text(folder / "run.json", run)
 
 
-def without_structure_weights(path: Path) -> ValueError:
-    return ValueError(f"{path} was written before the Gaussians carried structure weights (format version 1): it "
-                      "has pictures but no geometry; fit the study again for Dice and meshes")
-
-
-def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None, *,
-                      geometry: bool = False) -> GaussianRun:
+def open_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progress | None = None) -> GaussianRun:
     """A Gaussian run folder's scene on its study, prepared again from the study file in ``run.json``; the model
-    file's study geometry must match (ModelFileError otherwise). With ``geometry``, a model file without
-    structure weights is refused before the study is prepared."""
+    file's study geometry must match (ModelFileError otherwise)."""
     folder = Path(folder)
     run = read_run(folder)
     if not run.get("study"):
         raise ValueError(f"{folder}: the run was trained on a study held in memory (a Slicer scene); "
                          "use it where it was trained")
-    model = load_gaussians(folder / MODEL_FILE)  # a damaged file is refused before the study is prepared
-    if geometry and model.structures is None:
-        raise without_structure_weights(folder / MODEL_FILE)
+    model = load_gaussians(folder / MODEL_FILE)  # a damaged or old file is refused before the study is prepared
     prepared = prepare_for_run(run["study"], run["settings"], progress)
     return _run_on(gpu, folder, run["settings"], model, prepared)
 
@@ -173,7 +162,7 @@ def evaluate_gaussian_run(gpu: GpuContext, folder: str | Path, progress: Progres
     run's (Dice, surface distances, volumes, pieces: each figure by structure name), with the training time,
     the number of Gaussians and the model's bytes; also written to ``metrics.json``. A model file without
     structure weights (version 1) is refused before any picture is rendered."""
-    run = open_gaussian_run(gpu, folder, progress, geometry=True)
+    run = open_gaussian_run(gpu, folder, progress)
     distances = run.distances()
     views: ReferenceViews = reference_views_for_run(gpu, run.prepared, run.settings, progress)
     metrics: dict[str, Any] = {"representation": REPRESENTATION,
