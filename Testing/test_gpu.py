@@ -57,8 +57,10 @@ def test_backend_choice_from_argument_and_environment(monkeypatch):
     assert gpu.requested_backend() == "vulkan"
     assert gpu.requested_backend("cuda") == "cuda"  # the explicit option wins
     assert gpu.requested_backend("auto") == "vulkan"  # auto (the Slicer module's default) defers to it
-    monkeypatch.setenv(gpu.DEVICE_ENV, "metal")
-    with pytest.raises(ValueError, match="unknown device 'metal'"):
+    monkeypatch.setenv(gpu.DEVICE_ENV, "Metal")
+    assert gpu.requested_backend() == "metal"  # macOS's (gpu/platforms.py)
+    monkeypatch.setenv(gpu.DEVICE_ENV, "directx")
+    with pytest.raises(ValueError, match="unknown device 'directx'"):
         gpu.requested_backend()
 
 
