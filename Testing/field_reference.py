@@ -139,3 +139,13 @@ def tiny_config(log2_table: int = 10, coarsest_cells: int = 4, finest_cell_mm: f
         NetworkConfig(hidden=32, hidden_layers=1, geometry_features=3, appearance_hidden=16, materials=2,
                       distance_scale_mm=10.0),
     )
+
+
+def far_from_zero_parameters(layout: FieldLayout, seed: int = 3) -> np.ndarray:
+    """Parameters large enough that every layer is far from zero (initial tables are ~1e-4), rounded to float32
+    exactly as the device holds them, in float64: what the gradient checks differentiate."""
+    rng = np.random.default_rng(seed)
+    values = layout.initial_parameters(seed=seed).astype(np.float64)
+    values[: layout.geometry_offset] = rng.uniform(-1.0, 1.0, layout.geometry_offset)
+    values[layout.geometry_offset :] += rng.normal(0.0, 0.05, layout.count - layout.geometry_offset)
+    return values.astype(np.float32).astype(np.float64)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import phantom_prepared
-from field_reference import central_difference, geometry, tiny_config
+from field_reference import central_difference, far_from_zero_parameters, geometry, tiny_config
 
 from NeuralRaycastLib.field import field as field_module
 from NeuralRaycastLib.field.field import (
@@ -94,12 +94,7 @@ def layout() -> FieldLayout:
 
 @pytest.fixture(scope="module")
 def params(layout) -> np.ndarray:
-    """Parameters far from zero in every layer (as test_field_gradients.py's), exactly as the device holds them."""
-    rng = np.random.default_rng(3)
-    values = layout.initial_parameters(seed=3).astype(np.float64)
-    values[: layout.geometry_offset] = rng.uniform(-1.0, 1.0, layout.geometry_offset)
-    values[layout.geometry_offset :] += rng.normal(0.0, 0.05, layout.count - layout.geometry_offset)
-    return values.astype(np.float32).astype(np.float64)
+    return far_from_zero_parameters(layout)
 
 
 #: coopvec_mlp.slang's Kinds: the per-thread fallback everywhere; on a device with cooperative vectors, the

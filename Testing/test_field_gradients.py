@@ -18,6 +18,7 @@ from field_reference import (
     central_difference,
     distance_gradients,
     encode,
+    far_from_zero_parameters,
     geometry,
     point_loss,
     segment_tetrahedron,
@@ -46,12 +47,7 @@ def layout() -> FieldLayout:
 
 @pytest.fixture(scope="module")
 def params(layout) -> np.ndarray:
-    """Parameters large enough that every layer is far from zero (initial tables are ~1e-4)."""
-    rng = np.random.default_rng(3)
-    values = layout.initial_parameters(seed=3).astype(np.float64)
-    values[: layout.geometry_offset] = rng.uniform(-1.0, 1.0, layout.geometry_offset)
-    values[layout.geometry_offset :] += rng.normal(0.0, 0.05, layout.count - layout.geometry_offset)
-    return values.astype(np.float32).astype(np.float64)  # exactly what the device holds
+    return far_from_zero_parameters(layout)
 
 
 @pytest.fixture(scope="module")
