@@ -788,7 +788,7 @@ class NeuralField:
         count = int(np.prod(corners))
         low = np.asarray(self.layout.origin, np.float64)
         high = low + np.asarray(self.layout.extent, np.float64)
-        chunk = max(1024, memory_budget(self.gpu).share("band") // 4)
+        chunk = self._query_chunk(1)
         out = np.empty(count, np.float32)
         for first in range(0, count, chunk):
             size = min(chunk, count - first)
@@ -805,6 +805,11 @@ class NeuralField:
         step = float(step_mm or self.default_step_mm())
         return self._query("gradientsAt", points, 3 * self.structures, step).reshape(-1, self.structures, 3)
 
+    def _query_chunk(self, floats_per_point: int) -> int:
+        """Points per launch of a query whose buffers take ``floats_per_point`` floats a point: as many as the GPU
+        memory budget's share for a band of rays holds (gpu/memory_budget.py)."""
+        return max(1024, memory_budget(self.gpu).share("band") // (4 * floats_per_point))
+
     def _query(self, kernel: str, points: np.ndarray, per_point: int, *settings: float) -> np.ndarray:
         """``per_point`` values a point from one of the module's query kernels (a thread a point, every
         structure from the same network evaluations), in chunks whose points and values fit the GPU memory
@@ -815,7 +820,7 @@ class NeuralField:
         if len(points) == 0:
             return np.zeros((0, per_point), np.float32)
         device = self.gpu.device
-        chunk = max(1024, memory_budget(self.gpu).share("band") // (4 * (3 + per_point)))
+        chunk = self._query_chunk(3 + per_point)
         values = []
         for first in range(0, len(points), chunk):
             part = points[first:first + chunk]
