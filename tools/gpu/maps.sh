@@ -64,24 +64,8 @@ for entry in "${trees[@]}"; do
 done
 
 # fit of the sample from an empty prepared-study cache: its phases (train_log.json) for each tree
-for entry in "${trees[@]}"; do
-    [ "${MAPS_FIT:-1}" = 0 ] && break
-    name=${entry%%:*}; tree=${entry#*:}
-    PYTHONPATH="$tree" $N cache --clear prepared > /dev/null
-    start=$(date +%s%N)
-    PYTHONPATH="$tree" $N fit "$work/sample" --out "$work/run-$name" > "$work/logs/fit-$name.txt" 2>&1 \
-        || { say "fit ($name) failed:"; tail -n 5 "$work/logs/fit-$name.txt" | tee -a "$summary"; continue; }
-    wall=$(( ($(date +%s%N) - start) / 1000000 ))
-    say ""
-    say "== $name, fit of the sample, empty prepared cache: ${wall} ms wall =="
-    $PY - "$work/run-$name/train_log.json" <<'EOF' | tee -a "$summary"
-import json, sys
-log = json.load(open(sys.argv[1]))
-for phase in log.get("phases") or []:
-    print(f"  {phase.get('name')}: {phase.get('seconds', float('nan')):.2f} s")
-EOF
-    cp "$work/run-$name/train_log.json" "$work/json/fit-$name-train_log.json"
-done
+. "$repo/tools/gpu/fit_phases.sh"
+fit_phases
 
 tar -czf "$OUT/timelines.tar.gz" -C "$work" json logs
 echo "written: $(ls "$OUT")"
