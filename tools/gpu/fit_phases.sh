@@ -6,9 +6,9 @@ fit_phases() {
     for entry in "${trees[@]}"; do
         [ "${MAPS_FIT:-1}" = 0 ] && break
         name=${entry%%:*}; tree=${entry#*:}
-        PYTHONPATH="$tree" $N cache --clear prepared > /dev/null
+        PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" $N cache --clear prepared > /dev/null
         start=$(date +%s%N)
-        PYTHONPATH="$tree" $N fit "$work/sample" --out "$work/run-$name" > "$work/logs/fit-$name.txt" 2>&1 \
+        PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" $N fit "$work/sample" --out "$work/run-$name" > "$work/logs/fit-$name.txt" 2>&1 \
             || { say "fit ($name) failed:"; tail -n 5 "$work/logs/fit-$name.txt" | tee -a "$summary"; continue; }
         wall=$(( ($(date +%s%N) - start) / 1000000 ))
         say ""

@@ -43,8 +43,8 @@ else
 fi
 
 # The studies: the sample, and the sample resampled to a BraTS-sized grid (the sample is 197×233×189 at 1 mm).
-PYTHONPATH="$repo" $N sample "$work/sample" > /dev/null 2>&1
-PYTHONPATH="$repo" $PY tools/resample_study.py "$work/sample" "$work/brats" 0.8208,0.9708,1.2194 > /dev/null
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $N sample "$work/sample" > /dev/null 2>&1
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $PY tools/resample_study.py "$work/sample" "$work/brats" 0.8208,0.9708,1.2194 > /dev/null
 shape() { $PY -c "import nibabel, sys; print(nibabel.load(sys.argv[1]).shape)" "$(ls "$1"/*t1.nii* | head -1)"; }
 say "studies: sample $(shape "$work/sample"), BraTS-sized $(shape "$work/brats")"
 
@@ -53,7 +53,7 @@ for entry in "${trees[@]}"; do
     for study in sample brats; do
         say ""
         say "== $name, prepare without the cache, $study =="
-        PYTHONPATH="$tree" $PY tools/maps_timeline.py "$work/$study" --runs 2 --json "$work/json/$name-$study.json" \
+        PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" $PY tools/maps_timeline.py "$work/$study" --runs 2 --json "$work/json/$name-$study.json" \
             > "$work/logs/timeline-$name-$study.txt" 2>&1
         grep -E '^(study|run [0-9]+:)' "$work/logs/timeline-$name-$study.txt" | tee -a "$summary"
         # the steps of the longest way: the brain's, and when the maps were done

@@ -33,15 +33,15 @@ say "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 |
 say "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'none found')"
 say "commit: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"
 
-PYTHONPATH="$repo" $N sample "$work/sample" > /dev/null 2>&1
-PYTHONPATH="$repo" $PY tools/resample_study.py "$work/sample" "$work/brats" 0.8208,0.9708,1.2194 > /dev/null
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $N sample "$work/sample" > /dev/null 2>&1
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $PY tools/resample_study.py "$work/sample" "$work/brats" 0.8208,0.9708,1.2194 > /dev/null
 
 for study in sample brats; do
     for where in processor device; do
         flag=$([ "$where" = device ] && echo --device || true)
         say ""
         say "== prepare without the cache, $study, transforms on the $where =="
-        PYTHONPATH="$repo" $PY tools/maps_timeline.py "$work/$study" --runs 2 $flag \
+        PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $PY tools/maps_timeline.py "$work/$study" --runs 2 $flag \
             --json "$work/json/$study-$where.json" > "$work/logs/timeline-$study-$where.txt" 2>&1
         grep -E '^(study|device|run [0-9]+:)' "$work/logs/timeline-$study-$where.txt" | tee -a "$summary"
         grep -E '^(head_mask|_voxel_signed_distance|mask_and_boundary_maps) ' \
@@ -49,7 +49,7 @@ for study in sample brats; do
     done
     say ""
     say "== $study: maps with the device's transforms against the processor's, and the brain's transforms alone =="
-    PYTHONPATH="$repo" $PY - "$work/$study" <<'EOF' 2>&1 | tee -a "$summary"
+    PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" $PY - "$work/$study" <<'EOF' 2>&1 | tee -a "$summary"
 import sys
 import time
 
