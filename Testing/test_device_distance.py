@@ -164,7 +164,8 @@ def test_a_device_that_fails_the_transform_leaves_it_to_the_processor_and_is_sai
         calls.append(name)
         raise RuntimeError("a driver's error\nand its details")
 
-    failing = SimpleNamespace(memory=MemoryBudget(GIB, "a test"), device=None, load_module=load_module)
+    failing = SimpleNamespace(memory=MemoryBudget(GIB, "a test"), device=None, load_module=load_module,
+                              use_on_this_thread=lambda: True)
     outside = np.ones((9, 8, 7), bool)
     outside[2, 3, 4] = False
     spacing = np.array(ANISOTROPIC)
@@ -176,6 +177,27 @@ def test_a_device_that_fails_the_transform_leaves_it_to_the_processor_and_is_sai
     warnings = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
     assert warnings == ["the boundary maps' distance transforms run on the processor: the device could not take "
                         "them (a driver's error)"]
+
+
+def test_a_cuda_context_that_cannot_be_made_current_leaves_the_transform_to_the_processor():
+    """A CUDA device takes calls only from a thread its context is current on (the maps' transforms run in worker
+    threads): where the context cannot be made current there, the processor's transform is taken, and the device
+    is never called."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gpu.device import GpuContext
+    from NeuralRaycastLib.gpu.memory_budget import GIB, MemoryBudget
+
+    no_context = SimpleNamespace(native_handles=[])  # a device that names no CUDA context
+    gpu = GpuContext(no_context, "cuda", report=None, memory=MemoryBudget(GIB, "a test"))
+    assert not gpu.use_on_this_thread()
+    assert GpuContext(no_context, "vulkan", report=None).use_on_this_thread()
+    outside = np.ones((9, 8, 7), bool)
+    outside[2, 3, 4] = False
+    spacing = np.array(ANISOTROPIC)
+    np.testing.assert_array_equal(preprocess._distance_transform(outside, spacing, gpu),
+                                  preprocess._distance_transform(outside, spacing))
+    assert gpu._modules == {}  # nothing was loaded on the device
 
 
 def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, monkeypatch):

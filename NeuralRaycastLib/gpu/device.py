@@ -134,6 +134,17 @@ class GpuContext:
     #: where the device cannot say.
     memory_at_open: tuple[int, int] | None = None
 
+    def use_on_this_thread(self) -> bool:
+        """Ready the device for calls from the calling thread, and say whether it may take them.
+
+        A CUDA device's context is current only on the thread that opened it; a call from another thread
+        aborts the process inside the driver's wrapper. The context is made current here through the driver
+        (libcuda's cuCtxSetCurrent); where that cannot be done, False, and the caller does its work elsewhere.
+        Vulkan (and the other APIs) take calls from any thread."""
+        if self.backend != "cuda":
+            return True
+        return _make_cuda_context_current(self.device)
+
     def load_module(self, name: str, structures: int | None = None) -> Any:
         """Load ``shaders/<name>.slang`` for kernels of ``structures`` structures (None: any number; see
         :func:`structure_slots`), compiled once per process by slangpy, cached on disk; the same module object
@@ -178,6 +189,23 @@ class GpuContext:
                 spy.SlangCompilerOptions({"include_paths": list(options.include_paths), "defines": all_defines}),
                 cache_path=None if cache is None else str(cache))
         return self._sessions[(slots, extra)]
+
+
+def _make_cuda_context_current(device: Any) -> bool:
+    """Make ``device``'s CUDA context current on the calling thread (see GpuContext.use_on_this_thread)."""
+    import ctypes
+    import ctypes.util
+
+    import slangpy as spy
+
+    handles = [handle for handle in device.native_handles if handle.type == spy.NativeHandleType.CUcontext]
+    if not handles:
+        return False
+    try:
+        driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+        return driver.cuCtxSetCurrent(ctypes.c_void_p(int(handles[0].value))) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def requested_backend(choice: str | None = None) -> str:

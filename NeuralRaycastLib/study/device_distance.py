@@ -109,7 +109,7 @@ def device_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray)
     """:func:`distance_transform` where the grid fits the device's memory budget and the device takes it, else
     None (the caller takes the processor's transform). A device that fails it (a driver's error) is said once in
     the log and not asked again: the maps are the same either way, only slower."""
-    if id(gpu) in _REFUSED or not fits_device(gpu, inside.shape):
+    if id(gpu) in _REFUSED or not fits_device(gpu, inside.shape) or not gpu.use_on_this_thread():
         return None
     try:
         return distance_transform(gpu, inside, spacing)
