@@ -225,10 +225,13 @@ def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, mon
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("setting, on_device", [(None, False), ("0", False), ("1", True)])
-def test_a_runs_preparation_takes_the_device_only_where_asked(phantom_study_dir, monkeypatch, setting, on_device):
-    """$NEURALRAYCAST_DEVICE_MAPS=1 sends the boundary maps' transforms of a run's preparation to its device;
-    unset (the default, until the device path is timed on GPU hosts) they stay on the processor."""
+@pytest.mark.parametrize("setting, software, on_device", [
+    (None, False, True), (None, True, False), ("0", False, False), ("1", True, True)])
+def test_a_runs_preparation_takes_the_device_where_it_is_a_gpu_or_asked(phantom_study_dir, monkeypatch, setting,
+                                                                       software, on_device):
+    """Unset, $NEURALRAYCAST_DEVICE_MAPS sends the boundary maps' transforms of a run's preparation to its device
+    where that is a hardware GPU, and leaves them to the processor on a software device (lavapipe); 1 and 0 choose
+    the device or the processor whatever it is."""
     from types import SimpleNamespace
 
     from NeuralRaycastLib.train import run_folder
@@ -240,6 +243,6 @@ def test_a_runs_preparation_takes_the_device_only_where_asked(phantom_study_dir,
         monkeypatch.delenv("NEURALRAYCAST_DEVICE_MAPS", raising=False)
     else:
         monkeypatch.setenv("NEURALRAYCAST_DEVICE_MAPS", setting)
-    device = SimpleNamespace(backend="vulkan")
+    device = SimpleNamespace(backend="vulkan", report=SimpleNamespace(software=software))
     run_folder.prepare_for_run(phantom_study_dir, RunSettings("quick"), None, device)
     assert given == [device if on_device else None]

@@ -23,16 +23,21 @@ BYTES_PER_VOXEL = 17
 _LOCK = threading.Lock()
 
 
-#: Set to 1 to have ``fit`` (and what opens a run) take the boundary maps' transforms on its device. Off by
-#: default until the device path has been timed on GPU hosts, where it is meant to shorten the maps; the CPU's
-#: transforms are the reference either way.
+#: 1: ``fit`` (and what opens a run) takes the boundary maps' transforms on its device; 0: on the processor. Unset:
+#: on a hardware GPU, where they shorten the maps (their longest steps, and they no longer hold the processor's
+#: cores from the other structures' maps), not on a software device (lavapipe is the processor itself). The
+#: processor's transforms are the reference either way.
 MAPS_ON_DEVICE_VARIABLE = "NEURALRAYCAST_DEVICE_MAPS"
 
 
 def maps_device(gpu: Any) -> Any:
     """The device a run's preparation should take its transforms on: ``gpu`` where $NEURALRAYCAST_DEVICE_MAPS is
-    1, else None (the processor's)."""
-    return gpu if os.environ.get(MAPS_ON_DEVICE_VARIABLE, "0").strip() == "1" else None
+    1, or unset and the device a hardware GPU; else None (the processor's)."""
+    setting = os.environ.get(MAPS_ON_DEVICE_VARIABLE, "").strip()
+    if setting in ("0", "1"):
+        return gpu if setting == "1" else None
+    report = getattr(gpu, "report", None)
+    return gpu if report is not None and not report.software else None
 
 
 def fits_device(gpu: Any, shape: tuple[int, ...]) -> bool:

@@ -47,8 +47,8 @@ def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: 
                     gpu: GpuContext | None = None) -> PreparedStudy:
     """A study (in memory, e.g. read from a Slicer scene, or its file) downsampled as the settings ask (the
     quick preset; ``progress`` is told the grids before and after) and prepared: brain mask, boundary maps,
-    tumour probability (their distance transforms on ``gpu`` where given and $NEURALRAYCAST_DEVICE_MAPS is 1:
-    study/device_distance.py)."""
+    tumour probability (their distance transforms on ``gpu`` where it is a hardware GPU or
+    $NEURALRAYCAST_DEVICE_MAPS is 1: study/device_distance.py)."""
     if not isinstance(study, Study):
         study = load_study_cached(study)
     if settings.max_voxels:
