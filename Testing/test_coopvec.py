@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import phantom_prepared
+from conftest import analytic_prepared, phantom_prepared
 from field_reference import central_difference, far_from_zero_parameters, geometry, tiny_config
 
 from NeuralRaycastLib.field import field as field_module
@@ -182,3 +182,135 @@ def test_the_cooperative_vector_networks_gradients_are_central_differences(field
     numeric_dx = np.stack([(reference(params, points + steps[:, a]) - reference(params, points - steps[:, a])) / 2e-4
                            for a in range(3)], axis=1)
     np.testing.assert_allclose(dx, numeric_dx, atol=5e-2 * np.abs(numeric_dx).max())
+
+
+@pytest.mark.gpu
+def test_with_its_weights_frozen_the_networks_input_gradient_is_central_differences_at_any_scale(fields, layout,
+                                                                                                   params):
+    """The renderer's backward pass takes the geometry network's input gradient alone (its weights frozen): each
+    point's output gradient is scaled into half's range by itself, so a loss far below half's smallest normal
+    number or far above its largest gives the input's and the hash table's gradients of central differences,
+    and the network's weights get none."""
+    coop = fields[1]
+    rng = np.random.default_rng(6)
+    points = rng.uniform(BOX[0] + 0.3, BOX[1] - 0.3, (32, 3)).astype(np.float32).astype(np.float64)
+    direction = rng.normal(size=STRUCTURES + layout.config.network.geometry_features)
+    table = slice(0, layout.geometry_offset)
+    for size in (1e-7, 1e6):
+        w = size * direction
+
+        def reference(p, x, w=w):
+            distance, feature = geometry(layout, p, x)
+            return np.concatenate([distance, feature], axis=1) @ w
+
+        coop.zero_gradients()
+        coop.upload_coop_vector_network()
+        struct = coop.shader_struct(geometry_network_gradients=False, coop_vectors=True)
+        dx = np.asarray(coop.sdf_fit_module.geometryBackward(struct, np.float32(points), list(w), _result="numpy"),
+                        dtype=np.float64).reshape(-1, 3)
+        gradient = coop.gradients().astype(np.float64)
+        coop.zero_gradients()
+        assert np.isfinite(dx).all() and np.isfinite(gradient).all()
+        assert not gradient[layout.geometry_offset :].any(), size
+        assert not np.asarray(coop.coop_vector_buffers()["sums"].to_numpy()).view(np.uint8).any()
+        steps = np.eye(3)[None] * 1e-4
+        numeric_dx = np.stack([(reference(params, points + steps[:, a]) - reference(params, points - steps[:, a]))
+                               / 2e-4 for a in range(3)], axis=1)
+        np.testing.assert_allclose(dx, numeric_dx, atol=5e-2 * np.abs(numeric_dx).max(), err_msg=str(size))
+        largest = np.argsort(-np.abs(gradient[table]))[:8]
+        numeric = central_difference(lambda p: reference(p, points).sum(), params, np.eye(params.size)[largest],
+                                     1e-5)
+        np.testing.assert_allclose(gradient[largest], numeric, rtol=5e-2, atol=5e-2 * np.abs(gradient).max(),
+                                   err_msg=str(size))
+
+
+@pytest.fixture(scope="module")
+def shaded_pair(gpu):
+    """A per-thread field fitted to the phantom's surfaces (the sizes of test_train.py's, whose render kernels are
+    compiled already), and the same field with its geometry network on cooperative vectors' fallback."""
+    from NeuralRaycastLib.study.sample.phantom import Phantom
+
+    phantom = Phantom(brain_tilt_degrees=(0.0, 0.0, 0.0))
+    low, high = phantom.bounds(6.0)
+    prepared = analytic_prepared({name: (lambda p, name=name: phantom.sdf(name, p))
+                                  for name in phantom.structure_names}, 2.5, low, high)
+    layout = FieldLayout.build(tiny_config(log2_table=14, coarsest_cells=8, finest_cell_mm=2.5), prepared.bounds,
+                               len(prepared.structures), 1)
+    per_thread = NeuralField(gpu, layout, seed=1, cooperative=False, coop_vectors=None)
+    SdfFitter(gpu, prepared, per_thread, FitConfig(steps=60, batch=1 << 12, seed=1)).run()  # surfaces to shade
+    coop = NeuralField(gpu, layout, per_thread.parameters(), cooperative=False, coop_vectors=COOPVEC_FALLBACK)
+    return prepared, per_thread, coop
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.gpu
+def test_the_render_and_a_training_step_on_cooperative_vectors_agree_with_the_per_thread_networks(gpu, shaded_pair):
+    """The renderer's kernels with the geometry network on cooperative vectors (the fit's module): the picture of
+    the per-thread kernels to half precision, and a joint training step's gradients (the image's backward pass,
+    its geometry network frozen, then the SDF and Eikonal terms) and stage 2's appearance-only gradients nearly
+    the same, within the tensor-core render's tolerances (test_cooperative_geometry.py)."""
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.render.sample_buffers import OUTPUTS
+    from NeuralRaycastLib.train.trainer import field_renderer
+
+    prepared, *fields = shaded_pair
+    camera = orbit_cameras(prepared.bounds, 1, 16, 16)[0]
+    d_sums = np.zeros((camera.width * camera.height, OUTPUTS), np.float32)
+    d_sums[:, :4] = np.random.default_rng(3).normal(size=(len(d_sums), 4))
+    pictures, images, steps, appearance = [], [], [], []
+    for field in fields:
+        renderer = field_renderer(gpu, prepared, field, 128)
+        assert renderer.scene.coop_vectors == (field.coop_vectors is not None)
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch)
+        pictures.append(renderer.sums(batch))
+        sdf = SdfFitter(gpu, prepared, field, FitConfig(batch=96, eikonal_every=2, seed=7))  # (zeroes the gradients)
+        renderer.backward(batch, d_sums)
+        images.append(field.gradients().astype(np.float64))
+        sdf.accumulate(0, 0.5)
+        steps.append(field.gradients().astype(np.float64))
+        field.zero_gradients()
+        renderer.backward(batch, d_sums, geometry=False)
+        appearance.append(field.gradients().astype(np.float64))
+        field.zero_gradients()
+    assert pictures[0][:, 3].max() > 0.5
+    print(f"picture: max |difference| {np.abs(pictures[1][:, :4] - pictures[0][:, :4]).max():.5f}")
+    np.testing.assert_allclose(pictures[1][:, :4], pictures[0][:, :4], atol=2e-2)
+    for name, (start, stop) in fields[0].layout.segments().items():
+        print(f"{name}: step gradients' cosine {cosine(steps[0][start:stop], steps[1][start:stop]):.5f}")
+        if name == "geometry":  # the images give the network's weights nothing; the SDF terms do
+            assert not images[0][start:stop].any() and not images[1][start:stop].any()
+        else:
+            assert cosine(images[0][start:stop], images[1][start:stop]) > 0.99, name
+        assert cosine(steps[0][start:stop], steps[1][start:stop]) > 0.99, name
+        if name == "appearance":
+            assert cosine(appearance[0][start:stop], appearance[1][start:stop]) > 0.99
+        else:
+            assert not appearance[0][start:stop].any() and not appearance[1][start:stop].any(), name
+
+
+@pytest.mark.gpu
+def test_a_render_on_cooperative_vectors_shows_every_change_of_the_geometry_networks_weights(gpu, shaded_pair):
+    """Frames reuse the network's half copy until the weights change: after set_parameters the next frame is that
+    of a new field holding the new weights."""
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.train.trainer import field_renderer
+
+    prepared, _, coop = shaded_pair
+    camera = orbit_cameras(prepared.bounds, 1, 16, 16)[0]
+    renderer = field_renderer(gpu, prepared, coop, 128)
+    first = renderer.render(camera).rgba
+    np.testing.assert_array_equal(renderer.render(camera).rgba, first)
+    start, stop = coop.layout.segments()["geometry"]
+    values = coop.parameters()
+    values[start:stop] *= 1.05
+    coop.set_parameters(values)
+    changed = renderer.render(camera).rgba
+    assert np.abs(changed - first).max() > 1e-3
+    fresh = NeuralField(gpu, coop.layout, coop.parameters(), cooperative=False, coop_vectors=COOPVEC_FALLBACK)
+    new = field_renderer(gpu, prepared, fresh, 128)
+    new.set_occupancy(renderer.occupancy)  # the samples where the first renderer places them
+    np.testing.assert_array_equal(changed, new.render(camera).rgba)

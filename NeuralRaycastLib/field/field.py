@@ -492,8 +492,8 @@ class NeuralField:
                                    f"(got {layout.config.network.hidden} and "
                                    f"{layout.config.network.appearance_hidden})")
         self.cooperative = cooperative
-        # The SDF fit's geometry network on cooperative vectors (coopvec_mlp.slang's Kind; None: not; "auto": where
-        # the device has them).
+        # The geometry network on cooperative vectors, in the SDF fit and the renderer's kernels alike
+        # (coopvec_mlp.slang's Kind; None: not; "auto": where the device has them).
         if coop_vectors == "auto":
             coop_vectors = None if cooperative or not coop_vector_sized(layout) else coop_vector_networks(
                 gpu.backend, gpu.report.cooperative_vector, os.environ.get(COOPVEC_ENV, "1"))[0]
@@ -518,6 +518,7 @@ class NeuralField:
         # the weights as of change _tiled_version (None: not uploaded yet).
         self.weights_version = 0
         self._tiled_version: int | None = None
+        self._coop_vector_version: int | None = None  # the same for the cooperative vectors' half copy
         self._cooperative_module = None
         self._frozen_module = None
 
@@ -532,7 +533,8 @@ class NeuralField:
 
     @property
     def sdf_fit_module(self):
-        """The module the SDF fit runs: ``fit_module``, or the geometry network on cooperative vectors."""
+        """The module the SDF fit runs, and the renderer where the field has ``coop_vectors``: ``fit_module``, or
+        the geometry network on cooperative vectors."""
         if self.coop_vectors is None:
             return self.fit_module
         if self._coop_vector_module is None:
@@ -579,15 +581,25 @@ class NeuralField:
                 }
         return self._coop_vector_buffers
 
-    def upload_coop_vector_network(self) -> None:
-        """The geometry network's half copy from the current weights, and its weights' gradient sums zeroed
-        (before each pass of the SDF fit on cooperative vectors)."""
+    def upload_coop_vector_weights(self, unless_current: bool = False) -> None:
+        """The geometry network's half copy from the current weights; ``unless_current``: nothing where the copy
+        holds them already (the renderer's passes, which only read them: a finished field's frames convert
+        nothing)."""
         import slangpy as spy
 
+        if unless_current and self._coop_vector_version == self.weights_version:
+            return
         buffers = self.coop_vector_buffers()
         self.sdf_fit_module.coopVecGeometryToHalf(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS,
                                                   self.values.storage.device_address, self.kernels.geometry_offset,
                                                   buffers["weights"].device_address)
+        self._coop_vector_version = self.weights_version
+
+    def upload_coop_vector_network(self) -> None:
+        """The geometry network's half copy from the current weights, and its weights' gradient sums zeroed
+        (before each pass of the SDF fit on cooperative vectors)."""
+        buffers = self.coop_vector_buffers()
+        self.upload_coop_vector_weights()
         encoder = self.gpu.device.create_command_encoder()
         encoder.clear_buffer(buffers["sums"])
         self.gpu.device.submit_command_buffer(encoder.finish())
@@ -718,8 +730,9 @@ class NeuralField:
         """The ``Field`` struct (NeuralField<...> in shaders/neural_field.slang); ``cooperative`` for the
         kernels of ``fit_module`` and ``frozen_module`` where the geometry network runs on tensor cores,
         ``coop_vectors`` for those of ``sdf_fit_module`` where it runs on cooperative vectors.
-        Without ``geometry_network_gradients`` the per-thread geometry network's backward pass returns input
-        gradients only (its weights are left out; on tensor cores that is ``frozen_module``'s)."""
+        Without ``geometry_network_gradients`` the per-thread geometry network's backward pass (and that on
+        cooperative vectors) returns input gradients only (its weights are left out; on tensor cores that is
+        ``frozen_module``'s)."""
         import slangpy as spy
 
         levels = [

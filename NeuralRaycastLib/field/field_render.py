@@ -5,7 +5,10 @@ normalised MRI channels and P(x) as the appearance network's local inputs.
 
 Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with both networks on tensor
 cores, from tiled copies of their weights uploaded at the start of each forward and backward pass; the
-appearance network's gradients go back to the field's buffer after each backward pass.
+appearance network's gradients go back to the field's buffer after each backward pass. Where it has
+``coop_vectors`` (Vulkan devices that report them) the same kernels as the SDF fit's run the geometry network on
+cooperative vectors, a point a thread, from its half copy (made once per change of the weights); the appearance
+network runs per thread there.
 
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
@@ -55,16 +58,31 @@ class FieldScene:
     def cooperative(self) -> bool:
         return self.field.cooperative
 
+    @property
+    def coop_vectors(self) -> bool:
+        """Whether the geometry network runs on cooperative vectors (the field's ``sdf_fit_module``)."""
+        return self.field.coop_vectors is not None
+
     def struct(self, cooperative: bool = False, geometry_network_gradients: bool = True) -> dict[str, Any]:
-        return {"field": self.field.shader_struct(cooperative, geometry_network_gradients), "inputs": self.inputs}
+        return {"field": self.field.shader_struct(cooperative, geometry_network_gradients, self.coop_vectors),
+                "inputs": self.inputs}
+
+    def forward_module(self):
+        """The module of the forward passes, its networks' copies brought up to date first where they have
+        them (the surface pass of the same forward reads them too)."""
+        if self.cooperative:
+            self.field.upload_tiled_networks(unless_current=True)
+            return self.field.fit_module
+        if self.coop_vectors:
+            self.field.upload_coop_vector_weights(unless_current=True)
+            return self.field.sdf_fit_module
+        return self.field.module
 
     def distances(self, grid: Any, buffers: dict) -> None:
-        if self.cooperative:
-            self.field.upload_tiled_networks(unless_current=True)  # the surface pass of the same forward reads them too
-        self.field.fit_module.fieldDistances(grid, self.struct(self.cooperative), buffers)
+        self.forward_module().fieldDistances(grid, self.struct(self.cooperative), buffers)
 
     def surface(self, grid: Any, buffers: dict) -> None:
-        self.field.fit_module.fieldSurface(grid, self.struct(self.cooperative), buffers)
+        self.forward_module().fieldSurface(grid, self.struct(self.cooperative), buffers)
 
     def backward(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
         """The rendered values' gradients into the hash table and the appearance network; the geometry
@@ -77,8 +95,8 @@ class FieldScene:
             self.field.upload_tiled_networks()  # their gradients zeroed
             clock.lap("scene backward: weights to tensor-core layout")
             module, struct = self.field.frozen_module, self.struct(True)
-        else:
-            module, struct = self.field.module, self.struct(geometry_network_gradients=False)
+        else:  # per thread, or on cooperative vectors with the geometry network's weights frozen alike
+            module, struct = self.forward_module(), self.struct(geometry_network_gradients=False)
         if lists.shaded:  # an empty list launches nothing, as in the forward pass
             module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers)
         clock.lap("scene backward: normals and appearance")
@@ -95,7 +113,7 @@ class FieldScene:
         network does (``timings``: see :meth:`backward`)."""
         clock = PassClock(self.field.gpu, timings)
         if not self.cooperative:
-            self.field.module.fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
+            self.forward_module().fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
             clock.lap("scene backward: appearance")
             return
         self.field.upload_tiled_networks()  # their gradients start from zero
