@@ -314,3 +314,26 @@ def test_a_render_on_cooperative_vectors_shows_every_change_of_the_geometry_netw
     new = field_renderer(gpu, prepared, fresh, 128)
     new.set_occupancy(renderer.occupancy)  # the samples where the first renderer places them
     np.testing.assert_array_equal(changed, new.render(camera).rgba)
+
+
+def test_a_warm_up_with_the_cooperative_vectors_switched_off_does_not_stand_for_one_with_them(
+        monkeypatch, tmp_path, phantom_study_dir):
+    """NEURALRAYCAST_COOPVEC chooses the kernels the fit and the renderer run, so it is part of the warm-up's key."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gpu.device import COOPVEC_ENV
+    from NeuralRaycastLib.study.study import load_study
+    from NeuralRaycastLib.train import warmup
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run_folder import prepare_for_run
+
+    settings = RunSettings("standard")
+    prepared = prepare_for_run(load_study(phantom_study_dir), settings)
+    gpu = SimpleNamespace(backend="vulkan", report=SimpleNamespace(
+        software=False, shader_cache=str(tmp_path), slangpy_version="0.43.1", adapter="a GPU"))
+    monkeypatch.delenv(COOPVEC_ENV, raising=False)
+    keys = [warmup.kernels_key(gpu, prepared, settings)]
+    for setting in ("0", "float"):
+        monkeypatch.setenv(COOPVEC_ENV, setting)
+        keys.append(warmup.kernels_key(gpu, prepared, settings))
+    assert len(set(keys)) == 3

@@ -318,12 +318,12 @@ COOPVEC_KINDS = {"float": 2, "half": 1}
 
 
 def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -> tuple[int | None, str]:
-    """The SDF fit's geometry network on cooperative vectors: coopvec_mlp.slang's Kind where it runs on them,
-    else None, and the reason. On Vulkan devices that report them, unless the NEURALRAYCAST_COOPVEC
-    ``setting`` is "0". The weights' gradients are summed in half unless it is "float": on an H100 the driver's
-    float sums came back wrong (docs/shader-targets.md), its half sums right within half precision.
-    Slang emits their instructions for every Vulkan device, so one without them (lavapipe) keeps the per-thread
-    network."""
+    """The geometry network on cooperative vectors (the SDF fit's, and the renderer's in training and pictures):
+    coopvec_mlp.slang's Kind where it runs on them, else None, and the reason. On Vulkan devices that report
+    them, unless the NEURALRAYCAST_COOPVEC ``setting`` is "0". The weights' gradients are summed in half unless
+    it is "float": on an H100 the driver's float sums came back wrong (docs/shader-targets.md), its half sums
+    right within half precision. Slang emits their instructions for every Vulkan device, so one without them
+    (lavapipe) keeps the per-thread network."""
     if backend != "vulkan":
         return None, "Vulkan only"
     if not cooperative_vector:

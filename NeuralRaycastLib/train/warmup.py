@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO
 
 from .. import __version__
-from ..field.field import COOPERATIVE_ENV, FieldLayout, NeuralField
+from ..field.field import COOPERATIVE_ENV, COOPVEC_ENV, FieldLayout, NeuralField
 from ..field.sdf_fit import SdfFitter
 from ..files import write_text
 from ..gpu.device import GpuContext, open_device
@@ -218,6 +218,7 @@ def kernels_key(gpu: GpuContext, prepared: PreparedStudy, settings: RunSettings,
         "version": __version__, "slangpy": gpu.report.slangpy_version, "backend": gpu.backend,
         "adapter": gpu.report.adapter, "defines": layout.kernels.defines(), "preset": settings.preset,
         "shadows": bool(settings.shadows), "cooperative": os.environ.get(COOPERATIVE_ENV, ""),
+        "coop_vectors": os.environ.get(COOPVEC_ENV, ""),
         "parts": list(PARTS),  # a warm-up from before a part was added did not compile that part's kernels
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
