@@ -110,8 +110,7 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
         BenchRow("sdf_fit", "first step (compiles the fit kernels)", first, "s", "cached on disk after the first run"),
         BenchRow("sdf_fit", "points/s (forward + backward + Adam)", rate, "1/s",
                  f"batch {batch}, all {levels} levels active, Eikonal on every {fit_config.eikonal_every}th wave of "
-                 "32 points; geometry network " + ("on tensor cores" if field.cooperative else "per thread"
-                                                   if field.coop_vectors is None else "on cooperative vectors")),
+                 f"32 points; geometry network {field.geometry_network}"),
         BenchRow("sdf_fit", "time to mean |s - B| <= 0.5 mm (5 mm band)" if reached
                  else f"mean |s - B| after {budget:.0f} s budget", elapsed if reached else error,
                  "s" if reached else "mm", f"{steps} steps of {fitter.batch} points, warm kernels, coarse to fine "
@@ -209,7 +208,8 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
     rows = [
         BenchRow("train", "warm-up before training", warm_up, "s", warm_up_note),
         BenchRow("train", "training rays/s (render stages)", log.rays_per_second(), "1/s",
-                 f"preset {name}, {trainer.config.patches} patches of {trainer.config.patch_size}² per step"),
+                 f"preset {name}, {trainer.config.patches} patches of {trainer.config.patch_size}² per step; "
+                 f"geometry network {field.geometry_network}"),
         BenchRow("train", "training rays/s, stage 2 (appearance only)", log.rays_per_second(2), "1/s",
                  "geometry frozen: the appearance network's backward only"),
         BenchRow("train", "training rays/s, stage 3 (joint)", log.rays_per_second(3), "1/s",
@@ -279,7 +279,8 @@ def bench_train(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchR
             frame[label] = renderer.render(camera)
             each = timed_each(lambda c=camera: renderer.render(c), budget, repeats_max)
             rows.append(BenchRow("train", f"neural render {width}² ({label})", 1e3 * float(np.mean(each)), "ms",
-                                 f"{frame_notes(each)}; {renderer.max_samples} samples/ray max"))
+                                 f"{frame_notes(each)}; {renderer.max_samples} samples/ray max; geometry "
+                                 f"network {field.geometry_network}"))
         passes: dict[str, float] = {}
         renderer.render(camera, timings=passes)  # with mesh shadows: where a frame's time goes
         rows.append(BenchRow("train", f"neural render {width}² passes", sum(passes.values()) * 1e3, "ms",

@@ -532,6 +532,13 @@ class NeuralField:
         return self._cooperative_module
 
     @property
+    def geometry_network(self) -> str:
+        """Where the geometry network of the fit and the renderer runs, in words (the benches' notes)."""
+        if self.cooperative:
+            return "on tensor cores"
+        return "per thread" if self.coop_vectors is None else "on cooperative vectors"
+
+    @property
     def sdf_fit_module(self):
         """The module the SDF fit runs, and the renderer where the field has ``coop_vectors``: ``fit_module``, or
         the geometry network on cooperative vectors."""

@@ -1,0 +1,69 @@
+for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+# Training and the neural render through Vulkan, with the geometry network on cooperative vectors in the SDF fit
+# and in the renderer's kernels (the appearance network per thread), beside CUDA's tensor-core kernels, on one
+# machine: `bench --suite train` on each device, their training rays/s and 1024² render rows side by side.
+# Output under $OUT:
+#  bench-vulkan.json, bench-cuda.json   `bench --device D --suite train --json`
+#  logs.tar.gz                          each step's standard error, and `info --device vulkan`
+# Each step has its own time limit (about seven minutes in all, most of it the two benches); a step that fails or
+# runs out of time leaves its error in its log and the others still run. Printed last: each row on Vulkan and on
+# CUDA, and Vulkan's speed as a percentage of CUDA's (rays/s: Vulkan / CUDA; frame times: CUDA / Vulkan).
+set -u
+export PYTHONUNBUFFERED=1
+N=${N:-"python3 -m NeuralRaycastLib.app.entry"}
+OUT=${OUT:?set OUT to the folder for the results}
+R=$(mktemp -d)
+timeout 15 $N info --device vulkan > "$R/info-vulkan.txt" 2>&1
+grep -i "cooperative" "$R/info-vulkan.txt" | head -3
+# the Vulkan kernels (the fit's and renderer's module on cooperative vectors among them) compiled ahead, as a run
+# does before training; a bench would otherwise compile them itself, outside its training time but inside its limit
+timeout 120 $N warmup --device vulkan > "$R/warmup-vulkan.log" 2>&1; echo "warmup --device vulkan: exit $?"
+timeout 130 $N bench --device vulkan --suite train --json > "$OUT/bench-vulkan.json" 2> "$R/bench-vulkan.log"
+echo "bench --device vulkan: exit $?"
+timeout 110 $N bench --device cuda --suite train --json > "$OUT/bench-cuda.json" 2> "$R/bench-cuda.log"
+echo "bench --device cuda: exit $?"
+tar -C "$R" -czf "$OUT/logs.tar.gz" .
+tail -2 "$R/bench-vulkan.log" "$R/bench-cuda.log" | cut -c1-200
+python3 - "$OUT/bench-vulkan.json" "$OUT/bench-cuda.json" <<'PY'
+import json
+import sys
+
+
+def rows(data):
+    if isinstance(data, dict):
+        if "metric" in data and "value" in data:
+            yield data
+        for value in data.values():
+            yield from rows(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from rows(value)
+
+
+def table(path):
+    try:
+        with open(path) as file:
+            return {r["metric"]: r for r in rows(json.load(file))}
+    except (OSError, ValueError) as error:
+        print(f"{path.rsplit('/', 1)[-1]}: no JSON ({str(error)[:80]})")
+        return {}
+
+
+vulkan, cuda = table(sys.argv[1]), table(sys.argv[2])
+wanted = [m for m in {**cuda, **vulkan} if "training rays/s" in m or m.startswith("neural render 1024")
+          or m == "total training time" or m == "held-out PSNR at the end"]
+print(f"{'row':58} {'Vulkan':>12} {'CUDA':>12} {'Vulkan/CUDA':>12}")
+for metric in wanted:
+    v, c = (table_.get(metric, {}).get("value") for table_ in (vulkan, cuda))
+    unit = (vulkan.get(metric) or cuda.get(metric)).get("unit", "")
+    share = ""
+    if isinstance(v, (int, float)) and isinstance(c, (int, float)) and v > 0 and c > 0:
+        faster_is_larger = unit == "1/s"
+        share = f"{100 * (v / c if faster_is_larger else c / v):.0f} %" if unit in ("1/s", "ms", "s") else ""
+    shown = [("-" if not isinstance(x, (int, float)) else f"{x:,.0f}" if abs(x) >= 1e4 else f"{x:.4g}")
+             for x in (v, c)]
+    print(f"{metric[:58]:58} {shown[0]:>12} {shown[1]:>12} {share:>12}  {unit}")
+for name, found in (("Vulkan", vulkan), ("CUDA", cuda)):
+    note = found.get("training rays/s (render stages)", {}).get("notes", "")
+    print(f"{name}: {str(note)[:160]}")
+PY
