@@ -224,11 +224,15 @@ def test_with_its_weights_frozen_the_networks_input_gradient_is_central_differen
                                    err_msg=str(size))
 
 
-@pytest.fixture(scope="module")
-def shaded_pair(gpu):
+@pytest.fixture(scope="module", params=[COOPVEC_FALLBACK, 1], ids=["fallback", "half_sums"])
+def shaded_pair(request, gpu):
     """A per-thread field fitted to the phantom's surfaces (the sizes of test_train.py's, whose render kernels are
-    compiled already), and the same field with its geometry network on cooperative vectors' fallback."""
+    compiled already), and the same field with its geometry network on cooperative vectors: their fallback, and
+    the device's own where it has them."""
     from NeuralRaycastLib.study.sample.phantom import Phantom
+
+    if request.param != COOPVEC_FALLBACK and not gpu.report.cooperative_vector:
+        pytest.skip("the device has no cooperative vectors")
 
     phantom = Phantom(brain_tilt_degrees=(0.0, 0.0, 0.0))
     low, high = phantom.bounds(6.0)
@@ -238,7 +242,7 @@ def shaded_pair(gpu):
                                len(prepared.structures), 1)
     per_thread = NeuralField(gpu, layout, seed=1, cooperative=False, coop_vectors=None)
     SdfFitter(gpu, prepared, per_thread, FitConfig(steps=60, batch=1 << 12, seed=1)).run()  # surfaces to shade
-    coop = NeuralField(gpu, layout, per_thread.parameters(), cooperative=False, coop_vectors=COOPVEC_FALLBACK)
+    coop = NeuralField(gpu, layout, per_thread.parameters(), cooperative=False, coop_vectors=request.param)
     return prepared, per_thread, coop
 
 
@@ -310,7 +314,7 @@ def test_a_render_on_cooperative_vectors_shows_every_change_of_the_geometry_netw
     coop.set_parameters(values)
     changed = renderer.render(camera).rgba
     assert np.abs(changed - first).max() > 1e-3
-    fresh = NeuralField(gpu, coop.layout, coop.parameters(), cooperative=False, coop_vectors=COOPVEC_FALLBACK)
+    fresh = NeuralField(gpu, coop.layout, coop.parameters(), cooperative=False, coop_vectors=coop.coop_vectors)
     new = field_renderer(gpu, prepared, fresh, 128)
     new.set_occupancy(renderer.occupancy)  # the samples where the first renderer places them
     np.testing.assert_array_equal(changed, new.render(camera).rgba)

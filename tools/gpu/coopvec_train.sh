@@ -4,8 +4,10 @@ for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; export VK_DRIVER_FILES=/usr
 # machine: `bench --suite train` on each device, their training rays/s and 1024² render rows side by side.
 # Output under $OUT:
 #  bench-vulkan.json, bench-cuda.json   `bench --device D --suite train --json`
-#  logs.tar.gz                          each step's standard error, and `info --device vulkan`
-# Each step has its own time limit (about seven minutes in all, most of it the two benches); a step that fails or
+#  logs.tar.gz                          each step's standard error, `info --device vulkan`, and tests.txt:
+#                                       Testing/test_coopvec.py's render, training-step and frozen-backward tests
+#                                       on the Vulkan device
+# Each step has its own time limit (at most about eight minutes in all, most of it the two benches); a step that fails or
 # runs out of time leaves its error in its log and the others still run. Printed last: each row on Vulkan and on
 # CUDA, and Vulkan's speed as a percentage of CUDA's (rays/s: Vulkan / CUDA; frame times: CUDA / Vulkan).
 set -u
@@ -22,8 +24,14 @@ timeout 130 $N bench --device vulkan --suite train --json > "$OUT/bench-vulkan.j
 echo "bench --device vulkan: exit $?"
 timeout 110 $N bench --device cuda --suite train --json > "$OUT/bench-cuda.json" 2> "$R/bench-cuda.log"
 echo "bench --device cuda: exit $?"
+# the render's and a training step's agreement with the per-thread kernels on this device (its cooperative vectors
+# and their fallback; the appearance network's wave sums run here, not on lavapipe), and the frozen backward's
+# central differences
+NEURALRAYCAST_DEVICE=vulkan timeout 120 python3 -m pytest -q -p no:cacheprovider Testing/test_coopvec.py \
+    -k "render or frozen" > "$R/tests.txt" 2>&1
 tar -C "$R" -czf "$OUT/logs.tar.gz" .
 tail -2 "$R/bench-vulkan.log" "$R/bench-cuda.log" | cut -c1-200
+echo "tests on Vulkan: $(tail -1 "$R/tests.txt")"
 python3 - "$OUT/bench-vulkan.json" "$OUT/bench-cuda.json" <<'PY'
 import json
 import sys
