@@ -241,7 +241,7 @@ def shaded_pair(request, gpu):
     layout = FieldLayout.build(tiny_config(log2_table=14, coarsest_cells=8, finest_cell_mm=2.5), prepared.bounds,
                                len(prepared.structures), 1)
     per_thread = NeuralField(gpu, layout, seed=1, cooperative=False, coop_vectors=None)
-    SdfFitter(gpu, prepared, per_thread, FitConfig(steps=60, batch=1 << 12, seed=1)).run()  # surfaces to shade
+    SdfFitter(gpu, prepared, per_thread, FitConfig(steps=20, batch=1 << 12, seed=1)).run()  # surfaces to shade
     coop = NeuralField(gpu, layout, per_thread.parameters(), cooperative=False, coop_vectors=request.param)
     return prepared, per_thread, coop
 
