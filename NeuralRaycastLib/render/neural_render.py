@@ -17,7 +17,9 @@ Keeping the networks out of the ray loop keeps every kernel small (quick to comp
 device) and lets all samples of a batch run in parallel; the lists keep every thread of a wave busy
 (most samples lie in empty space, and tensor-core networks need whole waves). A training batch's host reads
 each list's length before the passes over it; a rendered view's does not wait: its passes take the entries in
-turn over a number of threads fixed beforehand, and the lengths are read with the frame.
+turn over a number of threads fixed beforehand, and the lengths are read with the frame. A training batch has
+room for ``max_samples`` samples of every ray; a rendered view's band lays out only the samples its rays take,
+counted on the device first (one number read back a band), so a band of a large view fits a small memory budget.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ class DiffRenderer:
                                     batch.rays.storage.device_address)
         self.ray_count = rows * camera.width
         self._tiles = RayTiles(camera.width, rows)
-        batch.set_rays(self.ray_count, self._tiles if compact else None)
+        batch.set_rays(self.ray_count, self._tiles if compact else None, self.segment_words())
         return batch
 
     def patch_rays(self, cameras: Any, patches: np.ndarray, size: int) -> RayBatch:
@@ -191,7 +193,10 @@ class DiffRenderer:
         never waits: one thread per ray takes every launched-th entry, the shaded segments have the room made
         before, and ``batch.lists`` is unknown until the view's frame is read (:meth:`render`).
         ``backward_follows``: list the samples a backward pass sends gradients to (the touched list); a
-        rendered view's bands do without."""
+        rendered view's bands do without.
+        A batch of strided slots gets room for ``max_samples`` of every ray here; one of compact slots
+        (:meth:`camera_rays` ``compact``, a rendered band) was counted and given its room before
+        (:meth:`count_samples`, :meth:`make_room`)."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
@@ -201,7 +206,8 @@ class DiffRenderer:
             if backward_follows:
                 batch.reserve_touched(self.ray_count * self.max_samples)
         self.rays_module.clearLists(spy.grid((3,)), batch.struct, 0)
-        self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
+        bits = batch.segment_bits.storage.device_address if batch.compact else 0
+        self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles, bits)
         clock.lap("place samples")
         # counted, exactly the listed samples: waves past the list's end would leave at once, but launching a
         # ray's every possible slot makes this pass much slower (BENCHMARKS.md)
@@ -238,7 +244,7 @@ class DiffRenderer:
 
         clock = PassClock(self.gpu, timings)
         self.rays_module.countSamples(self._tiles.launch(), batch.struct, self._occupancy, self.settings,
-                                      self._tiles.struct())
+                                      self._tiles.struct(), batch.segment_bits.storage.device_address)
         slots = self._reserve_tiles(batch)
         clock.lap("place samples")
         return slots
@@ -364,7 +370,14 @@ class DiffRenderer:
     def _band_need(self, rays: int, slots: int) -> int:
         """Device memory of a rendered band of ``rays`` rays in ``slots`` compact slots, with room for the shaded
         segments its slots are expected to hold."""
-        return RayBatch.band_bytes(rays, slots, self._shaded_room(slots), self.scene.structures)
+        return RayBatch.band_bytes(rays, slots, self._shaded_room(slots), self.scene.structures, self.segment_words())
+
+    def segment_words(self) -> int:
+        """Words a ray's occupied segments take, a bit each (ray_samples.slang's countSamples): enough for the
+        box's diagonal in steps, and one more for rounding."""
+        low, high = self.box
+        segments = math.ceil(float(np.linalg.norm(high - low)) / float(self.settings["step"])) + 1
+        return -(-segments // 32) + 1
 
     def _shaded_room(self, slots: int) -> int:
         return math.ceil(slots * self._shaded_per_slot)

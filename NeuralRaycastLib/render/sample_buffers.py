@@ -58,11 +58,9 @@ class RayBatch:
     either way the slot buffers grow to what a pass needs (:meth:`reserve_slots`), as the surface values do
     once a batch's lists are counted."""
 
-    #: Bytes per ray, per compact slot and per shaded segment of a rendered band (no gradients, no touched list):
-    #: per ray its ray, count and sums (and their gradient) and a tile's first slot; per slot its t and link,
-    #: distances, surface entry, visibility and two list entries, and a row's tile; per shaded segment its
-    #: surface values (:meth:`band_bytes`).
-    RAY_BYTES = 4 * (6 + 1 + 2 * OUTPUTS) + 1
+    #: Bytes per ray of a rendered band (:meth:`band_bytes`): its ray and count, and a tile's first slot (4 bytes
+    #: for a tile's rays, rounded up); its sums go to the frame.
+    RAY_BYTES = 4 * (6 + 1) + 1
 
     def __init__(self, gpu: GpuContext, capacity: int, max_samples: int, structures: int) -> None:
         import slangpy as spy
@@ -72,10 +70,11 @@ class RayBatch:
         self.capacity, self.max_samples, self.structures = capacity, max_samples, structures
         self.rays = spy.Tensor.zeros(device, shape=(capacity * 6,), dtype="float")
         self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
-        self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
-        self.d_sums = spy.Tensor.zeros_like(self.sums)
+        self._sums: Any = None  # made where asked for (a rendered band's sums go to its frame's rows)
+        self._d_sums: Any = None
         self.list_counts = spy.Tensor.zeros(device, shape=(4,), dtype="int")
         self.tile_slots = spy.Tensor.zeros(device, shape=(1,), dtype="int")  # (per tile: made for a compact pass)
+        self.segment_bits = spy.Tensor.zeros(device, shape=(1,), dtype="uint")  # (per ray: made for a compact pass)
         self.lists = WorkLists(0, 0, 0)
         self.slot_capacity = self.touched_capacity = self.surface_capacity = 0
         self.samples = self.distances = self.surface_entry = self.visibility = None
@@ -106,21 +105,46 @@ class RayBatch:
         self.reserve_touched(RayTiles.PIXELS)
         self.reserve_surfaces(RayTiles.PIXELS)
 
-    def set_rays(self, rays: int, tiles: RayTiles | None = None) -> None:
+    @property
+    def sums(self) -> Any:
+        """Each ray's sums (shaders/composite.slang's OUTPUTS), where the forward pass is given no other place."""
+        if self._sums is None:
+            self._sums = self._per_ray_outputs("sums")
+        return self._sums
+
+    @property
+    def d_sums(self) -> Any:
+        """∂L/∂sums of each ray, for the backward pass."""
+        if self._d_sums is None:
+            self._d_sums = self._per_ray_outputs("the sums' gradients")
+        return self._d_sums
+
+    def _per_ray_outputs(self, what: str) -> Any:
+        import slangpy as spy
+
+        with device_memory(f"{what} of {self.capacity:,} rays"):
+            return spy.Tensor.zeros(self.device, shape=(self.capacity * OUTPUTS,), dtype="float")
+
+    def set_rays(self, rays: int, tiles: RayTiles | None = None, segment_words: int = 0) -> None:
         """Lay the slots out for ``rays`` rays: strided (sample j of ray r in slot j · rays + r), or compact for
-        rays in these ``tiles`` (each tile's rows of slots, reserved on the device: shaders/sample_buffers.slang).
+        rays in these ``tiles`` (each tile's rows of slots, reserved on the device: shaders/sample_buffers.slang),
+        with ``segment_words`` words a ray for its occupied segments (ray_samples.slang's countSamples).
         The passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
+        import slangpy as spy
+
         self.struct["rayCount"] = rays
         if tiles is None:
             self.struct.update(slotStride=rays, compactSlots=0, rowWidth=1)
         else:
             count = tiles.count()
             if self.tile_slots.shape[0] < count:
-                import slangpy as spy
-
                 self.tile_slots = None
                 with device_memory(f"the tiles of {rays:,} rays"):
                     self.tile_slots = spy.Tensor.zeros(self.device, shape=(count,), dtype="int")
+            if self.segment_bits.shape[0] < rays * segment_words:
+                self.segment_bits = None
+                with device_memory(f"the occupied segments of {rays:,} rays"):
+                    self.segment_bits = spy.Tensor.zeros(self.device, shape=(rays * segment_words,), dtype="uint")
             self.struct.update(slotStride=RayTiles.PIXELS, compactSlots=1,
                                tileSlots=self.tile_slots.storage.device_address, rowWidth=tiles.width)
 
@@ -170,10 +194,10 @@ class RayBatch:
         return 4 * SURFACE_VALUES_PER_STRUCTURE * structures
 
     @staticmethod
-    def band_bytes(rays: int, slots: int, shaded: int, structures: int) -> int:
+    def band_bytes(rays: int, slots: int, shaded: int, structures: int, segment_words: int) -> int:
         """Device memory of a rendered band of ``rays`` rays in ``slots`` compact slots with room for ``shaded``
-        shaded segments."""
-        return (rays * RayBatch.RAY_BYTES + slots * RayBatch.slot_bytes(structures)
+        shaded segments, and ``segment_words`` words a ray for its occupied segments."""
+        return (rays * (RayBatch.RAY_BYTES + 4 * segment_words) + slots * RayBatch.slot_bytes(structures)
                 + shaded * RayBatch.shaded_bytes(structures))
 
     @staticmethod
