@@ -11,7 +11,7 @@ from conftest import analytic_prepared
 
 from NeuralRaycastLib.render.camera import Camera, orbit_cameras
 from NeuralRaycastLib.render.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.render.neural_render import BAND_HEADROOM, MIN_SEGMENT_WEIGHT, SHADE_WEIGHT, DiffRenderer
+from NeuralRaycastLib.render.neural_render import MIN_SEGMENT_WEIGHT, ROOM_HEADROOM, SHADE_WEIGHT, DiffRenderer
 from NeuralRaycastLib.render.occupancy import Occupancy
 from NeuralRaycastLib.render.patches import PatchSampler, pack_cameras
 from NeuralRaycastLib.render.reference_render import ReferenceRenderer, hybrid_shadows
@@ -504,7 +504,7 @@ def test_compact_buffers_follow_the_samples_placed(gpu):
     assert slots < rays * renderer.max_samples / 2
     assert batch.slot_capacity == slots and batch.distances.shape[0] == slots * renderer.scene.structures
     shaded = batch.lists.shaded
-    assert shaded <= batch.surface_capacity <= math.ceil(BAND_HEADROOM * shaded) + 1
+    assert shaded <= batch.surface_capacity <= math.ceil(ROOM_HEADROOM * shaded) + 1
     compact_slots = batch.ray_slots()
     samples = batch.samples.to_numpy().reshape(-1, 2).copy()
     distances = batch.distances.to_numpy().reshape(-1, renderer.scene.structures).copy()

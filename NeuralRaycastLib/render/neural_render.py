@@ -55,9 +55,11 @@ BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
 #: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
 MAX_BUFFER_BYTES = 4 << 30
-#: How much more than the last view's bands took a band is sized for (its rays per band, its room for shaded
-#: segments per sample slot), so that a view a little fuller than the last fits the same bands and room.
-BAND_HEADROOM = 1.25
+#: How much more than the last view's bands took a band is sized for: its memory per ray (a band that counts more
+#: than its share is drawn again in fewer rows), and its room for shaded segments per sample slot (a band that
+#: lists more renders the view again), so that a view a little fuller than the last fits the same bands and room.
+BAND_HEADROOM = 1.1
+ROOM_HEADROOM = 1.25
 #: Room for shaded segments per compact sample slot of a band until a view was counted.
 SHADED_PER_SLOT = 0.5
 #: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
@@ -359,11 +361,12 @@ class DiffRenderer:
 
     def _learn_band_sizes(self, bands: list[tuple[int, int, int]]) -> None:
         """Size later views' bands and their room for shaded segments by a view's bands: (rays, slots reserved,
-        shaded segments) each, where the most per ray and per slot of them, with :data:`BAND_HEADROOM`, say."""
+        shaded segments) each, where the most per ray and per slot of them, with :data:`BAND_HEADROOM` and
+        :data:`ROOM_HEADROOM`, say."""
         counted = [(rays, slots, shaded) for rays, slots, shaded in bands if rays and slots]
         if not counted:
             return
-        self._shaded_per_slot = max(shaded / slots for _rays, slots, shaded in counted) * BAND_HEADROOM
+        self._shaded_per_slot = max(shaded / slots for _rays, slots, shaded in counted) * ROOM_HEADROOM
         self._slots_per_ray = max(slots / rays for rays, slots, _shaded in counted)
         self._ray_bytes = max(self._band_need(rays, slots) / rays for rays, slots, _shaded in counted)
 
