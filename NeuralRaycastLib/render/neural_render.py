@@ -406,8 +406,7 @@ class DiffRenderer:
         hold is rendered in halves, down to one row (GpuMemoryError there). ``band_work`` ends as each band's
         rays, slots and the bytes it was expected to need."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
-        rows_per_pass = -(-camera.height // -(-camera.height // max(1, rays_per_pass // camera.width)))  # even bands
-        rows_per_pass = rows_per_pass if rows_per_pass >= camera.height else whole_tiles(rows_per_pass)
+        rows_per_pass = even_bands(camera.height, max(1, rays_per_pass // camera.width))
         allowance, distance_bytes = self._band_bytes(), 4 * self.scene.structures
         self.band_work = []
         first = 0
@@ -519,6 +518,16 @@ class DiffRenderer:
         self._learn_band_sizes([(rays, slots, count) for (rays, slots, _need), count in zip(self.band_work, shaded,
                                                                                             strict=True)])
         return planes, not counted and bool(np.any(np.asarray(shaded) > np.asarray(rooms)))
+
+
+def even_bands(height: int, rows: int) -> int:
+    """Rows per band of a view ``height`` rows high, at most ``rows``: as many bands as that takes, as even as
+    whole tiles of rows allow (a band's last row of tiles takes as many slots for each of its rows as for four)."""
+    if rows >= height:
+        return height
+    even = -(-height // -(-height // rows))
+    tiled = -(-even // RayTiles.TILE[1]) * RayTiles.TILE[1]
+    return tiled if tiled <= rows else whole_tiles(even)
 
 
 def whole_tiles(rows: int) -> int:
