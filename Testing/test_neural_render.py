@@ -3,13 +3,15 @@ pass against the reference renderer (one image formation model), and inverse ren
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from conftest import analytic_prepared
 
 from NeuralRaycastLib.render.camera import Camera, orbit_cameras
 from NeuralRaycastLib.render.image_loss import patch_loss_and_gradient
-from NeuralRaycastLib.render.neural_render import MIN_SEGMENT_WEIGHT, SHADE_WEIGHT, DiffRenderer
+from NeuralRaycastLib.render.neural_render import MIN_SEGMENT_WEIGHT, ROOM_HEADROOM, SHADE_WEIGHT, DiffRenderer
 from NeuralRaycastLib.render.occupancy import Occupancy
 from NeuralRaycastLib.render.patches import PatchSampler, pack_cameras
 from NeuralRaycastLib.render.reference_render import ReferenceRenderer, hybrid_shadows
@@ -48,6 +50,14 @@ class Spheres:
     def backward(self, lists: WorkLists, buffers: dict, timings=None) -> None:
         self.module.sphereBackwardSurface(WorkLists.launch(lists.shaded), self.struct, buffers)
         self.module.sphereBackwardDistances(WorkLists.launch(lists.touched), self.struct, buffers)
+
+
+def sphere_occupancy(cell_mm: float = 4.0, band_mm: float = 4.0) -> Occupancy:
+    """Cells near the spheres' surfaces: samples only there, as a trained field's renders place them."""
+    def both(points: np.ndarray) -> np.ndarray:
+        return np.stack([sphere_sdf(points, sphere[:3], sphere[3]) for sphere in SPHERES], axis=1)
+
+    return Occupancy.from_distances(both, BOX, cell_mm=cell_mm, band_mm=band_mm)
 
 
 def sphere_renderer(gpu, values: np.ndarray, occupancy: Occupancy | None = None, structures=STRUCTURES,
@@ -350,24 +360,26 @@ def test_the_picture_made_on_the_device_is_the_views_straight_alpha_bytes_bottom
 
 
 def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkeypatch):
-    """A view renders in bands whose sample buffers fit BAND_BYTES (the same picture as in one band), and a
-    rendering batch holds no gradient buffers until a backward pass asks for them, then only for its rays."""
+    """A view renders in bands whose buffers, sized by the samples their rays took, fit BAND_BYTES (the same
+    picture as in one band), and a rendering batch holds no gradient buffers until a backward pass asks for
+    them, then only for its rays."""
     from NeuralRaycastLib.render import neural_render
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
     renderer, _scene = sphere_renderer(gpu, SPHERES)
     whole = renderer.render(camera, camera.width * camera.height)
-    budget = 5 * camera.width * RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
+    (_rays, _slots, need), = renderer.band_work
+    budget = need // 3  # a third of what the view takes in one band
     monkeypatch.setattr(neural_render, "BAND_BYTES", (budget, budget, budget))
     renderer._batch = None
     banded = renderer.render(camera)
     batch = renderer._batch
-    assert batch.capacity == 5 * camera.width and batch.distance_grads is None and batch.surface_grads is None
-    per_slot = sum(t.storage.size for t in (batch.rays, batch.samples, batch.counts, batch.distances,
-                                            batch.surface_entry, batch.visibility, batch.shaded_slots,
-                                            batch.touched_slots, batch.sampled_slots))
-    assert per_slot <= budget  # the shaded segments' records grow with their count (here over 16 per ray)
-    assert batch.surface.storage.size >= 4 * batch.surface_width * batch.lists.shaded > 0
+    assert len(renderer.band_work) >= 3
+    assert all(need <= budget for _rays, _slots, need in renderer.band_work)
+    assert batch.distance_grads is None and batch.surface_grads is None
+    assert batch.touched_capacity < camera.width * camera.height // 10  # no backward follows a rendered band
+    most = max(slots for _rays, slots, _need in renderer.band_work)
+    assert most <= batch.slot_capacity <= 1.25 * most  # grown by a quarter where a band needed more
     np.testing.assert_array_equal(banded.rgba, whole.rgba)
     band = renderer.camera_rays(camera, 0, 2)  # fewer rays than the batch holds, as a training step's
     renderer.forward(band)
@@ -380,7 +392,8 @@ def test_rendering_bands_fit_the_memory_budget_and_keep_no_gradients(gpu, monkey
 
 def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, monkeypatch):
     """On a GPU a band takes a tenth of its memory, between 2 and 8 GiB (2 GiB where the memory cannot be read),
-    and never so many rays that the distances buffer would reach MAX_BUFFER_BYTES."""
+    and never so many rays that the distances buffer would reach MAX_BUFFER_BYTES: before any view was counted
+    at ``max_samples`` a ray, then at the samples a band's rays took."""
     from types import SimpleNamespace
 
     from NeuralRaycastLib.gpu.memory_budget import MemoryBudget
@@ -396,40 +409,142 @@ def test_bands_grow_with_the_gpus_memory_and_keep_each_buffer_creatable(gpu, mon
     distances_per_ray = renderer.max_samples * renderer.scene.structures * 4
     monkeypatch.setattr(neural_render, "MAX_BUFFER_BYTES", 10 * distances_per_ray)
     assert renderer.band_rays() == 9  # 10 rays' distances would be exactly the limit
-    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 3, 8)
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 16, 24)
     renderer.gpu = gpu
-    bands = [rows for _first, rows, _batch in renderer.camera_bands(camera, rays_per_pass=24)]
-    assert bands == [3, 3, 2]  # asked for the whole view in one band: bands of at most 9 rays instead
+    monkeypatch.setattr(neural_render, "MAX_BUFFER_BYTES", 4 * 32 * distances_per_ray)  # 4 tiles at max_samples
+    bands = [rows for _first, rows, _batch in renderer.camera_bands(camera, rays_per_pass=camera.width * 24)]
+    assert len(bands) > 1 and sum(bands) == camera.height  # asked for the whole view in one band
+    structures = renderer.scene.structures
+    assert all(slots * structures * 4 < neural_render.MAX_BUFFER_BYTES
+               for _rays, slots, _need in renderer.band_work), renderer.band_work
 
 
 def test_bands_take_the_memory_budgets_share_and_render_the_same_picture(gpu, monkeypatch):
-    """Under a small GPU memory budget a band holds no more rays than the budget's share for a band, on a GPU as
-    on a software device; a budget with memory to spare leaves the bands as they were (and the picture is the
-    same either way)."""
+    """Under a small GPU memory budget a band needs no more than the budget's share for a band, on a GPU as on a
+    software device; a budget with memory to spare leaves the bands at BAND_BYTES (and the picture is the same
+    either way). Once a view was counted, bands hold more rays than at ``max_samples`` a ray."""
     from types import SimpleNamespace
 
     from NeuralRaycastLib.gpu.memory_budget import MIB, SHARES, MemoryBudget
     from NeuralRaycastLib.render import neural_render
 
     camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
-    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
     per_ray = RayBatch.bytes_per_ray(renderer.max_samples, renderer.scene.structures)
-    whole = renderer.render(camera)
     assert renderer.band_rays() == neural_render.BAND_BYTES[2] // per_ray  # lavapipe's 4 GiB default: as before
-    small = MemoryBudget(16 * MIB, "--gpu-memory")
+    whole = renderer.render(camera)
+    counted = renderer.band_rays()
+    assert counted > neural_render.BAND_BYTES[2] // per_ray  # the rays took fewer than max_samples
+    small = MemoryBudget(2 * MIB, "--gpu-memory")
     monkeypatch.setattr(gpu, "memory", small)
     renderer.release_batch()
+    share = int(small.bytes * SHARES["band"])
     rays = renderer.band_rays()
-    assert rays == int(16 * MIB * SHARES["band"]) // per_ray < neural_render.BAND_BYTES[2] // per_ray
+    assert rays < counted and rays * renderer._ray_bytes <= share
     banded = renderer.render(camera)
-    assert renderer._batch.capacity <= rays  # the buffers made are the band's, not the view's
+    assert len(renderer.band_work) > 1
+    assert all(need <= share for _rays, _slots, need in renderer.band_work)
     np.testing.assert_array_equal(banded.rgba, whole.rgba)
     renderer.gpu = SimpleNamespace(report=SimpleNamespace(software=False), memory=small)
     monkeypatch.setattr(neural_render, "device_memory_total", lambda gpu: 80 << 30)
-    assert renderer.band_rays() == rays  # a large GPU, a small budget: the budget's
+    per_counted_ray = math.ceil(renderer._ray_bytes * neural_render.BAND_HEADROOM)
+    assert renderer._band_bytes() == share  # a large GPU, a small budget: the budget's
+    assert renderer.band_rays() == share // per_counted_ray
     renderer.gpu.memory = MemoryBudget(76 << 30, "the GPU's free memory")
     renderer._device_bytes = None
-    assert renderer.band_rays() == neural_render.BAND_BYTES[1] // per_ray  # memory to spare: as before
+    assert renderer._band_bytes() == neural_render.BAND_BYTES[1]  # memory to spare: as before
+
+
+def test_a_render_under_a_tiny_budget_equals_the_unbanded_one(gpu, monkeypatch):
+    """Under a budget whose band share holds a row or two of rays, a view renders in many bands, each counted and
+    laid out compact on its own, with mesh shadows too, and gives exactly the picture of one band."""
+    from NeuralRaycastLib.gpu.memory_budget import KIB, MemoryBudget
+
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 24, 20)
+    sdfs = {"a": lambda p: sphere_sdf(p, SPHERES[0, :3], SPHERES[0, 3]),
+            "b": lambda p: sphere_sdf(p, SPHERES[1, :3], SPHERES[1, 3])}
+    shadows = hybrid_shadows(gpu, analytic_prepared(sdfs, 1.0, *BOX), STYLE)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    renderer.set_mesh_shadows(shadows)
+    whole = renderer.render(camera, camera.width * camera.height)
+    assert len(renderer.band_work) == 1
+    monkeypatch.setattr(gpu, "memory", MemoryBudget(256 * KIB, "--gpu-memory"))
+    tiny = DiffRenderer(gpu, renderer.scene, renderer.look, renderer.shading["lighting"], renderer.settings,
+                        renderer.occupancy, max_samples=renderer.max_samples)
+    tiny.set_mesh_shadows(shadows)
+    for _view in range(2):  # the first sized by max_samples a ray, the second by what the first counted
+        banded = tiny.render(camera)
+        assert len(tiny.band_work) > 4
+        for name in ("rgba", "normal", "depth"):
+            np.testing.assert_array_equal(getattr(banded, name), getattr(whole, name))
+
+
+def _tile_rows(counts: np.ndarray, width: int) -> np.ndarray:
+    """The rows of slots each 8 × 4 tile of rays ``width`` wide needs: its rays' largest sample count."""
+    ray = np.arange(len(counts))
+    tile = (ray // width // 4) * -(-width // 8) + ray % width // 8
+    rows = np.zeros(tile.max() + 1, np.int64)
+    np.maximum.at(rows, tile, counts)
+    return rows
+
+
+def test_compact_buffers_follow_the_samples_placed(gpu):
+    """A rendered band's sample buffers hold the slots its rays' samples take (each tile's rays as many rows as the
+    longest of them), not ``max_samples`` a ray, and every sample lies where the compact layout says, with the
+    same t, link and distances as in a strided batch of the same rays."""
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 61, 45)  # tiles cut at the edges
+    renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    renderer.render(camera)
+    renderer.render(camera)  # with the room for shaded segments the first view counted
+    (rays, slots, _need), = renderer.band_work
+    batch = renderer._batch
+    counts = renderer.sample_counts(batch)
+    assert slots == 32 * _tile_rows(counts, camera.width).sum()
+    assert counts.sum() <= slots < 1.5 * counts.sum()  # smooth spheres: neighbouring rays take about as many
+    assert slots < rays * renderer.max_samples / 2
+    assert batch.slot_capacity == slots and batch.distances.shape[0] == slots * renderer.scene.structures
+    shaded = batch.lists.shaded
+    assert shaded <= batch.surface_capacity <= math.ceil(ROOM_HEADROOM * shaded) + 1
+    compact_slots = batch.ray_slots()
+    samples = batch.samples.to_numpy().reshape(-1, 2).copy()
+    distances = batch.distances.to_numpy().reshape(-1, renderer.scene.structures).copy()
+
+    strided = renderer.camera_rays(camera)
+    renderer.forward(strided, backward_follows=False)
+    assert not strided.compact and np.array_equal(renderer.sample_counts(strided), counts)
+    strided_slots = strided.ray_slots()
+    strided_samples = strided.samples.to_numpy().reshape(-1, 2)
+    strided_distances = strided.distances.to_numpy().reshape(-1, renderer.scene.structures)
+    placed = np.arange(renderer.max_samples)[None, :] < counts[:, None]
+    assert np.all(compact_slots[placed] >= 0) and len(set(compact_slots[placed])) == placed.sum()
+    np.testing.assert_array_equal(samples[compact_slots[placed], 0], strided_samples[strided_slots[placed], 0])
+    linked = samples[compact_slots[placed], 1] != 0
+    np.testing.assert_array_equal(linked, strided_samples[strided_slots[placed], 1] != 0)
+    np.testing.assert_array_equal(distances[compact_slots[placed]], strided_distances[strided_slots[placed]])
+
+
+def test_a_band_with_too_little_room_for_its_shaded_segments_renders_again(gpu, monkeypatch):
+    """Where the room a band makes for shaded segments (from the slots it counted) falls short, the view renders
+    again, counted, with the same picture."""
+    from NeuralRaycastLib.render import neural_render
+
+    camera = Camera((0.0, -60.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 12, 10)
+    renderer, _scene = sphere_renderer(gpu, SPHERES)
+    expected = renderer.render(camera)
+    monkeypatch.setattr(neural_render, "SHADED_PER_SLOT", 0.0)
+    fresh, _scene = sphere_renderer(gpu, SPHERES)
+    retried = []
+    original = fresh._render_frame
+
+    def recorded(*args, **kwargs):
+        retried.append(kwargs.get("counted", args[3] if len(args) > 3 else None))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fresh, "_render_frame", recorded)
+    image = fresh.render(camera)
+    assert retried == [False, True]
+    np.testing.assert_array_equal(image.rgba, expected.rgba)
+    assert fresh._batch.surface_capacity >= fresh._batch.lists.shaded > 0
 
 
 def test_a_band_the_device_cannot_hold_renders_in_halves(gpu, monkeypatch):

@@ -40,7 +40,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "image_loss": ("imageLossPixel", "imageLossPatchSums", "imageLossGradient"),
     "view_score": ("viewScorePixel", "viewScoreRows"),
     "mesh_shadows": ("meshKeyVisibility", "meshKeyVisibilityByGrid", "meshAmbientVisibility"),
-    "ray_samples": ("cameraRays", "patchRays", "clearLists", "placeSamples"),
+    "ray_samples": ("cameraRays", "patchRays", "clearLists", "countSamples", "reserveTiles", "placeSamples"),
     "reference_render": ("renderReference", "renderReferenceMeshShadows"),
     "segment_lists": ("listSegments",),
     "segment_shadows": ("segmentVisibility",),

@@ -17,11 +17,14 @@ Keeping the networks out of the ray loop keeps every kernel small (quick to comp
 device) and lets all samples of a batch run in parallel; the lists keep every thread of a wave busy
 (most samples lie in empty space, and tensor-core networks need whole waves). A training batch's host reads
 each list's length before the passes over it; a rendered view's does not wait: its passes take the entries in
-turn over a number of threads fixed beforehand, and the lengths are read with the frame.
+turn over a number of threads fixed beforehand, and the lengths are read with the frame. A training batch has
+room for ``max_samples`` samples of every ray; a rendered view's band lays out only the samples its rays take,
+counted on the device first (one number read back a band), so a band of a large view fits a small memory budget.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +55,13 @@ BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
 #: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
 MAX_BUFFER_BYTES = 4 << 30
+#: How much more than the last view's bands took a band is sized for: its memory per ray (a band that counts more
+#: than its share is drawn again in fewer rows), and its room for shaded segments per sample slot (a band that
+#: lists more renders the view again), so that a view a little fuller than the last fits the same bands and room.
+BAND_HEADROOM = 1.1
+ROOM_HEADROOM = 1.25
+#: Room for shaded segments per compact sample slot of a band until a view was counted.
+SHADED_PER_SLOT = 0.5
 #: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
 #: ``counted=False``): the networks' passes, then the shadow rays (whose loops over the list diverge more).
 LIST_THREADS_PER_RAY = 1
@@ -90,6 +100,11 @@ class DiffRenderer:
         self.lists_module = gpu.load_module("segment_lists", scene.structures)
         self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
+        # what the last view's bands took (_learn_band_sizes; None: not counted yet, a ray may take max_samples)
+        self._ray_bytes: float | None = None  # device memory per ray
+        self._slots_per_ray: float | None = None
+        self._shaded_per_slot = SHADED_PER_SLOT
+        self.band_work: list[tuple[int, int, int]] = []  # each band's rays, slots and bytes (camera_bands)
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._frame: Any = None  # a whole view's sums on the device (render)
         self._planes: Any = None  # and its G-buffer
@@ -137,7 +152,11 @@ class DiffRenderer:
         return self._batch
 
     # rays ---------------------------------------------------------------------------------------------
-    def camera_rays(self, camera: Camera, first_row: int = 0, rows: int | None = None) -> RayBatch:
+    def camera_rays(self, camera: Camera, first_row: int = 0, rows: int | None = None,
+                    compact: bool = False) -> RayBatch:
+        """Rays of ``rows`` rows of a view from ``first_row``; ``compact``: their slots laid out compact, reserved
+        by :meth:`count_samples` before the :meth:`forward` (a rendered band), else strided (room for every
+        ray's ``max_samples``)."""
         import slangpy as spy
 
         rows = camera.height - first_row if rows is None else rows
@@ -145,8 +164,8 @@ class DiffRenderer:
         self.rays_module.cameraRays(spy.grid((rows, camera.width)), camera.to_shader(), first_row,
                                     batch.rays.storage.device_address)
         self.ray_count = rows * camera.width
-        batch.set_rays(self.ray_count)
         self._tiles = RayTiles(camera.width, rows)
+        batch.set_rays(self.ray_count, self._tiles if compact else None, self.segment_words())
         return batch
 
     def patch_rays(self, cameras: Any, patches: np.ndarray, size: int) -> RayBatch:
@@ -176,13 +195,21 @@ class DiffRenderer:
         never waits: one thread per ray takes every launched-th entry, the shaded segments have the room made
         before, and ``batch.lists`` is unknown until the view's frame is read (:meth:`render`).
         ``backward_follows``: list the samples a backward pass sends gradients to (the touched list); a
-        rendered view's bands do without."""
+        rendered view's bands do without.
+        A batch of strided slots gets room for ``max_samples`` of every ray here; one of compact slots
+        (:meth:`camera_rays` ``compact``, a rendered band) was counted and given its room before
+        (:meth:`count_samples`, :meth:`make_room`)."""
         import slangpy as spy
 
         clock = PassClock(self.gpu, timings)
         launch, tiles = self._tiles.launch(), self._tiles.struct()
-        self.rays_module.clearLists(spy.grid((3,)), batch.struct)
-        self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles)
+        if not batch.compact:
+            batch.reserve_slots(self.ray_count * self.max_samples)
+            if backward_follows:
+                batch.reserve_touched(self.ray_count * self.max_samples)
+        self.rays_module.clearLists(spy.grid((3,)), batch.struct, 0)
+        bits = batch.segment_bits.storage.device_address if batch.compact else 0
+        self.rays_module.placeSamples(launch, batch.struct, self._occupancy, self.settings, tiles, bits)
         clock.lap("place samples")
         # counted, exactly the listed samples: waves past the list's end would leave at once, but launching a
         # ray's every possible slot makes this pass much slower (BENCHMARKS.md)
@@ -194,7 +221,7 @@ class DiffRenderer:
         self.lists_module.listSegments(launch, batch.struct, self.look, self.settings,
                                        self.min_weight, self.shade_weight, tiles, room, backward_follows)
         if counted:
-            batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()))
+            batch.lists = WorkLists(*(int(c) for c in batch.list_counts.to_numpy()[:3]))
             batch.reserve_surfaces(batch.lists.shaded)
         shaded = batch.lists.shaded if counted else LIST_THREADS_PER_RAY * self.ray_count
         clock.lap("work lists")
@@ -211,6 +238,35 @@ class DiffRenderer:
             clock.lap("mesh shadows")
         self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
         clock.lap("composite")
+
+    def count_samples(self, batch: RayBatch, timings: dict[str, float] | None = None) -> int:
+        """The compact layout's first passes over the current rays (:meth:`camera_rays` ``compact``): each ray's
+        samples counted, its tile's rows of slots reserved. Returns the slots reserved, read back: the one wait
+        of a rendered band, before its buffers are made to that size (:meth:`make_room`)."""
+
+        clock = PassClock(self.gpu, timings)
+        self.rays_module.countSamples(self._tiles.launch(), batch.struct, self._occupancy, self.settings,
+                                      self._tiles.struct(), batch.segment_bits.storage.device_address)
+        slots = self._reserve_tiles(batch)
+        clock.lap("place samples")
+        return slots
+
+    def _reserve_tiles(self, batch: RayBatch) -> int:
+        import slangpy as spy
+
+        self.rays_module.clearLists(spy.grid((1,)), batch.struct, 3)
+        tiles = self._tiles.count()
+        self.rays_module.reserveTiles(WorkLists.launch(tiles), batch.struct, self._tiles.struct(), tiles,
+                                      batch.slot_capacity // RayTiles.PIXELS)
+        return int(batch.list_counts.to_numpy()[3])
+
+    def make_room(self, batch: RayBatch, slots: int, shaded: int) -> None:
+        """Buffers for ``slots`` compact slots (:meth:`count_samples`) and ``shaded`` shaded segments; where the
+        slots' buffers grew, the tiles reserve their rows again in them (the same count)."""
+        batch.reserve_surfaces(shaded)
+        if slots > batch.slot_capacity:
+            batch.reserve_slots(slots)
+            self._reserve_tiles(batch)
 
     def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
         """Composite the batch into the sums at ``sums_at``; ``for_backward``: also keep what the backward
@@ -288,13 +344,46 @@ class DiffRenderer:
     # whole images -------------------------------------------------------------------------------------
     def band_rays(self) -> int:
         """Rays per band of a rendered view: as many as :data:`BAND_BYTES` and the memory budget hold (each buffer
-        under :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`)."""
-        fitting = self._band_bytes() // RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)
+        under :data:`MAX_BUFFER_BYTES`), or as a band that fitted when a larger one did not (:meth:`camera_bands`).
+        A ray is counted at ``max_samples`` samples until a view's bands were counted, then at what their rays
+        took (:meth:`_learn_band_sizes`)."""
+        if self._ray_bytes is None:
+            per_ray = RayBatch.bytes_per_ray(self.max_samples, self.scene.structures)
+        else:
+            per_ray = math.ceil(self._ray_bytes * BAND_HEADROOM)
+        fitting = self._band_bytes() // per_ray
         return min(self._band_limit, self._creatable_rays(), max(1, fitting))
 
     def _creatable_rays(self) -> int:
         """The most rays a batch may have with its largest buffer, the distances, under MAX_BUFFER_BYTES."""
-        return max(1, (MAX_BUFFER_BYTES - 1) // (self.max_samples * self.scene.structures * 4))
+        slots = self.max_samples if self._slots_per_ray is None else self._slots_per_ray * BAND_HEADROOM
+        return max(1, (MAX_BUFFER_BYTES - 1) // math.ceil(min(slots, self.max_samples) * self.scene.structures * 4))
+
+    def _learn_band_sizes(self, bands: list[tuple[int, int, int]]) -> None:
+        """Size later views' bands and their room for shaded segments by a view's bands: (rays, slots reserved,
+        shaded segments) each, where the most per ray and per slot of them, with :data:`BAND_HEADROOM` and
+        :data:`ROOM_HEADROOM`, say."""
+        counted = [(rays, slots, shaded) for rays, slots, shaded in bands if rays and slots]
+        if not counted:
+            return
+        self._shaded_per_slot = max(shaded / slots for _rays, slots, shaded in counted) * ROOM_HEADROOM
+        self._slots_per_ray = max(slots / rays for rays, slots, _shaded in counted)
+        self._ray_bytes = max(self._band_need(rays, slots) / rays for rays, slots, _shaded in counted)
+
+    def _band_need(self, rays: int, slots: int) -> int:
+        """Device memory of a rendered band of ``rays`` rays in ``slots`` compact slots, with room for the shaded
+        segments its slots are expected to hold."""
+        return RayBatch.band_bytes(rays, slots, self._shaded_room(slots), self.scene.structures, self.segment_words())
+
+    def segment_words(self) -> int:
+        """Words a ray's occupied segments take, a bit each (ray_samples.slang's countSamples): enough for the
+        box's diagonal in steps, and one more for rounding."""
+        low, high = self.box
+        segments = math.ceil(float(np.linalg.norm(high - low)) / float(self.settings["step"])) + 1
+        return -(-segments // 32) + 1
+
+    def _shaded_room(self, slots: int) -> int:
+        return math.ceil(slots * self._shaded_per_slot)
 
     def _band_bytes(self) -> int:
         least, most, software = BAND_BYTES
@@ -312,15 +401,30 @@ class DiffRenderer:
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
         after its :meth:`forward` (``timings``, ``counted``: see there; no backward follows, so the batch has
         no touched list). With ``frame`` (a device tensor of the view's sums) each band's sums go to their rows
-        of it. A band the device cannot hold is rendered in halves, down to one row (GpuMemoryError there)."""
+        of it. A band's slots are laid out compact: its rays' samples are counted first, and a band whose count
+        needs more than a band's memory (:meth:`_band_bytes`) renders in fewer rows. A band the device cannot
+        hold is rendered in halves, down to one row (GpuMemoryError there). ``band_work`` ends as each band's
+        rays, slots and the bytes it was expected to need."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
-        rows_per_pass = max(1, rays_per_pass // camera.width)
+        rows_per_pass = even_bands(camera.height, max(1, rays_per_pass // camera.width))
+        allowance, distance_bytes = self._band_bytes(), 4 * self.scene.structures
+        self.band_work = []
         first = 0
         while first < camera.height:
             rows = min(rows_per_pass, camera.height - first)
+            rays = rows * camera.width
             at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
             try:
-                batch = self.camera_rays(camera, first, rows)
+                batch = self.camera_rays(camera, first, rows, compact=True)
+                slots = self.count_samples(batch, timings)
+                need = self._band_need(rays, slots)
+                if rows > 1 and (need > allowance or slots * distance_bytes >= MAX_BUFFER_BYTES):
+                    # more samples than a band's memory holds: fewer rows, for this band and the next ones
+                    self._ray_bytes = max(self._ray_bytes or 0.0, need / rays)
+                    rows_per_pass = whole_tiles(max(1, min(rows * allowance // need, rows - 1,
+                                                           rows * (MAX_BUFFER_BYTES - 1) // (slots * distance_bytes))))
+                    continue
+                self.make_room(batch, slots, self._shaded_room(slots))
                 self.forward(batch, timings, sums_at=at, counted=counted, backward_follows=False)
             except GpuMemoryError:
                 if rows == 1:
@@ -330,6 +434,7 @@ class DiffRenderer:
                 rows_per_pass = max(1, rows // 2)
                 self._band_limit = rows_per_pass * camera.width
                 continue
+            self.band_work.append((rays, slots, need))
             yield first, rows, batch
             first += rows
 
@@ -390,10 +495,11 @@ class DiffRenderer:
         frame; the last band's batch then has its ``lists``)."""
         import slangpy as spy
 
-        rooms = []  # each band's room for shaded segments
+        rooms, shaded = [], []  # each band's room for shaded segments, and (counted) its shaded segments
         for band, (_first, _rows, batch) in enumerate(self.camera_bands(camera, rays_per_pass, timings, self._frame,
                                                                         counted)):
             rooms.append(batch.surface_capacity)
+            shaded.append(batch.lists.shaded)
             if not counted:
                 encoder = self.gpu.device.create_command_encoder()
                 encoder.copy_buffer(self._band_counts.storage, band * 12, batch.list_counts.storage, 0, 12)
@@ -405,11 +511,30 @@ class DiffRenderer:
         clock.lap("G-buffer")
         planes = self._read_back.read(self._planes) if read else None
         clock.lap("read-back")
-        if counted:
-            return planes, False
-        counts = np.asarray(self._band_counts.to_numpy()).reshape(-1, 3)[:len(rooms)]
-        batch.lists = WorkLists(*(int(c) for c in counts[-1]))
-        return planes, bool(np.any(counts[:, 0] > np.asarray(rooms)))
+        if not counted:
+            counts = np.asarray(self._band_counts.to_numpy()).reshape(-1, 3)[:len(rooms)]
+            batch.lists = WorkLists(*(int(c) for c in counts[-1]))
+            shaded = [int(count) for count in counts[:, 0]]
+        self._learn_band_sizes([(rays, slots, count) for (rays, slots, _need), count in zip(self.band_work, shaded,
+                                                                                            strict=True)])
+        return planes, not counted and bool(np.any(np.asarray(shaded) > np.asarray(rooms)))
+
+
+def even_bands(height: int, rows: int) -> int:
+    """Rows per band of a view ``height`` rows high, at most ``rows``: as many bands as that takes, as even as
+    whole tiles of rows allow (a band's last row of tiles takes as many slots for each of its rows as for four)."""
+    if rows >= height:
+        return height
+    even = -(-height // -(-height // rows))
+    tiled = -(-even // RayTiles.TILE[1]) * RayTiles.TILE[1]
+    return tiled if tiled <= rows else whole_tiles(even)
+
+
+def whole_tiles(rows: int) -> int:
+    """``rows`` rounded down to whole tiles of rows (ray_tiles.slang's TILE_HEIGHT) where it has one: a band's
+    last row of tiles takes as many slots for each of its rows as for four."""
+    height = RayTiles.TILE[1]
+    return rows - rows % height if rows >= height else rows
 
 
 @dataclass

@@ -33,85 +33,172 @@ class RayTiles:
     rows: int
 
     TILE = (8, 4)  # shaders/ray_tiles.slang: TILE_WIDTH, TILE_HEIGHT
+    PIXELS = 32  # TILE_PIXELS
+
+    def count(self) -> int:
+        """Tiles covering the rows."""
+        tile_width, tile_height = self.TILE
+        return -(-self.width // tile_width) * -(-self.rows // tile_height)
 
     def launch(self) -> Any:
         """One thread per pixel of every tile covering the rows (those past their ends have no ray)."""
         import slangpy as spy
 
-        tile_width, tile_height = self.TILE
-        tiles = -(-self.width // tile_width) * -(-self.rows // tile_height)
-        return spy.grid((tiles * tile_width * tile_height,))
+        return spy.grid((self.count() * self.PIXELS,))
 
     def struct(self) -> dict:
         return {"width": self.width, "rows": self.rows}
 
 
 class RayBatch:
-    """Device buffers for up to ``capacity`` rays with ``max_samples`` samples each: per sample its distances,
-    per shaded segment its surface values (room for more is made once a batch's lists are counted), and
-    their gradients once a backward pass asks for them."""
+    """Device buffers for up to ``capacity`` rays: per ray its sums, per sample slot its distances and the work
+    lists' entries, per shaded segment its surface values, and their gradients once a backward pass asks for
+    them. The slots are laid out strided (room for ``max_samples`` of every ray: a training batch) or compact
+    (the rows its tiles' rays need, counted on the device first: a rendered band; shaders/sample_buffers.slang);
+    either way the slot buffers grow to what a pass needs (:meth:`reserve_slots`), as the surface values do
+    once a batch's lists are counted."""
+
+    #: Bytes per ray of a rendered band (:meth:`band_bytes`): its ray and count, and a tile's first slot (4 bytes
+    #: for a tile's rays, rounded up); its sums go to the frame.
+    RAY_BYTES = 4 * (6 + 1) + 1
 
     def __init__(self, gpu: GpuContext, capacity: int, max_samples: int, structures: int) -> None:
         import slangpy as spy
 
         device = gpu.device
-        slots = capacity * max_samples
         self.device = device
         self.capacity, self.max_samples, self.structures = capacity, max_samples, structures
         self.rays = spy.Tensor.zeros(device, shape=(capacity * 6,), dtype="float")
-        self.samples = spy.Tensor.zeros(device, shape=(slots * 2,), dtype="float")
         self.counts = spy.Tensor.zeros(device, shape=(capacity,), dtype="int")
-        self.distances = spy.Tensor.zeros(device, shape=(slots * structures,), dtype="float")
-        self.surface_entry = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.visibility = spy.Tensor.zeros(device, shape=(slots,), dtype="float")
-        self.sums = spy.Tensor.zeros(device, shape=(capacity * OUTPUTS,), dtype="float")
-        self.d_sums = spy.Tensor.zeros_like(self.sums)
-        self.shaded_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.touched_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.sampled_slots = spy.Tensor.zeros(device, shape=(slots,), dtype="int")
-        self.list_counts = spy.Tensor.zeros(device, shape=(3,), dtype="int")
+        self._sums: Any = None  # made where asked for (a rendered band's sums go to its frame's rows)
+        self._d_sums: Any = None
+        self.list_counts = spy.Tensor.zeros(device, shape=(4,), dtype="int")
+        self.tile_slots = spy.Tensor.zeros(device, shape=(1,), dtype="int")  # (per tile: made for a compact pass)
+        self.segment_bits = spy.Tensor.zeros(device, shape=(1,), dtype="uint")  # (per ray: made for a compact pass)
         self.lists = WorkLists(0, 0, 0)
-        self.surface_capacity = 0
+        self.slot_capacity = self.touched_capacity = self.surface_capacity = 0
+        self.samples = self.distances = self.surface_entry = self.visibility = None
+        self.shaded_slots = self.touched_slots = self.sampled_slots = self.chunk_rays = None
         self.surface = self.surface_grads = self.distance_grads = self.kept = None
         self.kept_for_backward = False  # the last forward kept what the backward needs (and zeroed its gradients)
         self.struct = {
             "rays": self.rays.storage.device_address,
-            "samples": self.samples.storage.device_address,
             "counts": self.counts.storage.device_address,
-            "distances": self.distances.storage.device_address,
             "distanceGrads": 0,
             "surface": 0,
             "surfaceGrads": 0,
-            "surfaceEntry": self.surface_entry.storage.device_address,
             "surfaceCapacity": 0,
-            "visibility": self.visibility.storage.device_address,
             "shadows": 0,
             "maxSamples": max_samples,
-            "rayCount": capacity,  # the stride from a ray's slot to its next: the rays of this pass (set_rays)
+            "rayCount": capacity,
+            "slotStride": capacity,
+            "compactSlots": 0,
+            "tileSlots": self.tile_slots.storage.device_address,
+            "chunkRays": 0,
+            "rowWidth": 1,
             "structures": structures,
-            "shadedSlots": self.shaded_slots.storage.device_address,
-            "touchedSlots": self.touched_slots.storage.device_address,
-            "sampledSlots": self.sampled_slots.storage.device_address,
             "listCounts": self.list_counts.storage.device_address,
             "launched": 1 << 30,  # (set for each launch over a forward pass's list: list_launch)
             "kept": 0,
         }
-        self.reserve_surfaces(capacity * SHADED_PER_RAY)
+        self.reserve_slots(RayTiles.PIXELS)  # every pointer valid from the start (a kernel over empty lists reads one)
+        self.reserve_touched(RayTiles.PIXELS)
+        self.reserve_surfaces(RayTiles.PIXELS)
 
-    def set_rays(self, rays: int) -> None:
-        """Lay the slots out for ``rays`` rays (sample j of ray r in slot j · rays + r, shaders/sample_buffers.slang):
-        the passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
+    @property
+    def sums(self) -> Any:
+        """Each ray's sums (shaders/composite.slang's OUTPUTS), where the forward pass is given no other place."""
+        if self._sums is None:
+            self._sums = self._per_ray_outputs("sums")
+        return self._sums
+
+    @property
+    def d_sums(self) -> Any:
+        """∂L/∂sums of each ray, for the backward pass."""
+        if self._d_sums is None:
+            self._d_sums = self._per_ray_outputs("the sums' gradients")
+        return self._d_sums
+
+    def _per_ray_outputs(self, what: str) -> Any:
+        import slangpy as spy
+
+        with device_memory(f"{what} of {self.capacity:,} rays"):
+            return spy.Tensor.zeros(self.device, shape=(self.capacity * OUTPUTS,), dtype="float")
+
+    def set_rays(self, rays: int, tiles: RayTiles | None = None, segment_words: int = 0) -> None:
+        """Lay the slots out for ``rays`` rays: strided (sample j of ray r in slot j · rays + r), or compact for
+        rays in these ``tiles`` (each tile's rows of slots, reserved on the device: shaders/sample_buffers.slang),
+        with ``segment_words`` words a ray for its occupied segments (ray_samples.slang's countSamples).
+        The passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
+        import slangpy as spy
+
         self.struct["rayCount"] = rays
+        if tiles is None:
+            self.struct.update(slotStride=rays, compactSlots=0, rowWidth=1)
+        else:
+            count = tiles.count()
+            if self.tile_slots.shape[0] < count:
+                self.tile_slots = None
+                with device_memory(f"the tiles of {rays:,} rays"):
+                    self.tile_slots = spy.Tensor.zeros(self.device, shape=(count,), dtype="int")
+            if self.segment_bits.shape[0] < rays * segment_words:
+                self.segment_bits = None
+                with device_memory(f"the occupied segments of {rays:,} rays"):
+                    self.segment_bits = spy.Tensor.zeros(self.device, shape=(rays * segment_words,), dtype="uint")
+            self.struct.update(slotStride=RayTiles.PIXELS, compactSlots=1,
+                               tileSlots=self.tile_slots.storage.device_address, rowWidth=tiles.width)
+
+    @property
+    def compact(self) -> bool:
+        return self.struct["compactSlots"] != 0
+
+    def ray_slots(self) -> np.ndarray:
+        """(rays, max_samples) slot of every sample index of every ray of the last :meth:`set_rays` (in the
+        compact layout, where a ray's tile has rows for it: -1 past them)."""
+        rays, stride = self.struct["rayCount"], self.struct["slotStride"]
+        if not self.compact:
+            return np.arange(rays)[:, None] + stride * np.arange(self.max_samples)[None, :]
+        width = self.struct["rowWidth"]
+        ray = np.arange(rays)
+        tile_width, tile_height = RayTiles.TILE
+        tile = (ray // width // tile_height) * -(-width // tile_width) + ray % width // tile_width
+        lane = (ray // width % tile_height) * tile_width + ray % width % tile_width
+        counts = np.asarray(self.counts.to_numpy())[:rays]
+        first = np.asarray(self.tile_slots.to_numpy())[tile] + lane
+        tiles = RayTiles(width, -(-rays // width))
+        rows = np.zeros(tiles.count(), np.int64)
+        np.maximum.at(rows, tile, counts)
+        j = np.arange(self.max_samples)[None, :]
+        return np.where(j < rows[tile][:, None], first[:, None] + stride * j, -1)
 
     def next_slots(self, slots: np.ndarray) -> np.ndarray:
         """The slots of the same rays' next samples."""
-        return slots + self.struct["rayCount"]
+        return slots + self.struct["slotStride"]
 
     @staticmethod
     def bytes_per_ray(max_samples: int, structures: int) -> int:
-        """Device memory a ray takes in a rendering batch (no gradients): per sample its t and link,
-        distances, visibility, surface entry and three list entries; its first shaded segments' values."""
+        """Device memory a ray takes in a strided rendering batch (no gradients): per sample its t and link,
+        distances, visibility, surface entry and three list entries; its first shaded segments' values. What a
+        rendered band is sized by until the samples its rays take were counted."""
         return 4 * (max_samples * (7 + structures) + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures)
+
+    @staticmethod
+    def slot_bytes(structures: int) -> int:
+        """Device memory a compact slot takes (:data:`RAY_BYTES`): 4 bytes for each of t, link, the distances,
+        the surface entry, the visibility, the shaded and sampled lists' entries, and a row's tile (rounded up)."""
+        return 4 * (2 + structures + 4) + 1
+
+    @staticmethod
+    def shaded_bytes(structures: int) -> int:
+        """Device memory a shaded segment's surface values take."""
+        return 4 * SURFACE_VALUES_PER_STRUCTURE * structures
+
+    @staticmethod
+    def band_bytes(rays: int, slots: int, shaded: int, structures: int, segment_words: int) -> int:
+        """Device memory of a rendered band of ``rays`` rays in ``slots`` compact slots with room for ``shaded``
+        shaded segments, and ``segment_words`` words a ray for its occupied segments."""
+        return (rays * (RayBatch.RAY_BYTES + 4 * segment_words) + slots * RayBatch.slot_bytes(structures)
+                + shaded * RayBatch.shaded_bytes(structures))
 
     @staticmethod
     def training_bytes_per_ray(max_samples: int, structures: int) -> int:
@@ -121,6 +208,49 @@ class RayBatch:
         per_sample = max_samples * (structures + KEPT_FLOATS)
         gradients = per_sample + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures
         return RayBatch.bytes_per_ray(max_samples, structures) + 4 * gradients
+
+    def reserve_slots(self, slots: int) -> None:
+        """Room for ``slots`` sample slots (the touched list's apart: :meth:`reserve_touched`): grown where
+        smaller, by a quarter at least, and never shrunk (a batch keeps the room its largest pass took). The
+        values in them are not kept: a forward pass writes every slot it reads."""
+        import slangpy as spy
+
+        if slots <= self.slot_capacity:
+            return
+        capacity = max(slots, self.slot_capacity + self.slot_capacity // 4)
+        capacity = -(-capacity // RayTiles.PIXELS) * RayTiles.PIXELS  # whole rows of a tile
+        self.samples = self.distances = self.surface_entry = self.visibility = None  # free the smaller ones first
+        self.shaded_slots = self.sampled_slots = self.chunk_rays = None
+        self.slot_capacity = 0
+        with device_memory(f"the samples of {capacity:,} slots"):
+            zeros = spy.Tensor.zeros
+            self.samples = zeros(self.device, shape=(capacity * 2,), dtype="float")
+            self.distances = zeros(self.device, shape=(capacity * self.structures,), dtype="float")
+            self.surface_entry = zeros(self.device, shape=(capacity,), dtype="int")
+            self.visibility = zeros(self.device, shape=(capacity,), dtype="float")
+            self.shaded_slots = zeros(self.device, shape=(capacity,), dtype="int")
+            self.sampled_slots = zeros(self.device, shape=(capacity,), dtype="int")
+            self.chunk_rays = zeros(self.device, shape=(capacity // RayTiles.PIXELS,), dtype="int")
+        self.slot_capacity = capacity
+        self.struct.update(samples=self.samples.storage.device_address,
+                           distances=self.distances.storage.device_address,
+                           surfaceEntry=self.surface_entry.storage.device_address,
+                           visibility=self.visibility.storage.device_address,
+                           shadedSlots=self.shaded_slots.storage.device_address,
+                           sampledSlots=self.sampled_slots.storage.device_address,
+                           chunkRays=self.chunk_rays.storage.device_address)
+
+    def reserve_touched(self, slots: int) -> None:
+        """Room in the touched list (a batch a backward pass follows) for ``slots`` entries."""
+        import slangpy as spy
+
+        if slots <= self.touched_capacity:
+            return
+        self.touched_slots = None
+        with device_memory(f"the touched list of {slots:,} slots"):
+            self.touched_slots = spy.Tensor.zeros(self.device, shape=(slots,), dtype="int")
+        self.touched_capacity = slots
+        self.struct["touchedSlots"] = self.touched_slots.storage.device_address
 
     @property
     def surface_width(self) -> int:
@@ -157,7 +287,9 @@ class RayBatch:
         rays) holds them only for the rays trained on it."""
         import slangpy as spy
 
-        slots = rays * self.max_samples
+        slots = rays * self.max_samples  # (the strided layout of a training batch)
+        self.reserve_slots(slots)
+        self.reserve_touched(slots)
         if self.kept is None or self.kept.shape[0] < slots * KEPT_FLOATS:
             self.distance_grads = self.kept = None  # free the smaller ones first
             with device_memory(f"the gradient buffers of {rays:,} rays"):
