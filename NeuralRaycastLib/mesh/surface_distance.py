@@ -70,15 +70,21 @@ def smooth_surface(vertices: np.ndarray, faces: np.ndarray, iterations: int = 20
     average = _neighbour_average(len(vertices), faces)
     c = _sinc_coefficients(iterations, passband)
 
-    def half_step(x: np.ndarray) -> np.ndarray:
-        return 0.5 * (x + average @ x)
+    def filtered(x: np.ndarray) -> np.ndarray:
+        def half_step(x: np.ndarray) -> np.ndarray:
+            return 0.5 * (x + average @ x)
 
-    previous, current = vertices.astype(np.float64), half_step(vertices.astype(np.float64))
-    result = c[0] * previous + c[1] * current
-    for coefficient in c[2:]:
-        previous, current = current, 2.0 * half_step(current) - previous
-        result += coefficient * current
-    return result
+        previous, current = x, half_step(x)
+        result = c[0] * previous + c[1] * current
+        for coefficient in c[2:]:
+            previous, current = current, 2.0 * half_step(current) - previous
+            result += coefficient * current
+        return result
+
+    # each coordinate on its own (the filter acts on them alike), in threads: the sparse products let others run
+    coordinates = [np.ascontiguousarray(vertices[:, axis], np.float64) for axis in range(vertices.shape[1])]
+    with ThreadPoolExecutor(len(coordinates)) as pool:
+        return np.stack(list(pool.map(filtered, coordinates)), axis=1)
 
 
 def vertex_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:

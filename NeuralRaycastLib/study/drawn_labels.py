@@ -23,6 +23,7 @@ import numpy as np
 
 from ..grid import voxel_box_slices
 from .pieces import Piece, fill_holes, label_pieces, pieces_of
+from .slabs import gaussian_reach, in_slabs
 
 #: Pieces (and holes) of a label smaller than this many millilitres are left out of its surface by default:
 #: specks of a few voxels, which no smooth surface at the study's resolution holds.
@@ -111,7 +112,9 @@ def smoothed_label(sdf: np.ndarray, inside: np.ndarray, sigma_voxels: np.ndarray
     shifted so that exactly as many voxels are below zero as ``inside`` holds (the label's volume is kept)."""
     from scipy import ndimage
 
-    smooth = ndimage.gaussian_filter(sdf.astype(np.float32), sigma_voxels, mode="nearest")
+    sigma = np.asarray(sigma_voxels, np.float64)
+    smooth = in_slabs(lambda slab: ndimage.gaussian_filter(slab, sigma, mode="nearest"), np.asarray(sdf, np.float32),
+                      gaussian_reach(sigma[0]), np.float32)
     count = int(inside.sum())
     flat = smooth.ravel()
     if count <= 0 or count >= flat.size:
@@ -128,7 +131,8 @@ def disagreement(sdf: np.ndarray, inside: np.ndarray) -> float:
     from scipy import ndimage
 
     smooth = smoothed_label(sdf, inside, np.full(3, PROBE_VOXELS))
-    boundary = int((ndimage.binary_dilation(inside) & ~ndimage.binary_erosion(inside)).sum())
+    edge = in_slabs(lambda slab: ndimage.binary_dilation(slab) & ~ndimage.binary_erosion(slab), inside, 1, bool)
+    boundary = int(np.count_nonzero(edge))
     return float(((smooth < 0) != inside).sum()) / boundary if boundary else 0.0
 
 

@@ -40,6 +40,7 @@ from .drawn_labels import (
     tidy_label,
 )
 from .pieces import fill_holes
+from .slabs import in_slabs
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -129,21 +130,31 @@ def normalise_channel(image: np.ndarray, mask: np.ndarray, out: np.ndarray | Non
 
 
 def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None) -> np.ndarray:
-    """The brain (skull-stripped data) or head: Otsu threshold, closed, holes filled, largest component."""
+    """The brain (skull-stripped data) or head: Otsu threshold, closed, holes filled, largest component; with
+    ``labels``, their voxels added."""
+    mask = _thresholded_head(channels)
+    if labels is not None:
+        mask |= labels > 0
+    return mask
+
+
+def _thresholded_head(channels: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`head_mask` without the labels: one face-connected piece without holes (or nothing), as
+    :func:`~.drawn_labels.tidy_label` would leave it (see :func:`_brain_mask_and_tidiness`)."""
     from scipy import ndimage
-    from skimage.filters import threshold_otsu
 
     images = list(channels.values())
     scales = map_in_threads(lambda image: float(np.percentile(image, 99.0)) or float(image.max()) or 1.0, images)
     combined = _scaled_maximum(images, scales)
-    # a histogram's threshold: neither the shape nor the order matters (no C-ordered copy of a NIfTI's data)
-    mask = combined > threshold_otsu(combined.ravel(order="K"))
+    mask = combined > _otsu_threshold(combined)
     if mask.any():
         # Closed, filled and chosen on the box around what is above the threshold and a few voxels more: the
-        # closing reaches CLOSING_ITERATIONS voxels, so all beyond stays outside, as on the whole grid.
+        # closing reaches CLOSING_ITERATIONS voxels, so all beyond stays outside, as on the whole grid. The
+        # closing's dilations and erosions reach that far each, so its slabs take twice that on either side.
         box = _widened_box(mask, CLOSING_ITERATIONS + 1)
-        inner = ndimage.binary_closing(mask[box], structure=ndimage.generate_binary_structure(3, 1),
-                                       iterations=CLOSING_ITERATIONS)
+        face = ndimage.generate_binary_structure(3, 1)
+        inner = in_slabs(lambda slab: ndimage.binary_closing(slab, structure=face, iterations=CLOSING_ITERATIONS),
+                         mask[box], 2 * CLOSING_ITERATIONS, bool)
         inner = fill_holes(inner)
         components, count = ndimage.label(inner)
         if count > 1:
@@ -152,9 +163,24 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
             inner = components == int(np.argmax(sizes))
         mask = np.zeros(mask.shape, bool)
         mask[box] = inner
-    if labels is not None:
-        mask |= labels > 0
     return mask
+
+
+def _otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
+    """scikit-image's ``threshold_otsu(values)``, its histogram counted in slabs in threads (a histogram's
+    threshold: neither the shape nor the order matters, so a NIfTI's data is not copied into C order)."""
+    from skimage.filters import threshold_otsu
+
+    flat = values.ravel(order="K")
+    low, high = (flat.min(), flat.max())
+    if low == high:  # one value: threshold_otsu gives it
+        return low
+    # the counts of np.histogram over the whole, whose range is (min, max) and whose edges are the same
+    edges = np.histogram(flat[:1], bins=bins, range=(low, high))[1]
+    parts = np.linspace(0, flat.size, min(os.cpu_count() or 1, 64) + 1).astype(int)
+    counts = sum(map_in_threads(lambda part: np.histogram(flat[parts[part]:parts[part + 1]], bins=bins,
+                                                          range=(low, high))[0], range(len(parts) - 1)))
+    return threshold_otsu(hist=(counts, (edges[:-1] + edges[1:]) / 2.0))
 
 
 def _scaled_maximum(images: list[np.ndarray], scales: list[float]) -> np.ndarray:
@@ -641,10 +667,25 @@ def as_float16(values: np.ndarray) -> np.ndarray:
 
 def _brain_mask(study: Study) -> np.ndarray:
     """The study's brain mask, or the head found by thresholding where it has none."""
+    return _brain_mask_and_tidiness(study)[0]
+
+
+def _brain_mask_and_tidiness(study: Study) -> tuple[np.ndarray, bool]:
+    """:func:`_brain_mask`, and whether it is known to be tidy: what :func:`~.drawn_labels.tidy_label` leaves as it
+    is, listing nothing. The thresholded head is one face-connected piece (so one piece of any connectivity)
+    without holes: holes were filled before the largest piece was chosen, and each piece left out touches what
+    is outside it, so leaving it out encloses nothing. Labels that add voxels to it may change that."""
     if study.brain_mask is None:
-        return head_mask(study.channels, study.labels)
+        mask = _thresholded_head(study.channels)
+        if study.labels is None:
+            return mask, bool(mask.any())
+        labelled = study.labels > 0
+        tidy = bool(mask.any()) and not (labelled & ~mask).any()
+        mask |= labelled
+        return mask, tidy
     # given (skull stripping); the labelled structures lie in the brain whatever it says
-    return study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
+    mask = study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
+    return mask, False
 
 
 def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Progress,
@@ -654,9 +695,10 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
                             ) -> tuple[np.ndarray, np.ndarray, dict[str, LabelNote]]:
     """The brain mask, every structure's signed distance (S, I, J, K), rounded to float16 as the cache keeps
     them (cached and fresh runs agree), and each structure's :class:`LabelNote` (see :func:`prepare` for the
-    pieces). The structures run in threads (their transforms and searches release the interpreter), the brain's
-    first: it is the largest surface and waits for the mask, so it is the longest way through. Progress is
-    reported from this thread, and the first error in structure order is raised.
+    pieces). The structures run in threads, those drawn in the labels from the start, while the mask is found:
+    the brain's, the largest surface, waits for the mask and is the longest way through, so it should meet as
+    little of the others' work as can be (the ``edt`` transform and marching cubes hold the interpreter while
+    they run). Progress is reported from this thread, and the first error in structure order is raised.
 
     What needs only part of this work runs beside the rest, off that longest way: ``with_mask`` (given the
     mask) as soon as the mask is found, ``with_label_maps`` (given the maps) once the maps of every structure
@@ -665,11 +707,14 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
     boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
     notes: dict[str, LabelNote] = {}
 
-    def compute(index: int, brain: np.ndarray | None) -> None:
+    def compute(index: int, brain: np.ndarray | None, tidy: bool = False) -> None:
         structure = structures[index]
         name = _structure_name(study, structure)
-        mask, apart, note = tidy_label(structure_mask(structure, study.labels, brain), study.affine,
-                                       min_piece_ml, keep_small_pieces)
+        if tidy:  # nothing to leave out or fill (see _brain_mask_and_tidiness)
+            mask, apart, note = structure_mask(structure, study.labels, brain), None, LabelNote()
+        else:
+            mask, apart, note = tidy_label(structure_mask(structure, study.labels, brain), study.affine,
+                                           min_piece_ml, keep_small_pieces)
         distance = signed_distance(mask, study.spacing, name=name, note=note, gpu=gpu)
         if apart is not None:  # small pieces as drawn, each a surface of its own
             np.minimum(distance, signed_distance(apart, study.spacing, name=name, detect_drawn=False, gpu=gpu),
@@ -680,15 +725,19 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
     report("brain mask", 0.0)
     futures: dict[int, Future] = {}
     beside: list[Future] = []
+    # a thread for each job: the brain's, submitted last, must not wait in the queue behind the others
     workers = len(structures) + (with_mask is not None) + (with_label_maps is not None)
-    with ThreadPoolExecutor(min(workers, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         try:
-            mask = _brain_mask(study)
+            for index, structure in enumerate(structures):
+                if not structure.from_mask:
+                    futures[index] = pool.submit(compute, index, None)
+            mask, tidy = _brain_mask_and_tidiness(study)
+            for index, structure in enumerate(structures):
+                if structure.from_mask:
+                    futures[index] = pool.submit(compute, index, mask, tidy)
             if with_mask is not None:
                 beside.append(pool.submit(with_mask, mask))
-            order = sorted(range(len(structures)), key=lambda index: not structures[index].from_mask)
-            for index in order:
-                futures[index] = pool.submit(compute, index, mask if structures[index].from_mask else None)
             report(f"signed distances: {', '.join(s.name for s in structures)}", 1.0 / (len(structures) + 1))
             labelled = {futures[i] for i, s in enumerate(structures) if s.name != BRAIN}  # what P(x) reads
             if with_label_maps is not None and not labelled:
