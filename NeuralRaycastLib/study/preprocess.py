@@ -406,13 +406,25 @@ def _far_field(out: np.ndarray, crop: tuple[slice, ...], low: np.ndarray, high: 
         to_crop = np.abs(index - nearest) * spacing[axis]
         axes.append((to_box.astype(np.float32) ** 2, to_crop.astype(np.float32) ** 2, nearest - c.start))
     for region in _outside_crop(crop, out.shape):
-        (bx, cx, ix), (by, cy, iy), (bz, cz, iz) = (
-            (b[r][shape], c[r][shape], i[r][shape])
-            for (b, c, i), r, shape in zip(axes, region, (np.s_[:, None, None], np.s_[None, :, None],
+        (bx, cx), (by, cy), (bz, cz) = (
+            (b[r][shape], c[r][shape])
+            for (b, c, _), r, shape in zip(axes, region, (np.s_[:, None, None], np.s_[None, :, None],
                                                           np.s_[None, None, :]), strict=True))
         to_box = np.sqrt(bx + by + bz)
-        through_crop = inner[ix, iy, iz] - np.sqrt(cx + cy + cz)
+        nearest = _nearest_crop_values(inner, [index[r] for (_, _, index), r in zip(axes, region, strict=True)])
+        through_crop = nearest - np.sqrt(cx + cy + cz)
         out[region] = np.maximum(to_box - half, through_crop)
+
+
+def _nearest_crop_values(inner: np.ndarray, indices: list[np.ndarray]) -> np.ndarray:
+    """``inner`` at the outer product of ``indices`` (one per axis), an axis whose index is one value throughout
+    (the one the region lies beyond) kept at length 1, to be broadcast: gathered an axis at a time, those first,
+    instead of a voxel at a time over the whole region."""
+    constant = [len(index) > 0 and bool((index == index[0]).all()) for index in indices]
+    values = inner
+    for axis in sorted(range(len(indices)), key=lambda axis: not constant[axis]):
+        values = np.take(values, indices[axis][:1] if constant[axis] else indices[axis], axis=axis)
+    return values
 
 
 def _outside_crop(crop: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
