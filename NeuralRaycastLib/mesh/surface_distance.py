@@ -106,6 +106,9 @@ def balanced_level(distances: np.ndarray, inside: np.ndarray, voxel: float, roun
     For a flat surface at any offset between voxel centres the points on either side are mirror images,
     so t = 0 when the surface is right whatever its offset; curvature biases it by a second-order amount.
     Kept within half a voxel (no smoothing moves a surface further), and 0 where either side is empty."""
+    # a level within half a voxel of 0 has no point a voxel or more away within half a voxel of it
+    within = np.abs(distances) < voxel
+    distances, inside = distances[within], inside[within]
     level = 0.0
     for _ in range(rounds):
         near = np.abs(distances - level) < 0.5 * voxel

@@ -40,7 +40,7 @@ from .drawn_labels import (
     tidy_label,
 )
 from .pieces import fill_holes
-from .slabs import in_slabs
+from .slabs import in_slabs, slab_edges
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -549,6 +549,18 @@ def _float32_in_threads(stack: np.ndarray, dtype: type = np.float32) -> np.ndarr
     return out
 
 
+def _store_as_float16(out: np.ndarray, values: np.ndarray) -> None:
+    """``out[...] = values.astype(np.float16)``, slab by slab in threads: the brain's map, the last of the longest
+    way, is rounded on all cores."""
+    edges = slab_edges(len(values), 0)
+
+    def store(part: int) -> None:
+        planes = slice(int(edges[part]), int(edges[part + 1]))
+        out[planes] = values[planes].astype(np.float16)
+
+    map_in_threads(store, range(len(edges) - 1))
+
+
 def _normalise_channels(study: Study, mask: np.ndarray, ranges: list[tuple[float, float]] | None,
                         channels: np.ndarray) -> None:
     """Each channel normalised (:func:`normalise_channel`) into its slice of ``channels``, in threads; ``ranges``:
@@ -731,7 +743,7 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
         if apart is not None:  # small pieces as drawn, each a surface of its own
             np.minimum(distance, signed_distance(apart, study.spacing, name=name, detect_drawn=False, gpu=gpu),
                        out=distance)
-        boundary[index] = distance.astype(np.float16)
+        _store_as_float16(boundary[index], distance)
         notes[structure.name] = note
 
     report("brain mask", 0.0)
