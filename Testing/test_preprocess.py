@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import numpy as np
@@ -413,7 +412,6 @@ def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_di
     np.testing.assert_array_equal(first.occupancy, fourth.occupancy)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="nothing runs beside the maps on one core")
 def test_what_needs_the_mask_or_the_label_maps_does_not_wait_for_the_brains_map(monkeypatch):
     """P(x), the occupancy grid, the bounds and the normalised channels are made while the brain's map, the
     slowest, is still being made: ``with_label_maps`` is given the label maps as they are returned, before the
@@ -445,6 +443,34 @@ def test_what_needs_the_mask_or_the_label_maps_does_not_wait_for_the_brains_map(
         with_mask=lambda given: seen.update(mask=given.copy()), with_label_maps=with_label_maps)
     np.testing.assert_array_equal(seen["mask"], mask)
     np.testing.assert_array_equal(seen["label maps"], np.delete(boundary, brain_index, axis=0))
+
+
+def test_the_labelled_structures_do_not_wait_for_the_brain_mask(monkeypatch):
+    """The structures drawn in the labels need no brain mask: their maps are begun while it is found (the brain's,
+    the longest way, then meets less of their work), and come out as without the wait."""
+    image = np.zeros((24, 24, 24), np.float32)
+    image[4:20, 5:19, 6:18] = 1.0
+    labels = np.zeros(image.shape, np.int16)
+    labels[9:14, 9:14, 9:14] = 1
+    study = Study.from_arrays({"t1": image}, np.eye(4), labels=labels)
+    structures = make_structures(study.structures, include_brain=True)
+    expected = preprocess.mask_and_boundary_maps(study, structures, lambda message, fraction: None)[1]
+    begun = threading.Event()
+    exact, find = preprocess.signed_distance, preprocess._brain_mask_and_tidiness
+
+    def labelled_begins(inside, spacing, *args, name="a mask", **kwargs):
+        if not name.startswith(f"structure '{BRAIN}'"):
+            begun.set()
+        return exact(inside, spacing, *args, name=name, **kwargs)
+
+    def mask_once_a_label_began(given):
+        assert begun.wait(60), "the labelled structures waited for the brain mask"
+        return find(given)
+
+    monkeypatch.setattr(preprocess, "signed_distance", labelled_begins)
+    monkeypatch.setattr(preprocess, "_brain_mask_and_tidiness", mask_once_a_label_began)
+    boundary = preprocess.mask_and_boundary_maps(study, structures, lambda message, fraction: None)[1]
+    np.testing.assert_array_equal(boundary, expected)
 
 
 def test_float16_rounding_of_the_cache_is_numpys_bit_for_bit():
