@@ -31,17 +31,16 @@ def in_slabs(filter_: Callable[[np.ndarray], np.ndarray], volume: np.ndarray, ha
              dtype: np.dtype | type) -> np.ndarray:
     """``filter_(volume)`` (same shape, of ``dtype``) for a filter that treats every plane along the first axis
     alike and reaches at most ``halo`` planes along it, computed in slabs in threads."""
-    out = np.empty(volume.shape, dtype)
     edges = slab_edges(volume.shape[0], halo)
+    if len(edges) == 2:
+        return np.asarray(filter_(volume)).astype(dtype, copy=False)
+    out = np.empty(volume.shape, dtype)
 
     def run(part: int) -> None:
         start, stop = int(edges[part]), int(edges[part + 1])
         low, high = max(start - halo, 0), min(stop + halo, volume.shape[0])
         out[start:stop] = filter_(volume[low:high])[start - low : stop - low]
 
-    if len(edges) == 2:
-        out[...] = filter_(volume)
-        return out
     with ThreadPoolExecutor(len(edges) - 1) as pool:
         list(pool.map(run, range(len(edges) - 1)))
     return out
