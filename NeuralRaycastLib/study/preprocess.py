@@ -371,7 +371,7 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
     with ThreadPoolExecutor(1) as pool:  # the mesh's pieces are found while the searches run on every core
         found = pool.submit(mesh_pieces, len(vertices), faces)
         band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
-        points = (np.argwhere(band) + origin) * spacing
+        points = (_voxels_of(band) + origin) * spacing
         nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
         exact, closest = mesh_distances(vertices, faces, points, nearest)
         pieces = found.result()
@@ -388,6 +388,17 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
     voxel = sdf[band]
     trusted = (np.sign(exact) == np.sign(voxel)) | (np.abs(voxel) < float(spacing.max()))
     sdf[band] = np.where(trusted, exact, voxel)
+
+
+def _voxels_of(mask: np.ndarray) -> np.ndarray:
+    """``np.argwhere(mask)`` (the same rows in the same order), slab by slab in threads."""
+    edges = slab_edges(len(mask), 0)
+    if len(edges) == 2:
+        return np.argwhere(mask)
+    parts = map_in_threads(lambda part: np.argwhere(mask[edges[part]:edges[part + 1]]), range(len(edges) - 1))
+    for part, start in zip(parts, edges, strict=False):
+        part[:, 0] += start
+    return np.concatenate(parts)
 
 
 def _far_field(out: np.ndarray, crop: tuple[slice, ...], low: np.ndarray, high: np.ndarray,
