@@ -260,7 +260,7 @@ def test_head_mask_on_its_box_is_the_whole_grids():
 
 def test_filters_in_slabs_are_the_whole_volumes(monkeypatch):
     """The Gaussian, closing and boundary of the maps' steps, split into slabs along the first axis (one a core),
-    give the whole volume's result bit for bit, at the volume's faces too; so do the voxels of a mask."""
+    give the whole volume's result bit for bit, at the volume's faces too; so do a mask's voxels and values."""
     from NeuralRaycastLib.study import slabs
 
     monkeypatch.setattr(slabs.os, "cpu_count", lambda: 7)
@@ -278,6 +278,11 @@ def test_filters_in_slabs_are_the_whole_volumes(monkeypatch):
         assert len(slabs.slab_edges(len(volume), halo)) > 3  # several slabs
         np.testing.assert_array_equal(slabs.in_slabs(filter_, volume, halo, volume.dtype), filter_(volume))
     np.testing.assert_array_equal(preprocess._voxels_of(inside), np.argwhere(inside))  # the band's points
+    np.testing.assert_array_equal(preprocess._in_band(values, inside), values[inside])  # and values
+    written, expected = values.copy(), values.copy()
+    expected[inside] = -values[inside]
+    preprocess._set_in_band(written, inside, -values[inside])
+    np.testing.assert_array_equal(written, expected)
 
 
 def test_otsu_threshold_is_scikit_images(monkeypatch):

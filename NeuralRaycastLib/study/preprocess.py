@@ -375,7 +375,7 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
         nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
         exact, closest = mesh_distances(vertices, faces, points, nearest)
         pieces = found.result()
-    moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()),
+    moved = agree_with_labels(vertices, faces, points, _in_band(inside, band), exact, float(spacing.min()),
                               faces[closest, 0], pieces)
     if not np.array_equal(moved, vertices):
         # One piece moves as a whole, keeping which triangles are near a point; pieces moved by different
@@ -385,9 +385,9 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
         exact = mesh_distances(moved, faces, points, nearest)[0]
     # The smoothed surface stays within a voxel of the terraced one: a sign that disagrees with
     # the mask further in than that would be a fault of the sign test, never of the surface.
-    voxel = sdf[band]
+    voxel = _in_band(sdf, band)
     trusted = (np.sign(exact) == np.sign(voxel)) | (np.abs(voxel) < float(spacing.max()))
-    sdf[band] = np.where(trusted, exact, voxel)
+    _set_in_band(sdf, band, np.where(trusted, exact, voxel))
 
 
 def _voxels_of(mask: np.ndarray) -> np.ndarray:
@@ -399,6 +399,37 @@ def _voxels_of(mask: np.ndarray) -> np.ndarray:
     for part, start in zip(parts, edges, strict=False):
         part[:, 0] += start
     return np.concatenate(parts)
+
+
+def _band_slabs(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The slabs of ``band`` (:func:`~.slabs.slab_edges`) and where each one's voxels begin among all of its."""
+    edges = slab_edges(len(band), 0)
+    counts = map_in_threads(lambda part: np.count_nonzero(band[edges[part]:edges[part + 1]]), range(len(edges) - 1))
+    return edges, np.concatenate([[0], np.cumsum(counts)]).astype(int)
+
+
+def _in_band(volume: np.ndarray, band: np.ndarray) -> np.ndarray:
+    """``volume[band]``, slab by slab in threads."""
+    edges, offsets = _band_slabs(band)
+    out = np.empty(int(offsets[-1]), volume.dtype)
+
+    def gather(part: int) -> None:
+        planes = slice(int(edges[part]), int(edges[part + 1]))
+        out[offsets[part]:offsets[part + 1]] = volume[planes][band[planes]]
+
+    map_in_threads(gather, range(len(edges) - 1))
+    return out
+
+
+def _set_in_band(volume: np.ndarray, band: np.ndarray, values: np.ndarray) -> None:
+    """``volume[band] = values``, slab by slab in threads."""
+    edges, offsets = _band_slabs(band)
+
+    def scatter(part: int) -> None:
+        planes = slice(int(edges[part]), int(edges[part + 1]))
+        volume[planes][band[planes]] = values[offsets[part]:offsets[part + 1]]
+
+    map_in_threads(scatter, range(len(edges) - 1))
 
 
 def _far_field(out: np.ndarray, crop: tuple[slice, ...], low: np.ndarray, high: np.ndarray,
