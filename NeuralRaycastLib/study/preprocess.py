@@ -707,8 +707,21 @@ def _derived_from_mask(study: Study, mask: np.ndarray) -> dict:
 
 def _rounded_probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:
     """P(x) rounded to float16 as the cache keeps it, so cached and fresh runs agree (it reads the maps of the
-    structures drawn in the labels only)."""
-    return as_float16(_probability(study, structures, boundary)).astype(np.float32)
+    structures drawn in the labels only). A derived P(x) is computed only within :data:`_ROUNDS_TO_ZERO_WIDTHS`
+    widths of the lesion: beyond, it rounds to 0."""
+    lesion = _lesion_boundary(structures, boundary) if study.probability is None else None
+    if lesion is None:
+        return as_float16(_probability(study, structures, boundary)).astype(np.float32)
+    width = float(study.spacing.mean())
+    rounded = np.zeros(lesion.shape, np.float32)
+    near = lesion / width < _ROUNDS_TO_ZERO_WIDTHS  # the same quotient derived_probability takes
+    rounded[near] = as_float16(derived_probability(lesion[near], width)).astype(np.float32)
+    return rounded
+
+
+#: Widths of the smooth step beyond the lesion's surface where P(x) (below 1/(1 + e²⁰) there, 2·10⁻⁹) rounds to 0
+#: in float16, whose smallest step is 2⁻²⁴ (6·10⁻⁸).
+_ROUNDS_TO_ZERO_WIDTHS = np.float32(20.0)
 
 
 #: The smallest normal float16 (2⁻¹⁴) and the step of the subnormal ones below it (2⁻²⁴).
@@ -842,10 +855,17 @@ def _structure_name(study: Study, structure: Structure) -> str:
 def _probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:
     if study.probability is not None:
         return study.probability.astype(np.float32)
+    lesion = _lesion_boundary(structures, boundary)
+    if lesion is None:
+        return np.zeros(study.shape, dtype=np.float32)
+    return derived_probability(lesion, float(study.spacing.mean()))
+
+
+def _lesion_boundary(structures: list[Structure], boundary: np.ndarray) -> np.ndarray | None:
+    """The boundary map a derived P(x) steps across: the whole tumour's, or for custom structures the union of all
+    of them ("the lesion"); None where there are none."""
     names = [s.name for s in structures]
     if "whole_tumor" in names:
-        return derived_probability(boundary[names.index("whole_tumor")], float(study.spacing.mean()))
+        return boundary[names.index("whole_tumor")]
     label_structures = [i for i, s in enumerate(structures) if s.name != BRAIN]
-    if label_structures:  # custom structures: the union of all of them is "the lesion"
-        return derived_probability(boundary[label_structures].min(axis=0), float(study.spacing.mean()))
-    return np.zeros(study.shape, dtype=np.float32)
+    return boundary[label_structures].min(axis=0) if label_structures else None
