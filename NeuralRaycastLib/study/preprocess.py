@@ -327,7 +327,8 @@ def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray
     """The mask's Euclidean distance transform both ways, shortened by half a voxel, negative inside, exact
     over the box: it holds every inside voxel (``low``..``high``), the nearest one of each outside voxel, and
     the inside transform is taken over those and one voxel beyond, where the nearest outside voxel of each
-    inside one lies. The two transforms run in threads (they release the interpreter), on ``gpu`` where given."""
+    inside one lies. The two transforms run in threads, on ``gpu`` where given (the ``edt`` package holds the
+    interpreter while it runs, so there its two follow each other, each on all cores)."""
     half = np.float32(0.5 * float(spacing.min()))
     near = tuple(slice(max(lo - 1, 0), min(hi + 2, n)) for lo, hi, n in zip(low, high, box.shape, strict=True))
     sdf, inside_distance = map_in_threads(lambda outside: _distance_transform(outside, spacing, gpu),
