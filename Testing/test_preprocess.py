@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import numpy as np
@@ -259,6 +258,74 @@ def test_head_mask_on_its_box_is_the_whole_grids():
         np.testing.assert_array_equal(head_mask({"t1": image}), whole)
 
 
+def test_filters_in_slabs_are_the_whole_volumes(monkeypatch):
+    """The Gaussian, closing and boundary of the maps' steps, split into slabs along the first axis (one a core),
+    give the whole volume's result bit for bit, at the volume's faces too; so do a mask's voxels and values."""
+    from NeuralRaycastLib.study import slabs
+
+    monkeypatch.setattr(slabs.os, "cpu_count", lambda: 7)
+    rng = np.random.default_rng(3)
+    values = ndimage.gaussian_filter(rng.standard_normal((61, 17, 13)), 2.0).astype(np.float32)
+    inside = values > 0
+    face = ndimage.generate_binary_structure(3, 1)
+    cases = [
+        (lambda v: ndimage.gaussian_filter(v, 0.8, mode="nearest"), values, slabs.gaussian_reach(0.8)),
+        (lambda v: ndimage.gaussian_filter(v, (1.3, 0.9, 2.1), mode="nearest"), values, slabs.gaussian_reach(1.3)),
+        (lambda m: ndimage.binary_closing(m, structure=face, iterations=2), inside, 4),
+        (lambda m: ndimage.binary_dilation(m) & ~ndimage.binary_erosion(m), inside, 1),
+    ]
+    for filter_, volume, halo in cases:
+        assert len(slabs.slab_edges(len(volume), halo)) > 3  # several slabs
+        np.testing.assert_array_equal(slabs.in_slabs(filter_, volume, halo, volume.dtype), filter_(volume))
+    np.testing.assert_array_equal(preprocess._voxels_of(inside), np.argwhere(inside))  # the band's points
+    np.testing.assert_array_equal(preprocess._in_band(values, inside), values[inside])  # and values
+    written, expected = values.copy(), values.copy()
+    expected[inside] = -values[inside]
+    preprocess._set_in_band(written, inside, -values[inside])
+    np.testing.assert_array_equal(written, expected)
+
+
+def test_otsu_threshold_is_scikit_images(monkeypatch):
+    """The brain mask's threshold, its histogram counted in parts, is scikit-image's, in Fortran order as NIfTI data
+    comes, in double precision and on a flat image."""
+    from skimage.filters import threshold_otsu
+
+    monkeypatch.setattr(preprocess.os, "cpu_count", lambda: 5)
+    rng = np.random.default_rng(11)
+    image = np.asfortranarray(rng.gamma(2.0, 100.0, (40, 30, 20)).astype(np.float32))
+    for values in (image, image.astype(np.float64) / 7.0, np.full((4, 4, 4), 3.0, np.float32)):
+        assert preprocess._otsu_threshold(values) == threshold_otsu(values.ravel(order="K"))
+
+
+def test_a_thresholded_brain_is_taken_as_tidy_only_where_tidying_changes_nothing():
+    """The thresholded head is one piece without holes, so its tidying is skipped; labels that add a piece
+    outside it (or could enclose a hole) have it tidied."""
+    from NeuralRaycastLib.study.drawn_labels import LabelNote, tidy_label
+
+    shape = (40, 36, 30)
+    radius = np.linalg.norm(np.stack(np.meshgrid(*map(np.arange, shape), indexing="ij"), axis=-1) - (20, 18, 15),
+                            axis=-1)
+    image = np.where((radius < 11) & (radius > 4), 1.0, 0.0).astype(np.float32)  # a hollow ball
+    image[33:36, 4:7, 4:7] = 1.0  # and a speck apart
+    labels = np.zeros(shape, np.int16)
+    labels[18:22, 8:11, 14:16] = 1  # inside the head
+    for given, tidy in ((None, True), (labels, True)):
+        study = Study.from_arrays({"t1": image}, np.eye(4), labels=given)
+        mask, known_tidy = preprocess._brain_mask_and_tidiness(study)
+        assert known_tidy == tidy
+        tidied, apart, note = tidy_label(mask, study.affine)
+        np.testing.assert_array_equal(tidied, mask)
+        assert apart is None and note == LabelNote()
+    outside = labels.copy()
+    outside[1:3, 1:3, 1:3] = 2  # a label piece outside the head
+    study = Study.from_arrays({"t1": image}, np.eye(4), labels=outside)
+    mask, known_tidy = preprocess._brain_mask_and_tidiness(study)
+    assert not known_tidy
+    assert tidy_label(mask, study.affine)[2].left_out  # it would be left out
+    given = Study.from_arrays({"t1": image}, np.eye(4), brain_mask=radius < 11)
+    assert not preprocess._brain_mask_and_tidiness(given)[1]
+
+
 def test_fill_holes_is_scipys_on_masks_with_holes_tunnels_and_faces():
     """Cavities are filled, also one that meets a tunnel to the grid's faces only at a corner (face
     connectivity keeps them apart); tunnels and what touches a face stay open; a full and an empty mask stay
@@ -351,7 +418,6 @@ def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_di
     np.testing.assert_array_equal(first.occupancy, fourth.occupancy)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="nothing runs beside the maps on one core")
 def test_what_needs_the_mask_or_the_label_maps_does_not_wait_for_the_brains_map(monkeypatch):
     """P(x), the occupancy grid, the bounds and the normalised channels are made while the brain's map, the
     slowest, is still being made: ``with_label_maps`` is given the label maps as they are returned, before the
@@ -383,6 +449,34 @@ def test_what_needs_the_mask_or_the_label_maps_does_not_wait_for_the_brains_map(
         with_mask=lambda given: seen.update(mask=given.copy()), with_label_maps=with_label_maps)
     np.testing.assert_array_equal(seen["mask"], mask)
     np.testing.assert_array_equal(seen["label maps"], np.delete(boundary, brain_index, axis=0))
+
+
+def test_the_labelled_structures_do_not_wait_for_the_brain_mask(monkeypatch):
+    """The structures drawn in the labels need no brain mask: their maps are begun while it is found (the brain's,
+    the longest way, then meets less of their work), and come out as without the wait."""
+    image = np.zeros((24, 24, 24), np.float32)
+    image[4:20, 5:19, 6:18] = 1.0
+    labels = np.zeros(image.shape, np.int16)
+    labels[9:14, 9:14, 9:14] = 1
+    study = Study.from_arrays({"t1": image}, np.eye(4), labels=labels)
+    structures = make_structures(study.structures, include_brain=True)
+    expected = preprocess.mask_and_boundary_maps(study, structures, lambda message, fraction: None)[1]
+    begun = threading.Event()
+    exact, find = preprocess.signed_distance, preprocess._brain_mask_and_tidiness
+
+    def labelled_begins(inside, spacing, *args, name="a mask", **kwargs):
+        if not name.startswith(f"structure '{BRAIN}'"):
+            begun.set()
+        return exact(inside, spacing, *args, name=name, **kwargs)
+
+    def mask_once_a_label_began(given):
+        assert begun.wait(60), "the labelled structures waited for the brain mask"
+        return find(given)
+
+    monkeypatch.setattr(preprocess, "signed_distance", labelled_begins)
+    monkeypatch.setattr(preprocess, "_brain_mask_and_tidiness", mask_once_a_label_began)
+    boundary = preprocess.mask_and_boundary_maps(study, structures, lambda message, fraction: None)[1]
+    np.testing.assert_array_equal(boundary, expected)
 
 
 def test_float16_rounding_of_the_cache_is_numpys_bit_for_bit():

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 
 STEPS = {
-    "NeuralRaycastLib.study.preprocess": ["head_mask", "tidy_label", "signed_distance", "_voxel_signed_distance",
-                                          "_smoothed_surface", "_contour_surface", "_smooth_near_surface",
+    "NeuralRaycastLib.study.preprocess": ["head_mask", "_brain_mask_and_tidiness", "_thresholded_head", "tidy_label",
+                                          "signed_distance", "_voxel_signed_distance", "_smoothed_surface",
+                                          "_contour_surface", "_smooth_near_surface",
                                           "_far_field", "disagreement", "smoothed_label", "mask_and_boundary_maps",
                                           "_distance_transform", "_derived_from_maps", "_derived_from_mask",
                                           "_rounded_probability", "write_entry", "normalise_channel"],

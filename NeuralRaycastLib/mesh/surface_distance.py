@@ -70,15 +70,21 @@ def smooth_surface(vertices: np.ndarray, faces: np.ndarray, iterations: int = 20
     average = _neighbour_average(len(vertices), faces)
     c = _sinc_coefficients(iterations, passband)
 
-    def half_step(x: np.ndarray) -> np.ndarray:
-        return 0.5 * (x + average @ x)
+    def filtered(x: np.ndarray) -> np.ndarray:
+        def half_step(x: np.ndarray) -> np.ndarray:
+            return 0.5 * (x + average @ x)
 
-    previous, current = vertices.astype(np.float64), half_step(vertices.astype(np.float64))
-    result = c[0] * previous + c[1] * current
-    for coefficient in c[2:]:
-        previous, current = current, 2.0 * half_step(current) - previous
-        result += coefficient * current
-    return result
+        previous, current = x, half_step(x)
+        result = c[0] * previous + c[1] * current
+        for coefficient in c[2:]:
+            previous, current = current, 2.0 * half_step(current) - previous
+            result += coefficient * current
+        return result
+
+    # each coordinate on its own (the filter acts on them alike), in threads: the sparse products let others run
+    coordinates = [np.ascontiguousarray(vertices[:, axis], np.float64) for axis in range(vertices.shape[1])]
+    with ThreadPoolExecutor(len(coordinates)) as pool:
+        return np.stack(list(pool.map(filtered, coordinates)), axis=1)
 
 
 def vertex_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
@@ -100,6 +106,9 @@ def balanced_level(distances: np.ndarray, inside: np.ndarray, voxel: float, roun
     For a flat surface at any offset between voxel centres the points on either side are mirror images,
     so t = 0 when the surface is right whatever its offset; curvature biases it by a second-order amount.
     Kept within half a voxel (no smoothing moves a surface further), and 0 where either side is empty."""
+    # a level within half a voxel of 0 has no point a voxel or more away within half a voxel of it
+    within = np.abs(distances) < voxel
+    distances, inside = distances[within], inside[within]
     level = 0.0
     for _ in range(rounds):
         near = np.abs(distances - level) < 0.5 * voxel
@@ -111,8 +120,11 @@ def balanced_level(distances: np.ndarray, inside: np.ndarray, voxel: float, roun
 
 
 def mesh_pieces(vertex_count: int, faces: np.ndarray) -> np.ndarray:
-    """The closed piece (connected component) each vertex belongs to, numbered from 0."""
-    return csgraph.connected_components(_neighbour_average(vertex_count, faces), directed=False)[1]
+    """The closed piece (connected component) each vertex belongs to, numbered from 0 in the order of the
+    vertices. Two edges of each triangle join all three of its corners."""
+    rows, cols = np.concatenate([faces[:, 0], faces[:, 1]]), np.concatenate([faces[:, 1], faces[:, 2]])
+    graph = sparse.csr_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(vertex_count, vertex_count))
+    return csgraph.connected_components(graph, directed=False)[1]
 
 
 def agree_with_labels(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray, inside: np.ndarray,

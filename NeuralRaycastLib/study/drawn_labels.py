@@ -23,6 +23,7 @@ import numpy as np
 
 from ..grid import voxel_box_slices
 from .pieces import Piece, fill_holes, label_pieces, pieces_of
+from .slabs import gaussian_reach, in_slabs
 
 #: Pieces (and holes) of a label smaller than this many millilitres are left out of its surface by default:
 #: specks of a few voxels, which no smooth surface at the study's resolution holds.
@@ -111,14 +112,37 @@ def smoothed_label(sdf: np.ndarray, inside: np.ndarray, sigma_voxels: np.ndarray
     shifted so that exactly as many voxels are below zero as ``inside`` holds (the label's volume is kept)."""
     from scipy import ndimage
 
-    smooth = ndimage.gaussian_filter(sdf.astype(np.float32), sigma_voxels, mode="nearest")
+    sigma = np.asarray(sigma_voxels, np.float64)
+    smooth = in_slabs(lambda slab: ndimage.gaussian_filter(slab, sigma, mode="nearest"), np.asarray(sdf, np.float32),
+                      gaussian_reach(sigma[0]), np.float32)
     count = int(inside.sum())
     flat = smooth.ravel()
     if count <= 0 or count >= flat.size:
         return smooth
-    below, above = np.partition(flat, (count - 1, count))[[count - 1, count]]
+    below, above = _neighbouring_order_statistics(flat, count - 1)
     smooth -= np.float32(0.5 * (float(below) + float(above)))
     return smooth
+
+
+#: The share of the values either side of the rank sought that :func:`_neighbouring_order_statistics` first
+#: looks among.
+ORDER_BRACKET_SHARE = 0.01
+
+
+def _neighbouring_order_statistics(values: np.ndarray, rank: int) -> tuple[float, float]:
+    """The values of ranks ``rank`` and ``rank + 1`` (from 0) of a flat array, as ``np.partition`` gives them: a
+    sample's quantiles bracket them, and only the values within the bracket are partitioned, where the bracket
+    holds both (else all of them are)."""
+    sample = np.sort(values[:: max(1, values.size // (1 << 16))])
+    share = rank / values.size
+    low, high = (sample[min(int(q * len(sample)), len(sample) - 1)]
+                 for q in (max(share - ORDER_BRACKET_SHARE, 0.0), min(share + ORDER_BRACKET_SHARE, 1.0)))
+    lower = int(np.count_nonzero(values < low))
+    bracket = values[(values >= low) & (values <= high)]
+    if lower <= rank and rank + 1 < lower + len(bracket):
+        values, rank = bracket, rank - lower
+    first, second = np.partition(values, (rank, rank + 1))[[rank, rank + 1]]
+    return first, second
 
 
 def disagreement(sdf: np.ndarray, inside: np.ndarray) -> float:
@@ -128,7 +152,8 @@ def disagreement(sdf: np.ndarray, inside: np.ndarray) -> float:
     from scipy import ndimage
 
     smooth = smoothed_label(sdf, inside, np.full(3, PROBE_VOXELS))
-    boundary = int((ndimage.binary_dilation(inside) & ~ndimage.binary_erosion(inside)).sum())
+    edge = in_slabs(lambda slab: ndimage.binary_dilation(slab) & ~ndimage.binary_erosion(slab), inside, 1, bool)
+    boundary = int(np.count_nonzero(edge))
     return float(((smooth < 0) != inside).sum()) / boundary if boundary else 0.0
 
 

@@ -40,6 +40,7 @@ from .drawn_labels import (
     tidy_label,
 )
 from .pieces import fill_holes
+from .slabs import in_slabs, slab_edges
 from .structures import BRAIN, Structure, make_structures
 from .study import Study, StudyError, map_in_threads
 
@@ -129,21 +130,31 @@ def normalise_channel(image: np.ndarray, mask: np.ndarray, out: np.ndarray | Non
 
 
 def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None) -> np.ndarray:
-    """The brain (skull-stripped data) or head: Otsu threshold, closed, holes filled, largest component."""
+    """The brain (skull-stripped data) or head: Otsu threshold, closed, holes filled, largest component; with
+    ``labels``, their voxels added."""
+    mask = _thresholded_head(channels)
+    if labels is not None:
+        mask |= labels > 0
+    return mask
+
+
+def _thresholded_head(channels: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`head_mask` without the labels: one face-connected piece without holes (or nothing), as
+    :func:`~.drawn_labels.tidy_label` would leave it (see :func:`_brain_mask_and_tidiness`)."""
     from scipy import ndimage
-    from skimage.filters import threshold_otsu
 
     images = list(channels.values())
     scales = map_in_threads(lambda image: float(np.percentile(image, 99.0)) or float(image.max()) or 1.0, images)
     combined = _scaled_maximum(images, scales)
-    # a histogram's threshold: neither the shape nor the order matters (no C-ordered copy of a NIfTI's data)
-    mask = combined > threshold_otsu(combined.ravel(order="K"))
+    mask = combined > _otsu_threshold(combined)
     if mask.any():
         # Closed, filled and chosen on the box around what is above the threshold and a few voxels more: the
-        # closing reaches CLOSING_ITERATIONS voxels, so all beyond stays outside, as on the whole grid.
+        # closing reaches CLOSING_ITERATIONS voxels, so all beyond stays outside, as on the whole grid. The
+        # closing's dilations and erosions reach that far each, so its slabs take twice that on either side.
         box = _widened_box(mask, CLOSING_ITERATIONS + 1)
-        inner = ndimage.binary_closing(mask[box], structure=ndimage.generate_binary_structure(3, 1),
-                                       iterations=CLOSING_ITERATIONS)
+        face = ndimage.generate_binary_structure(3, 1)
+        inner = in_slabs(lambda slab: ndimage.binary_closing(slab, structure=face, iterations=CLOSING_ITERATIONS),
+                         mask[box], 2 * CLOSING_ITERATIONS, bool)
         inner = fill_holes(inner)
         components, count = ndimage.label(inner)
         if count > 1:
@@ -152,9 +163,24 @@ def head_mask(channels: dict[str, np.ndarray], labels: np.ndarray | None = None)
             inner = components == int(np.argmax(sizes))
         mask = np.zeros(mask.shape, bool)
         mask[box] = inner
-    if labels is not None:
-        mask |= labels > 0
     return mask
+
+
+def _otsu_threshold(values: np.ndarray, bins: int = 256) -> float:
+    """scikit-image's ``threshold_otsu(values)``, its histogram counted in slabs in threads (a histogram's
+    threshold: neither the shape nor the order matters, so a NIfTI's data is not copied into C order)."""
+    from skimage.filters import threshold_otsu
+
+    flat = values.ravel(order="K")
+    low, high = (flat.min(), flat.max())
+    if low == high:  # one value: threshold_otsu gives it
+        return low
+    # the counts of np.histogram over the whole, whose range is (min, max) and whose edges are the same
+    edges = np.histogram(flat[:1], bins=bins, range=(low, high))[1]
+    parts = np.linspace(0, flat.size, min(os.cpu_count() or 1, 64) + 1).astype(int)
+    counts = sum(map_in_threads(lambda part: np.histogram(flat[parts[part]:parts[part + 1]], bins=bins,
+                                                          range=(low, high))[0], range(len(parts) - 1)))
+    return threshold_otsu(hist=(counts, (edges[:-1] + edges[1:]) / 2.0))
 
 
 def _scaled_maximum(images: list[np.ndarray], scales: list[float]) -> np.ndarray:
@@ -301,7 +327,8 @@ def _voxel_signed_distance(box: np.ndarray, spacing: np.ndarray, low: np.ndarray
     """The mask's Euclidean distance transform both ways, shortened by half a voxel, negative inside, exact
     over the box: it holds every inside voxel (``low``..``high``), the nearest one of each outside voxel, and
     the inside transform is taken over those and one voxel beyond, where the nearest outside voxel of each
-    inside one lies. The two transforms run in threads (they release the interpreter), on ``gpu`` where given."""
+    inside one lies. The two transforms run in threads, on ``gpu`` where given (the ``edt`` package holds the
+    interpreter while it runs, so there its two follow each other, each on all cores)."""
     half = np.float32(0.5 * float(spacing.min()))
     near = tuple(slice(max(lo - 1, 0), min(hi + 2, n)) for lo, hi, n in zip(low, high, box.shape, strict=True))
     sdf, inside_distance = map_in_threads(lambda outside: _distance_transform(outside, spacing, gpu),
@@ -345,11 +372,11 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
     with ThreadPoolExecutor(1) as pool:  # the mesh's pieces are found while the searches run on every core
         found = pool.submit(mesh_pieces, len(vertices), faces)
         band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
-        points = (np.argwhere(band) + origin) * spacing
+        points = (_voxels_of(band) + origin) * spacing
         nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
         exact, closest = mesh_distances(vertices, faces, points, nearest)
         pieces = found.result()
-    moved = agree_with_labels(vertices, faces, points, inside[band], exact, float(spacing.min()),
+    moved = agree_with_labels(vertices, faces, points, _in_band(inside, band), exact, float(spacing.min()),
                               faces[closest, 0], pieces)
     if not np.array_equal(moved, vertices):
         # One piece moves as a whole, keeping which triangles are near a point; pieces moved by different
@@ -359,9 +386,51 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
         exact = mesh_distances(moved, faces, points, nearest)[0]
     # The smoothed surface stays within a voxel of the terraced one: a sign that disagrees with
     # the mask further in than that would be a fault of the sign test, never of the surface.
-    voxel = sdf[band]
+    voxel = _in_band(sdf, band)
     trusted = (np.sign(exact) == np.sign(voxel)) | (np.abs(voxel) < float(spacing.max()))
-    sdf[band] = np.where(trusted, exact, voxel)
+    _set_in_band(sdf, band, np.where(trusted, exact, voxel))
+
+
+def _voxels_of(mask: np.ndarray) -> np.ndarray:
+    """``np.argwhere(mask)`` (the same rows in the same order), slab by slab in threads."""
+    edges = slab_edges(len(mask), 0)
+    if len(edges) == 2:
+        return np.argwhere(mask)
+    parts = map_in_threads(lambda part: np.argwhere(mask[edges[part]:edges[part + 1]]), range(len(edges) - 1))
+    for part, start in zip(parts, edges, strict=False):
+        part[:, 0] += start
+    return np.concatenate(parts)
+
+
+def _band_slabs(band: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The slabs of ``band`` (:func:`~.slabs.slab_edges`) and where each one's voxels begin among all of its."""
+    edges = slab_edges(len(band), 0)
+    counts = map_in_threads(lambda part: np.count_nonzero(band[edges[part]:edges[part + 1]]), range(len(edges) - 1))
+    return edges, np.concatenate([[0], np.cumsum(counts)]).astype(int)
+
+
+def _in_band(volume: np.ndarray, band: np.ndarray) -> np.ndarray:
+    """``volume[band]``, slab by slab in threads."""
+    edges, offsets = _band_slabs(band)
+    out = np.empty(int(offsets[-1]), volume.dtype)
+
+    def gather(part: int) -> None:
+        planes = slice(int(edges[part]), int(edges[part + 1]))
+        out[offsets[part]:offsets[part + 1]] = volume[planes][band[planes]]
+
+    map_in_threads(gather, range(len(edges) - 1))
+    return out
+
+
+def _set_in_band(volume: np.ndarray, band: np.ndarray, values: np.ndarray) -> None:
+    """``volume[band] = values``, slab by slab in threads."""
+    edges, offsets = _band_slabs(band)
+
+    def scatter(part: int) -> None:
+        planes = slice(int(edges[part]), int(edges[part + 1]))
+        volume[planes][band[planes]] = values[offsets[part]:offsets[part + 1]]
+
+    map_in_threads(scatter, range(len(edges) - 1))
 
 
 def _far_field(out: np.ndarray, crop: tuple[slice, ...], low: np.ndarray, high: np.ndarray,
@@ -380,13 +449,25 @@ def _far_field(out: np.ndarray, crop: tuple[slice, ...], low: np.ndarray, high: 
         to_crop = np.abs(index - nearest) * spacing[axis]
         axes.append((to_box.astype(np.float32) ** 2, to_crop.astype(np.float32) ** 2, nearest - c.start))
     for region in _outside_crop(crop, out.shape):
-        (bx, cx, ix), (by, cy, iy), (bz, cz, iz) = (
-            (b[r][shape], c[r][shape], i[r][shape])
-            for (b, c, i), r, shape in zip(axes, region, (np.s_[:, None, None], np.s_[None, :, None],
+        (bx, cx), (by, cy), (bz, cz) = (
+            (b[r][shape], c[r][shape])
+            for (b, c, _), r, shape in zip(axes, region, (np.s_[:, None, None], np.s_[None, :, None],
                                                           np.s_[None, None, :]), strict=True))
         to_box = np.sqrt(bx + by + bz)
-        through_crop = inner[ix, iy, iz] - np.sqrt(cx + cy + cz)
+        nearest = _nearest_crop_values(inner, [index[r] for (_, _, index), r in zip(axes, region, strict=True)])
+        through_crop = nearest - np.sqrt(cx + cy + cz)
         out[region] = np.maximum(to_box - half, through_crop)
+
+
+def _nearest_crop_values(inner: np.ndarray, indices: list[np.ndarray]) -> np.ndarray:
+    """``inner`` at the outer product of ``indices`` (one per axis), an axis whose index is one value throughout
+    (the one the region lies beyond) kept at length 1, to be broadcast: gathered an axis at a time, those first,
+    instead of a voxel at a time over the whole region."""
+    constant = [len(index) > 0 and bool((index == index[0]).all()) for index in indices]
+    values = inner
+    for axis in sorted(range(len(indices)), key=lambda axis: not constant[axis]):
+        values = np.take(values, indices[axis][:1] if constant[axis] else indices[axis], axis=axis)
+    return values
 
 
 def _outside_crop(crop: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[slice, ...]]:
@@ -511,6 +592,18 @@ def _float32_in_threads(stack: np.ndarray, dtype: type = np.float32) -> np.ndarr
     return out
 
 
+def _store_as_float16(out: np.ndarray, values: np.ndarray) -> None:
+    """``out[...] = values.astype(np.float16)``, slab by slab in threads: the brain's map, the last of the longest
+    way, is rounded on all cores."""
+    edges = slab_edges(len(values), 0)
+
+    def store(part: int) -> None:
+        planes = slice(int(edges[part]), int(edges[part + 1]))
+        out[planes] = values[planes].astype(np.float16)
+
+    map_in_threads(store, range(len(edges) - 1))
+
+
 def _normalise_channels(study: Study, mask: np.ndarray, ranges: list[tuple[float, float]] | None,
                         channels: np.ndarray) -> None:
     """Each channel normalised (:func:`normalise_channel`) into its slice of ``channels``, in threads; ``ranges``:
@@ -615,8 +708,21 @@ def _derived_from_mask(study: Study, mask: np.ndarray) -> dict:
 
 def _rounded_probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:
     """P(x) rounded to float16 as the cache keeps it, so cached and fresh runs agree (it reads the maps of the
-    structures drawn in the labels only)."""
-    return as_float16(_probability(study, structures, boundary)).astype(np.float32)
+    structures drawn in the labels only). A derived P(x) is computed only within :data:`_ROUNDS_TO_ZERO_WIDTHS`
+    widths of the lesion: beyond, it rounds to 0."""
+    lesion = _lesion_boundary(structures, boundary) if study.probability is None else None
+    if lesion is None:
+        return as_float16(_probability(study, structures, boundary)).astype(np.float32)
+    width = float(study.spacing.mean())
+    rounded = np.zeros(lesion.shape, np.float32)
+    near = lesion / width < _ROUNDS_TO_ZERO_WIDTHS  # the same quotient derived_probability takes
+    rounded[near] = as_float16(derived_probability(lesion[near], width)).astype(np.float32)
+    return rounded
+
+
+#: Widths of the smooth step beyond the lesion's surface where P(x) (below 1/(1 + e²⁰) there, 2·10⁻⁹) rounds to 0
+#: in float16, whose smallest step is 2⁻²⁴ (6·10⁻⁸).
+_ROUNDS_TO_ZERO_WIDTHS = np.float32(20.0)
 
 
 #: The smallest normal float16 (2⁻¹⁴) and the step of the subnormal ones below it (2⁻²⁴).
@@ -641,10 +747,25 @@ def as_float16(values: np.ndarray) -> np.ndarray:
 
 def _brain_mask(study: Study) -> np.ndarray:
     """The study's brain mask, or the head found by thresholding where it has none."""
+    return _brain_mask_and_tidiness(study)[0]
+
+
+def _brain_mask_and_tidiness(study: Study) -> tuple[np.ndarray, bool]:
+    """:func:`_brain_mask`, and whether it is known to be tidy: what :func:`~.drawn_labels.tidy_label` leaves as it
+    is, listing nothing. The thresholded head is one face-connected piece (so one piece of any connectivity)
+    without holes: holes were filled before the largest piece was chosen, and each piece left out touches what
+    is outside it, so leaving it out encloses nothing. Labels that add voxels to it may change that."""
     if study.brain_mask is None:
-        return head_mask(study.channels, study.labels)
+        mask = _thresholded_head(study.channels)
+        if study.labels is None:
+            return mask, bool(mask.any())
+        labelled = study.labels > 0
+        tidy = bool(mask.any()) and not (labelled & ~mask).any()
+        mask |= labelled
+        return mask, tidy
     # given (skull stripping); the labelled structures lie in the brain whatever it says
-    return study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
+    mask = study.brain_mask | (study.labels > 0) if study.labels is not None else study.brain_mask.copy()
+    return mask, False
 
 
 def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Progress,
@@ -654,9 +775,10 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
                             ) -> tuple[np.ndarray, np.ndarray, dict[str, LabelNote]]:
     """The brain mask, every structure's signed distance (S, I, J, K), rounded to float16 as the cache keeps
     them (cached and fresh runs agree), and each structure's :class:`LabelNote` (see :func:`prepare` for the
-    pieces). The structures run in threads (their transforms and searches release the interpreter), the brain's
-    first: it is the largest surface and waits for the mask, so it is the longest way through. Progress is
-    reported from this thread, and the first error in structure order is raised.
+    pieces). The structures run in threads, those drawn in the labels from the start, while the mask is found:
+    the brain's, the largest surface, waits for the mask and is the longest way through, so it should meet as
+    little of the others' work as can be (the ``edt`` transform and marching cubes hold the interpreter while
+    they run). Progress is reported from this thread, and the first error in structure order is raised.
 
     What needs only part of this work runs beside the rest, off that longest way: ``with_mask`` (given the
     mask) as soon as the mask is found, ``with_label_maps`` (given the maps) once the maps of every structure
@@ -665,30 +787,37 @@ def mask_and_boundary_maps(study: Study, structures: list[Structure], report: Pr
     boundary = np.empty((len(structures), *study.shape), dtype=np.float32)
     notes: dict[str, LabelNote] = {}
 
-    def compute(index: int, brain: np.ndarray | None) -> None:
+    def compute(index: int, brain: np.ndarray | None, tidy: bool = False) -> None:
         structure = structures[index]
         name = _structure_name(study, structure)
-        mask, apart, note = tidy_label(structure_mask(structure, study.labels, brain), study.affine,
-                                       min_piece_ml, keep_small_pieces)
+        if tidy:  # nothing to leave out or fill (see _brain_mask_and_tidiness)
+            mask, apart, note = structure_mask(structure, study.labels, brain), None, LabelNote()
+        else:
+            mask, apart, note = tidy_label(structure_mask(structure, study.labels, brain), study.affine,
+                                           min_piece_ml, keep_small_pieces)
         distance = signed_distance(mask, study.spacing, name=name, note=note, gpu=gpu)
         if apart is not None:  # small pieces as drawn, each a surface of its own
             np.minimum(distance, signed_distance(apart, study.spacing, name=name, detect_drawn=False, gpu=gpu),
                        out=distance)
-        boundary[index] = distance.astype(np.float16)
+        _store_as_float16(boundary[index], distance)
         notes[structure.name] = note
 
     report("brain mask", 0.0)
     futures: dict[int, Future] = {}
     beside: list[Future] = []
+    # a thread for each job: the brain's, submitted last, must not wait in the queue behind the others
     workers = len(structures) + (with_mask is not None) + (with_label_maps is not None)
-    with ThreadPoolExecutor(min(workers, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         try:
-            mask = _brain_mask(study)
+            for index, structure in enumerate(structures):
+                if not structure.from_mask:
+                    futures[index] = pool.submit(compute, index, None)
+            mask, tidy = _brain_mask_and_tidiness(study)
+            for index, structure in enumerate(structures):
+                if structure.from_mask:
+                    futures[index] = pool.submit(compute, index, mask, tidy)
             if with_mask is not None:
                 beside.append(pool.submit(with_mask, mask))
-            order = sorted(range(len(structures)), key=lambda index: not structures[index].from_mask)
-            for index in order:
-                futures[index] = pool.submit(compute, index, mask if structures[index].from_mask else None)
             report(f"signed distances: {', '.join(s.name for s in structures)}", 1.0 / (len(structures) + 1))
             labelled = {futures[i] for i, s in enumerate(structures) if s.name != BRAIN}  # what P(x) reads
             if with_label_maps is not None and not labelled:
@@ -727,10 +856,17 @@ def _structure_name(study: Study, structure: Structure) -> str:
 def _probability(study: Study, structures: list[Structure], boundary: np.ndarray) -> np.ndarray:
     if study.probability is not None:
         return study.probability.astype(np.float32)
+    lesion = _lesion_boundary(structures, boundary)
+    if lesion is None:
+        return np.zeros(study.shape, dtype=np.float32)
+    return derived_probability(lesion, float(study.spacing.mean()))
+
+
+def _lesion_boundary(structures: list[Structure], boundary: np.ndarray) -> np.ndarray | None:
+    """The boundary map a derived P(x) steps across: the whole tumour's, or for custom structures the union of all
+    of them ("the lesion"); None where there are none."""
     names = [s.name for s in structures]
     if "whole_tumor" in names:
-        return derived_probability(boundary[names.index("whole_tumor")], float(study.spacing.mean()))
+        return boundary[names.index("whole_tumor")]
     label_structures = [i for i, s in enumerate(structures) if s.name != BRAIN]
-    if label_structures:  # custom structures: the union of all of them is "the lesion"
-        return derived_probability(boundary[label_structures].min(axis=0), float(study.spacing.mean()))
-    return np.zeros(study.shape, dtype=np.float32)
+    return boundary[label_structures].min(axis=0) if label_structures else None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The boundary maps' time on this machine, before (commit 2844c46) and after this branch's changes: preparing
+# The boundary maps' time on this machine, before (commit 37bd3a1) and after this branch's changes: preparing
 # the sample and a BraTS-sized (240×240×155) copy of it without the cache, step by step (tools/maps_timeline.py),
 # and the "boundary maps" phase of a `fit` of the sample whose prepared-study cache was emptied first (the
 # kernels stay compiled). Everything is written under $OUT (4 files):
@@ -12,7 +12,7 @@
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/maps.sh
 #
 # MAPS_FIT=0 leaves the fits out (a machine without a GPU: the two-core figure). The code before is taken from
-# this checkout's history (commit $BEFORE, default 2844c46), or from BEFORE_TREE, a folder holding NeuralRaycastLib/
+# this checkout's history (commit $BEFORE, default 37bd3a1), or from BEFORE_TREE, a folder holding NeuralRaycastLib/
 # and shaders/ of it; with neither, only the current code is measured.
 set -euo pipefail
 
@@ -21,7 +21,7 @@ cd "$repo"
 : "${OUT:?set OUT to the folder for the results}"
 N=${N:-python3 -m NeuralRaycastLib.app.entry}
 PY=${PYTHON:-python3}
-BEFORE=${BEFORE:-2844c46}
+BEFORE=${BEFORE:-37bd3a1}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$OUT" "$work/logs" "$work/json"
@@ -57,7 +57,7 @@ for entry in "${trees[@]}"; do
             > "$work/logs/timeline-$name-$study.txt" 2>&1
         grep -E '^(study|run [0-9]+:)' "$work/logs/timeline-$name-$study.txt" | tee -a "$summary"
         # the steps of the longest way: the brain's, and when the maps were done
-        grep -E '^(head_mask|mask_and_boundary_maps|_derived_from_maps|write_entry) ' \
+        grep -E '^(head_mask|_brain_mask_and_tidiness|mask_and_boundary_maps|_derived_from_maps|write_entry) ' \
             "$work/logs/timeline-$name-$study.txt" | tail -n 4 | tee -a "$summary" || true
     done
     cp "$work/logs/timeline-$name-sample.txt" "$OUT/timeline-$name.txt"
