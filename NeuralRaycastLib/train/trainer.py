@@ -227,12 +227,33 @@ class Trainer:
         self._report: Progress = lambda message, fraction: None
         self._memory_retries = 0
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
-        self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
-                                       config.occupancy_cell_mm, from_boundary=True, shade_weight=config.shade_weight)
+        self._renderer: DiffRenderer | None = None  # made at first use (renderer)
+        if config.appearance_steps + config.joint_steps:  # a schedule that renders: made with the trainer
+            _ = self.renderer
         self._scorer: DeviceViewScorer | None = None  # made at the first evaluation
         self.log = TrainLog(memory={"budget_bytes": budget.bytes, "budget_source": budget.source,
                                     "held_bytes": budget.held, "preset_patches": config.patches,
                                     "patches": sized.patches, "sdf_points": sized.geometry.batch})
+
+    @property
+    def renderer(self) -> DiffRenderer:
+        """The field's differentiable renderer, made at first use: a fit of the geometry alone (a pretrained
+        appearance follows, with a renderer of its own) never renders, and making it uploads the study's local
+        inputs and works out the boundary maps' occupancy."""
+        if self._renderer is None:
+            c = self.config
+            self._renderer = field_renderer(self.gpu, self.prepared, self.field, c.max_samples, self.style,
+                                            c.occupancy_cell_mm, from_boundary=True, shade_weight=c.shade_weight)
+        return self._renderer
+
+    @renderer.setter
+    def renderer(self, renderer: DiffRenderer) -> None:
+        self._renderer = renderer
+
+    @property
+    def made_renderer(self) -> DiffRenderer | None:
+        """The renderer where it has been made (None: no step or caller has needed it yet)."""
+        return self._renderer
 
     # What the image steps read, made at the first that needs them: a fit of the geometry alone (a pretrained
     # appearance without a fine-tune) never does, and the views' targets are hundreds of MB to gather.
@@ -473,6 +494,7 @@ class Trainer:
             self.refresh_meshes()
         self.log.seconds = time.perf_counter() - start
         self.log.cancelled = cancelled
-        self.log.memory["band_rays"] = self.renderer.band_rays()
+        if self._renderer is not None:  # a fit of the geometry alone never made one
+            self.log.memory["band_rays"] = self._renderer.band_rays()
         return self.log
 
