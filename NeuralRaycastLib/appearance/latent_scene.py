@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,12 +198,21 @@ class PretrainedAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
         training. ``scene``: the trainer's (a FieldScene's local inputs, already on the device, are the encoder's
         when the study fills every channel slot)."""
+        return self.encode_bricks(gpu, prepared, self.latent_bricks(prepared, field), scene)
+
+    def latent_bricks(self, prepared, field: NeuralField) -> tuple[GridLayout, np.ndarray]:
+        """The study's latent grid and the bricks of it that are stored (:func:`study_slots`)."""
         if len(prepared.structures) > self.config.structures:
             raise LatentConfigError(f"the pretrained appearance holds {self.config.structures} structures, the "
                                     f"study has {len(prepared.structures)}")
         grid = study_grid(field)
-        latent = LatentAppearance(gpu, self.config, grid, self.parameters,
-                                  slots=study_slots(field, grid, study_epsilon(prepared)))
+        return grid, study_slots(field, grid, study_epsilon(prepared))
+
+    def encode_bricks(self, gpu: GpuContext, prepared, bricks: tuple[GridLayout, np.ndarray],
+                      scene=None) -> LatentAppearance:
+        """:meth:`encode_study` into the grid and bricks of :meth:`latent_bricks`."""
+        grid, slots = bricks
+        latent = LatentAppearance(gpu, self.config, grid, self.parameters, slots=slots)
         uploaded = uploaded_inputs(scene, prepared)
         if uploaded is not None:
             latent.encode_uploaded(uploaded)
@@ -236,17 +246,29 @@ def appearance_bytes(latent: LatentAppearance, digest: str) -> bytes:
     """A study's latent appearance: the networks' parameters, which bricks are stored (a bit a brick, z, y, x
     order: their slots follow) and the stored fp16 codes (read back as the device holds them, no conversion),
     with the grid's sizes and layout."""
-    from safetensors.numpy import save
+    return appearance_encoder(latent, digest)()
 
-    parameters = np.ascontiguousarray(latent.parameters(), np.float32)
+
+def appearance_encoder(latent: LatentAppearance, digest: str, read=None) -> Callable[[], bytes]:
+    """:func:`appearance_bytes` in two halves: the device's values are read here (``read``: a tensor's float32
+    words, default its own read), and the returned function, which touches no device and may run on another
+    thread, hashes and lays out the file's bytes."""
+    parameters = np.ascontiguousarray(latent.parameters() if read is None else read(latent.values), np.float32)
     stored = np.packbits(latent.slots.reshape(-1) >= 0)
-    codes = latent.stored_codes()
-    metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": latent.config.as_dict(),
-                "grid": {"origin": list(latent.grid.origin), "dims": list(latent.grid.dims),
-                         "cell_mm": latent.grid.cell_mm, "brick": BRICK},
-                "pretrained_sha256": digest, "sha256": values_digest(parameters, stored, codes)}
-    return save({"parameters": parameters, "bricks": stored, "grid": codes},
-                metadata={WEIGHTS_KEY: json.dumps(metadata)})
+    codes = latent.stored_codes(read)
+    config, grid = latent.config.as_dict(), latent.grid
+
+    def encode() -> bytes:
+        from safetensors.numpy import save
+
+        metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": config,
+                    "grid": {"origin": list(grid.origin), "dims": list(grid.dims), "cell_mm": grid.cell_mm,
+                             "brick": BRICK},
+                    "pretrained_sha256": digest, "sha256": values_digest(parameters, stored, codes)}
+        return save({"parameters": parameters, "bricks": stored, "grid": codes},
+                    metadata={WEIGHTS_KEY: json.dumps(metadata)})
+
+    return encode
 
 
 def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> LatentAppearance:
