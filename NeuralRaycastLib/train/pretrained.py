@@ -27,8 +27,10 @@ def pretrained_appearance(gpu: GpuContext, prepared, field: NeuralField, appeara
     reads its model back there and writes it while the device works on: its own phase, "model read back")."""
     from ..appearance.latent_scene import fine_tune, latent_renderer
 
+    with clock.phase("latent bricks"):  # where the field's surfaces are: the bricks the grid stores
+        bricks = appearance.latent_bricks(prepared, field)
     with clock.phase("encode"):
-        latent = appearance.encode_study(gpu, prepared, field, getattr(trainer.made_renderer, "scene", None))
+        latent = appearance.encode_bricks(gpu, prepared, bricks, getattr(trainer.made_renderer, "scene", None))
         gpu.device.wait()
     if tuning and appearance.fine_tunes:
         with clock.phase("fine-tune"):

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -123,8 +125,9 @@ class TrainLog:
     stage_rays: dict[int, int] = dataclasses.field(default_factory=dict)  # rays, steps, seconds of stages 2, 3
     stage_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
-    # Each render stage's first step, device work included: it also loads that stage's kernels and sets up the
-    # calls to them, so even with every cache warm it takes several times as long as the steps after it.
+    # Each stage's first step, device work included: it also loads that stage's kernels and sets up the calls to
+    # them, so even with every cache warm it takes several times as long as the steps after it. (Stage 1's is
+    # the SDF fit's first step; throughputs count stages 2 and 3 only.)
     first_step_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
     cancelled: bool = False
     skipped_steps: int = 0
@@ -401,7 +404,11 @@ class Trainer:
         self.renderer.shade_weight = self.config.render_shade_weight
 
     # the whole schedule -----------------------------------------------------------------------------------
-    def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> TrainLog:
+    def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None,
+            phase: Callable[[str], AbstractContextManager] | None = None) -> TrainLog:
+        """The whole schedule. ``phase``: where the geometry's setup (the boundary maps and their band on the
+        device) and its fit are timed apart (a PhaseClock's ``phase``: "fit setup", then "SDF fit", which goes on
+        to the end of the run)."""
         c = self.config
         report = progress or (lambda message, fraction: None)
         self._report = report
@@ -410,13 +417,22 @@ class Trainer:
         start = time.perf_counter()
         if self.memory_note:
             report(Note(self.memory_note), 0.0)
+        with ExitStack() as timed:
+            if phase is not None:
+                timed.enter_context(phase("fit setup"))
+            fitter = SdfFitter(self.gpu, self.prepared, self.field, c.geometry)
+        with (nullcontext() if phase is None else phase("SDF fit")):
+            return self._run(fitter, report, stop, total, start)
 
+    def _run(self, fitter: SdfFitter, report: Progress, stop: ShouldStop, total: int, start: float) -> TrainLog:
+        c = self.config
         # stage 1: geometry from the boundary maps
-        fitter = SdfFitter(self.gpu, self.prepared, self.field, c.geometry)
         geometry = fitter.run(lambda message, fraction: report(f"geometry: {message}", fraction * c.geometry.steps
                                                                / total), stop)
         for step, loss in geometry.losses:
             self.log.rows.append({"step": step, "stage": 1, "sdf": loss})
+        if geometry.first_step_seconds is not None:
+            self.log.first_step_seconds[1] = geometry.first_step_seconds
         if geometry.cancelled:
             return self._finish(start, cancelled=True)
         steps = c.appearance_steps + c.joint_steps
