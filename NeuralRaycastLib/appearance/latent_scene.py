@@ -22,7 +22,7 @@ from ..field.field import FieldLayout, NeuralField, field_source
 from ..gpu.device import GpuContext
 from ..paths import shader_dir
 from ..render.scene import WorkLists
-from .latent import BRICK, GridLayout, LatentAppearance, LatentConfig, LatentConfigError
+from .latent import BRICK, GridLayout, LatentAppearance, LatentConfig, LatentConfigError, latent_module
 from .pretrain import WEIGHTS_KEY, WeightsFileError, latent_inputs, read_weights
 
 APPEARANCE_FILE = "appearance.safetensors"
@@ -146,10 +146,32 @@ def band_reach(grid: GridLayout, epsilon_mm: float) -> float:
     return VISIBLE_WIDTHS * epsilon_mm + BAND_LIPSCHITZ * (0.5 * math.sqrt(3.0) * grid.cell_mm + epsilon_mm)
 
 
-def study_slots(field: NeuralField, grid: GridLayout, epsilon_mm: float) -> np.ndarray:
-    """The bricks of a study's latent grid that shaded points can reach: those near the field's surfaces."""
-    nearest = field.nearest_on_grid(np.asarray(grid.origin, np.float64), grid.cell_mm, grid.dims)
-    return brick_slots(nearest, band_reach(grid, epsilon_mm))
+def study_slots(field: NeuralField, grid: GridLayout, epsilon_mm: float, config: LatentConfig | None = None
+                ) -> np.ndarray:
+    """The bricks of a study's latent grid that shaded points can reach: those near the field's surfaces. With a
+    ``config`` they are found on the device (:func:`device_brick_slots`: a flag a brick comes back rather than a
+    distance a vertex); without, on the host (:func:`brick_slots`)."""
+    origin, reach = np.asarray(grid.origin, np.float64), band_reach(grid, epsilon_mm)
+    if config is None:
+        return brick_slots(field.nearest_on_grid(origin, grid.cell_mm, grid.dims), reach)
+    nearest = field.nearest_on_grid_on_device(origin, grid.cell_mm, grid.dims)
+    return device_brick_slots(latent_module(field.gpu, config), nearest, grid, reach)
+
+
+def device_brick_slots(module, nearest, grid: GridLayout, reach_mm: float) -> np.ndarray:
+    """:func:`brick_slots` of min_k |s_k| at the grid's vertices held on the device (``nearest``, a tensor of one
+    float a vertex, x fastest), decided there (shaders/latent_appearance.slang's latentBricksNear, a brick a
+    thread): slots numbered in order, -1 for the bricks no shaded point reaches."""
+    import slangpy as spy
+
+    count = int(np.prod(grid.bricks))
+    near = spy.Tensor.empty(nearest.device, shape=(count,), dtype="int")
+    module.latentBricksNear(spy.grid((count,)), spy.int3(*grid.dims), spy.int3(*grid.bricks),
+                            nearest.storage.device_address, float(reach_mm), near.storage.device_address)
+    needed = np.asarray(near.to_numpy()).reshape(grid.bricks[::-1]) != 0
+    slots = np.full(needed.shape, -1, np.int32)
+    slots[needed] = np.arange(int(needed.sum()), dtype=np.int32)
+    return slots
 
 
 def study_epsilon(prepared) -> float:
@@ -206,7 +228,7 @@ class PretrainedAppearance:
             raise LatentConfigError(f"the pretrained appearance holds {self.config.structures} structures, the "
                                     f"study has {len(prepared.structures)}")
         grid = study_grid(field)
-        return grid, study_slots(field, grid, study_epsilon(prepared))
+        return grid, study_slots(field, grid, study_epsilon(prepared), self.config)
 
     def encode_bricks(self, gpu: GpuContext, prepared, bricks: tuple[GridLayout, np.ndarray],
                       scene=None) -> LatentAppearance:

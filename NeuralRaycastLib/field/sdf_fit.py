@@ -163,6 +163,7 @@ class SdfFitter:
         # carried by whole waves.
         self.batch = -(-config.batch // WAVE) * WAVE
         field.zero_gradients()
+        _ = field.sdf_fit_module  # loaded here, with the rest of the setup, rather than in the first step
 
     @property
     def eikonal_points(self) -> int:

@@ -173,6 +173,7 @@ def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: Neu
             "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
             "rays_per_second_after_first_steps": log.rays_per_second(after_first_step=True),
             "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
+            "sdf_first_step_seconds": log.sdf_first_step_seconds,
             "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
             "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "memory": log.memory,
             "phases": log.phases, "rows": log.rows,

@@ -125,10 +125,10 @@ class TrainLog:
     stage_rays: dict[int, int] = dataclasses.field(default_factory=dict)  # rays, steps, seconds of stages 2, 3
     stage_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     stage_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
-    # Each stage's first step, device work included: it also loads that stage's kernels and sets up the calls to
-    # them, so even with every cache warm it takes several times as long as the steps after it. (Stage 1's is
-    # the SDF fit's first step; throughputs count stages 2 and 3 only.)
+    # Each render stage's first step, device work included: it also loads that stage's kernels and sets up the
+    # calls to them, so even with every cache warm it takes several times as long as the steps after it.
     first_step_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
+    sdf_first_step_seconds: float | None = None  # the SDF fit's first step, as the render stages' (None: no step)
     cancelled: bool = False
     skipped_steps: int = 0
     mesh_seconds: float = 0.0  # re-extracting the learned meshes and their BVH (training with shadows)
@@ -431,8 +431,7 @@ class Trainer:
                                                                / total), stop)
         for step, loss in geometry.losses:
             self.log.rows.append({"step": step, "stage": 1, "sdf": loss})
-        if geometry.first_step_seconds is not None:
-            self.log.first_step_seconds[1] = geometry.first_step_seconds
+        self.log.sdf_first_step_seconds = geometry.first_step_seconds
         if geometry.cancelled:
             return self._finish(start, cancelled=True)
         steps = c.appearance_steps + c.joint_steps
