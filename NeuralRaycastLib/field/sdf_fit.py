@@ -122,8 +122,15 @@ class Adam:
 
 
 def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
-    """Voxel indices (n, 3) with |B_k| < band_mm, grouped by structure: (voxels, offsets, counts)."""
-    lists = [np.argwhere(np.abs(b) < band_mm).astype(np.int32) for b in prepared.boundary]
+    """Voxel indices (n, 3) with |B_k| < band_mm, grouped by structure: (voxels, offsets, counts). The same as
+    ``np.argwhere(np.abs(b) < band_mm)``, in the same order, without making |B_k| or argwhere's int64 indices."""
+    _, rows, columns = prepared.boundary.shape[1:]
+    lists = []
+    for b in prepared.boundary:
+        flat = np.flatnonzero((b > -band_mm) & (b < band_mm))
+        i, rest = np.divmod(flat, rows * columns)
+        j, k = np.divmod(rest, columns)
+        lists.append(np.stack([i, j, k], axis=1).astype(np.int32))
     counts = [len(v) for v in lists]
     offsets = [int(o) for o in np.concatenate([[0], np.cumsum(counts)[:-1]])]
     voxels = np.concatenate(lists) if sum(counts) else np.zeros((1, 3), np.int32)
