@@ -18,7 +18,8 @@
 #
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/pretrained_fast.sh
 #
-# About a minute and a half on an H100 host after `warmup`: four processes that open the device, three fits.
+# About a minute and a half on an H100 host after `warmup` of this tree (without it the first fit compiles the
+# kernels first: its "compile" phase, left out of the route's sum but not out of the wall clock).
 set -u
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
@@ -35,10 +36,10 @@ say "host: $(nproc) cores; gpu: $(nvidia-smi --query-gpu=name,driver_version --f
 say "commit: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"
 $N sample "$work/icbm" > "$work/logs/sample.txt" 2>&1 || { say "sample failed:"; tail -n 5 "$work/logs/sample.txt" | tee -a "$summary"; exit 1; }
 
-# fit NAME OPTIONS...: a pretrained fit of the sample into run-NAME; its time lines and held-out PSNR said.
+# fit NAME WHAT OPTIONS...: a pretrained fit of the sample into run-NAME; its time lines and held-out PSNR said.
 fit() {
-    local name=$1 start wall
-    shift
+    local name=$1 what=$2 start wall
+    shift 2
     start=$(date +%s%N)
     if ! $N fit "$work/icbm" --out "$work/run-$name" --appearance pretrained "$@" > "$work/logs/fit-$name.txt" 2>&1; then
         say "fit $name failed:"; tail -n 5 "$work/logs/fit-$name.txt" | tr '\r' '\n' | tail -n 5 | tee -a "$summary"
@@ -46,7 +47,7 @@ fit() {
     fi
     wall=$(( ($(date +%s%N) - start) / 1000000 ))
     say ""
-    say "== fit $name ($*): ${wall} ms wall for the whole command =="
+    say "== fit $name ($what): ${wall} ms wall for the whole command =="
     tr '\r' '\n' < "$work/logs/fit-$name.txt" | grep -E '^(study to renderable model|time|done):' | tee -a "$summary"
     cp "$work/run-$name/train_log.json" "$work/logs/train_log-$name.json" 2>/dev/null
 }
@@ -64,9 +65,9 @@ evaluate() {
 }
 
 $N cache --clear prepared > /dev/null 2>&1
-fit afresh
-fit cached
-fit whole-geometry --iterations 825
+fit afresh "boundary maps computed afresh"
+fit cached "boundary maps from the cache"
+fit whole-geometry "the whole 600-step geometry, maps from the cache" --iterations 825
 evaluate cached
 evaluate whole-geometry
 
