@@ -145,3 +145,19 @@ def test_the_occupancy_grid_query_is_the_distances_at_its_corners(gpu, phantom_s
     assert np.mean(occupancy.cells != reference.cells) < 1e-3
     with pytest.raises(ValueError, match="corner values of shape"):
         Occupancy.from_nearest(got[:-1], box, cell, 1.0)
+
+
+def test_the_fits_band_is_every_voxel_near_a_surface_in_index_order():
+    """band_voxels: the voxels with |B_k| below the band (edges excluded, either sign), structure by structure, in
+    the order np.argwhere gives them, as int32 (i, j, k)."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.field.sdf_fit import band_voxels
+
+    rng = np.random.default_rng(5)
+    boundary = rng.uniform(-8.0, 8.0, (3, 5, 7, 4)).astype(np.float32)
+    boundary[0, 1, 2, 3], boundary[1, 0, 0, 0], boundary[2, 4, 6, 3] = 5.0, -5.0, -0.0
+    voxels, offsets, counts = band_voxels(SimpleNamespace(boundary=boundary), 5.0)
+    expected = [np.argwhere(np.abs(b) < 5.0) for b in boundary]
+    assert counts == [len(e) for e in expected] and offsets == [0, counts[0], counts[0] + counts[1]]
+    assert voxels.dtype == np.int32 and np.array_equal(voxels, np.concatenate(expected))

@@ -240,3 +240,21 @@ def cell_corners(points: np.ndarray) -> np.ndarray:
     base = np.clip(np.floor(g).astype(int), 0, np.array(GRID.dims) - 2)
     corners = [base + np.array([c & 1, (c >> 1) & 1, (c >> 2) & 1]) for c in range(8)]
     return np.stack([(v[:, 2] * GRID.dims[1] + v[:, 1]) * GRID.dims[0] + v[:, 0] for v in corners], axis=1)
+
+
+@pytest.mark.parametrize("dims", [(9, 7, 6), (8, 8, 8), (5, 2, 3)])
+def test_the_bricks_a_shaded_point_can_reach_are_found_on_the_device_as_on_the_host(latent, dims):
+    """latentBricksNear over min |s| at the vertices (odd and even sides, a side of two vertices): the host's
+    brick_slots, slot for slot, at a reach that keeps some bricks and leaves others."""
+    import slangpy as spy
+
+    from NeuralRaycastLib.appearance.latent_scene import brick_slots, device_brick_slots
+
+    grid = GridLayout((0.0, 0.0, 0.0), dims, 1.0)
+    rng = np.random.default_rng(sum(dims))
+    nearest = rng.uniform(0.0, 10.0, dims[::-1]).astype(np.float32)
+    nearest[rng.random(nearest.shape) < 0.85] = 50.0  # most vertices far from any surface
+    expected = brick_slots(nearest, 4.0)
+    assert 0 < (expected >= 0).sum() < expected.size or min(dims) <= 2
+    uploaded = spy.Tensor.from_numpy(latent.gpu.device, nearest.reshape(-1))
+    np.testing.assert_array_equal(device_brick_slots(latent.module, uploaded, grid, 4.0), expected)

@@ -52,3 +52,21 @@ def test_the_help_is_generated_from_the_table():
     for preset in PRESETS.values():
         assert preset.describe() in fit.help
     assert get_preset("quick").describe() == "quick (a CPU: study at most 96 voxels a side, 16 views of 128²)"
+
+
+@pytest.mark.parametrize("name", ["quick", "standard"])
+def test_a_pretrained_run_fits_the_geometry_alone_on_its_presets_shorter_schedule(name):
+    """``fit --appearance pretrained``: no rendering stage, stage 1 as the preset's ``pretrained_fit`` (fewer steps
+    than the whole schedule's, the warm-up shorter with them); ``iterations`` or a given schedule still rule."""
+    settings = RunSettings(name, seed=3)
+    whole, pretrained = settings.schedule(), settings.schedule(pretrained=True)
+    assert (pretrained.appearance_steps, pretrained.joint_steps) == (0, 0)
+    assert pretrained.geometry.steps < whole.geometry.steps
+    assert pretrained.geometry.warmup_steps < whole.geometry.warmup_steps < pretrained.geometry.steps
+    assert pretrained.geometry.batch >= whole.geometry.batch and pretrained.geometry.seed == 3
+    assert replace(pretrained.geometry, steps=whole.geometry.steps, warmup_steps=whole.geometry.warmup_steps,
+                   batch=whole.geometry.batch) == whole.geometry  # the rest of stage 1 as the preset's
+    scaled = replace(settings, iterations=40).schedule(pretrained=True)
+    assert scaled.geometry == replace(settings, iterations=40).schedule().geometry and scaled.joint_steps == 0
+    given = training_schedule(name).with_total_steps(9)
+    assert settings.schedule(given, pretrained=True).geometry == given.geometry

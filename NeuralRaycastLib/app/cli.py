@@ -282,8 +282,13 @@ def _print_time_to_renderable(run, appearance) -> None:
     trained = (f"{steps} fine-tune step{'' if steps == 1 else 's'}" if appearance.fine_tunes
                else "no appearance training")
     breakdown = " · ".join(f"{phase.name} {phase.seconds:.2f} s" for phase in phases)
+    log = run.log
+    fitted = max((row["step"] for row in log.rows if row.get("stage") == 1), default=0)
+    first = log.sdf_first_step_seconds
+    geometry = (f"; the SDF fit {fitted} steps of {log.memory.get('sdf_points', 0):,} points"
+                + (f", the first {first:.2f} s" if first is not None else "")) if fitted else ""
     print(f"study to renderable model: {sum(phase.seconds for phase in phases):.2f} s (kernels compiled; "
-          f"pretrained appearance, {trained}): {breakdown}")
+          f"pretrained appearance, {trained}): {breakdown}{geometry}")
 
 
 def _pretrained_appearance(args: argparse.Namespace):

@@ -282,9 +282,12 @@ class LatentAppearance:
         self.grads.copy_from_numpy(np.zeros(self.config.count, np.float32))
         self.code_grads.copy_from_numpy(np.zeros(max(1, self.stored) * self.config.latent, np.float32))
 
-    def stored_codes(self) -> np.ndarray:
-        """The stored codes (stored vertices, Z) in fp16, as the device holds them (brick by brick)."""
-        words = np.ascontiguousarray(self.codes.to_numpy(), np.uint32)
+    def stored_codes(self, read=None) -> np.ndarray:
+        """The stored codes (stored vertices, Z) in fp16, as the device holds them (brick by brick); ``read``: how
+        a tensor's 32-bit words come back (a :class:`~NeuralRaycastLib.gpu.device.ReadBack`'s read; default the
+        tensor's own)."""
+        raw = self.codes.to_numpy() if read is None else read(self.codes)
+        words = np.ascontiguousarray(raw).view(np.uint32).reshape(-1)
         return words.view(np.float16).reshape(-1, self.config.latent)[:self.stored]
 
     def set_stored_codes(self, codes: np.ndarray) -> None:
@@ -302,16 +305,17 @@ class LatentAppearance:
     def set_grid_codes(self, codes: np.ndarray) -> None:
         self.codes.copy_from_numpy(pack_half(self._stored(codes, "codes")))
 
-    def encode(self, inputs: np.ndarray, ras_to_ijk: np.ndarray) -> None:
+    def encode(self, inputs: np.ndarray | list[np.ndarray], ras_to_ijk: np.ndarray) -> None:
         """Fill the grid: the encoder over a study's local inputs (V, I, J, K volumes: normalised channels, then
-        P(x)), sampled trilinearly at every vertex whose brick is stored."""
+        P(x); or the volumes that make them up, in order), sampled trilinearly at every vertex whose brick is
+        stored."""
         from ..render.volume import interleaved_volumes
 
-        inputs = np.asarray(inputs, np.float32)
-        if inputs.shape[0] != self.config.inputs:
-            raise LatentConfigError(f"the encoder takes {self.config.inputs} local inputs, the study gives "
-                                    f"{inputs.shape[0]}")
-        _tensor, volumes = interleaved_volumes(self.gpu, inputs, ras_to_ijk)
+        parts = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        given = sum(1 if np.ndim(part) == 3 else len(part) for part in parts)
+        if given != self.config.inputs:
+            raise LatentConfigError(f"the encoder takes {self.config.inputs} local inputs, the study gives {given}")
+        _tensor, volumes = interleaved_volumes(self.gpu, parts, ras_to_ijk)
         self.encode_uploaded(volumes)
         self.gpu.device.wait()
 

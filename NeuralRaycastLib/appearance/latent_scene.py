@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ..field.field import FieldLayout, NeuralField, field_source
 from ..gpu.device import GpuContext
 from ..paths import shader_dir
 from ..render.scene import WorkLists
-from .latent import BRICK, GridLayout, LatentAppearance, LatentConfig, LatentConfigError
+from .latent import BRICK, GridLayout, LatentAppearance, LatentConfig, LatentConfigError, latent_module
 from .pretrain import WEIGHTS_KEY, WeightsFileError, latent_inputs, read_weights
 
 APPEARANCE_FILE = "appearance.safetensors"
@@ -145,10 +146,32 @@ def band_reach(grid: GridLayout, epsilon_mm: float) -> float:
     return VISIBLE_WIDTHS * epsilon_mm + BAND_LIPSCHITZ * (0.5 * math.sqrt(3.0) * grid.cell_mm + epsilon_mm)
 
 
-def study_slots(field: NeuralField, grid: GridLayout, epsilon_mm: float) -> np.ndarray:
-    """The bricks of a study's latent grid that shaded points can reach: those near the field's surfaces."""
-    nearest = field.nearest_on_grid(np.asarray(grid.origin, np.float64), grid.cell_mm, grid.dims)
-    return brick_slots(nearest, band_reach(grid, epsilon_mm))
+def study_slots(field: NeuralField, grid: GridLayout, epsilon_mm: float, config: LatentConfig | None = None
+                ) -> np.ndarray:
+    """The bricks of a study's latent grid that shaded points can reach: those near the field's surfaces. With a
+    ``config`` they are found on the device (:func:`device_brick_slots`: a flag a brick comes back rather than a
+    distance a vertex); without, on the host (:func:`brick_slots`)."""
+    origin, reach = np.asarray(grid.origin, np.float64), band_reach(grid, epsilon_mm)
+    if config is None:
+        return brick_slots(field.nearest_on_grid(origin, grid.cell_mm, grid.dims), reach)
+    nearest = field.nearest_on_grid_on_device(origin, grid.cell_mm, grid.dims)
+    return device_brick_slots(latent_module(field.gpu, config), nearest, grid, reach)
+
+
+def device_brick_slots(module, nearest, grid: GridLayout, reach_mm: float) -> np.ndarray:
+    """:func:`brick_slots` of min_k |s_k| at the grid's vertices held on the device (``nearest``, a tensor of one
+    float a vertex, x fastest), decided there (shaders/latent_appearance.slang's latentBricksNear, a brick a
+    thread): slots numbered in order, -1 for the bricks no shaded point reaches."""
+    import slangpy as spy
+
+    count = int(np.prod(grid.bricks))
+    near = spy.Tensor.empty(nearest.device, shape=(count,), dtype="int")
+    module.latentBricksNear(spy.grid((count,)), spy.int3(*grid.dims), spy.int3(*grid.bricks),
+                            nearest.storage.device_address, float(reach_mm), near.storage.device_address)
+    needed = np.asarray(near.to_numpy()).reshape(grid.bricks[::-1]) != 0
+    slots = np.full(needed.shape, -1, np.int32)
+    slots[needed] = np.arange(int(needed.sum()), dtype=np.int32)
+    return slots
 
 
 def study_epsilon(prepared) -> float:
@@ -197,12 +220,21 @@ class PretrainedAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
         training. ``scene``: the trainer's (a FieldScene's local inputs, already on the device, are the encoder's
         when the study fills every channel slot)."""
+        return self.encode_bricks(gpu, prepared, self.latent_bricks(prepared, field), scene)
+
+    def latent_bricks(self, prepared, field: NeuralField) -> tuple[GridLayout, np.ndarray]:
+        """The study's latent grid and the bricks of it that are stored (:func:`study_slots`)."""
         if len(prepared.structures) > self.config.structures:
             raise LatentConfigError(f"the pretrained appearance holds {self.config.structures} structures, the "
                                     f"study has {len(prepared.structures)}")
         grid = study_grid(field)
-        latent = LatentAppearance(gpu, self.config, grid, self.parameters,
-                                  slots=study_slots(field, grid, study_epsilon(prepared)))
+        return grid, study_slots(field, grid, study_epsilon(prepared), self.config)
+
+    def encode_bricks(self, gpu: GpuContext, prepared, bricks: tuple[GridLayout, np.ndarray],
+                      scene=None) -> LatentAppearance:
+        """:meth:`encode_study` into the grid and bricks of :meth:`latent_bricks`."""
+        grid, slots = bricks
+        latent = LatentAppearance(gpu, self.config, grid, self.parameters, slots=slots)
         uploaded = uploaded_inputs(scene, prepared)
         if uploaded is not None:
             latent.encode_uploaded(uploaded)
@@ -236,17 +268,29 @@ def appearance_bytes(latent: LatentAppearance, digest: str) -> bytes:
     """A study's latent appearance: the networks' parameters, which bricks are stored (a bit a brick, z, y, x
     order: their slots follow) and the stored fp16 codes (read back as the device holds them, no conversion),
     with the grid's sizes and layout."""
-    from safetensors.numpy import save
+    return appearance_encoder(latent, digest)()
 
-    parameters = np.ascontiguousarray(latent.parameters(), np.float32)
+
+def appearance_encoder(latent: LatentAppearance, digest: str, read=None) -> Callable[[], bytes]:
+    """:func:`appearance_bytes` in two halves: the device's values are read here (``read``: a tensor's float32
+    words, default its own read), and the returned function, which touches no device and may run on another
+    thread, hashes and lays out the file's bytes."""
+    parameters = np.ascontiguousarray(latent.parameters() if read is None else read(latent.values), np.float32)
     stored = np.packbits(latent.slots.reshape(-1) >= 0)
-    codes = latent.stored_codes()
-    metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": latent.config.as_dict(),
-                "grid": {"origin": list(latent.grid.origin), "dims": list(latent.grid.dims),
-                         "cell_mm": latent.grid.cell_mm, "brick": BRICK},
-                "pretrained_sha256": digest, "sha256": values_digest(parameters, stored, codes)}
-    return save({"parameters": parameters, "bricks": stored, "grid": codes},
-                metadata={WEIGHTS_KEY: json.dumps(metadata)})
+    codes = latent.stored_codes(read)
+    config, grid = latent.config.as_dict(), latent.grid
+
+    def encode() -> bytes:
+        from safetensors.numpy import save
+
+        metadata = {"format": APPEARANCE_FORMAT, "version": APPEARANCE_VERSION, "latent": config,
+                    "grid": {"origin": list(grid.origin), "dims": list(grid.dims), "cell_mm": grid.cell_mm,
+                             "brick": BRICK},
+                    "pretrained_sha256": digest, "sha256": values_digest(parameters, stored, codes)}
+        return save({"parameters": parameters, "bricks": stored, "grid": codes},
+                    metadata={WEIGHTS_KEY: json.dumps(metadata)})
+
+    return encode
 
 
 def load_appearance(gpu: GpuContext, path: str | Path, field: NeuralField) -> LatentAppearance:

@@ -77,17 +77,17 @@ def cohort(studies: int, seed: int) -> list[tuple[str, int]]:
     return [("phantom" if index == 0 else "icbm", base + index) for index in range(studies)]
 
 
-def latent_inputs(prepared) -> np.ndarray:
-    """The encoder's inputs of a prepared study (5, I, J, K): its normalised channels in the first slots (zeros
-    where it has fewer), then P(x)."""
+def latent_inputs(prepared) -> list[np.ndarray]:
+    """The encoder's inputs of a prepared study, (5, I, J, K) in all, as the volumes that make them up in order:
+    its normalised channels in the first slots (zeros where it has fewer), then P(x). Kept apart, so that they go
+    to the device without being joined on the host first (render/volume.py's interleaved_volumes takes them so)."""
     channels = np.asarray(prepared.channels, np.float32)
     if channels.shape[0] > CHANNEL_SLOTS:
         raise ValueError(f"the pretrained appearance takes at most {CHANNEL_SLOTS} channels "
                          f"(the study has {channels.shape[0]})")
-    inputs = np.zeros((CHANNEL_SLOTS + 1, *channels.shape[1:]), np.float32)
-    inputs[: channels.shape[0]] = channels
-    inputs[CHANNEL_SLOTS] = prepared.probability
-    return inputs
+    missing = CHANNEL_SLOTS - channels.shape[0]
+    empty = [np.zeros((missing, *channels.shape[1:]), np.float32)] if missing else []
+    return [channels, *empty, np.asarray(prepared.probability, np.float32)]
 
 
 def default_config(structures: int = 4, materials: int = 2) -> LatentConfig:

@@ -806,19 +806,40 @@ class NeuralField:
         import slangpy as spy
 
         count = int(np.prod(corners))
-        low = np.asarray(self.layout.origin, np.float64)
-        high = low + np.asarray(self.layout.extent, np.float64)
         chunk = self._query_chunk(1)
         out = np.empty(count, np.float32)
         for first in range(0, count, chunk):
             size = min(chunk, count - first)
             with device_memory(f"the field's values at {size:,} grid points"):
                 result = spy.Tensor.zeros(self.gpu.device, shape=(size,), dtype=float)
-            self.module.nearestOnGrid(spy.grid((size,)), size, first, self.shader_struct(),
-                                      spy.float3(*(float(v) for v in origin)), float(cell_mm), spy.int3(*corners),
-                                      spy.float3(*low), spy.float3(*high), result.storage.device_address)
+            self._nearest_on_grid(origin, cell_mm, corners, first, size, result.storage.device_address)
             out[first:first + size] = np.asarray(result.to_numpy())
         return out.reshape(corners[2], corners[1], corners[0])
+
+    def nearest_on_grid_on_device(self, origin: np.ndarray, cell_mm: float, corners: tuple[int, int, int]):
+        """:meth:`nearest_on_grid`'s values left on the device, one float a corner (x fastest): a tensor, for kernels
+        that read them there."""
+        import slangpy as spy
+
+        count = int(np.prod(corners))
+        with device_memory(f"the field's values at {count:,} grid points"):
+            result = spy.Tensor.empty(self.gpu.device, shape=(count,), dtype=float)
+        chunk = self._query_chunk(1)
+        for first in range(0, count, chunk):
+            self._nearest_on_grid(origin, cell_mm, corners, first, min(chunk, count - first),
+                                  result.storage.device_address + 4 * first)
+        return result
+
+    def _nearest_on_grid(self, origin: np.ndarray, cell_mm: float, corners: tuple[int, int, int], first: int,
+                         size: int, address: int) -> None:
+        """One launch of ``nearestOnGrid``: corners ``first`` .. ``first + size - 1`` into the floats at ``address``."""
+        import slangpy as spy
+
+        low = np.asarray(self.layout.origin, np.float64)
+        high = low + np.asarray(self.layout.extent, np.float64)
+        self.module.nearestOnGrid(spy.grid((size,)), size, first, self.shader_struct(),
+                                  spy.float3(*(float(v) for v in origin)), float(cell_mm), spy.int3(*corners),
+                                  spy.float3(*low), spy.float3(*high), address)
 
     def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:
         """∇s_k (N, K, 3) by tetrahedral differences (the same ones the Eikonal term uses)."""

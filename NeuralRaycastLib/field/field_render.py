@@ -42,13 +42,14 @@ from .field import NeuralField
 
 class FieldScene:
     def __init__(self, gpu: GpuContext, field: NeuralField, prepared: PreparedStudy) -> None:
-        inputs = np.concatenate([prepared.channels, prepared.probability[None]], axis=0)
-        if inputs.shape[0] != field.layout.appearance_inputs:
+        given = len(prepared.channels) + 1
+        if given != field.layout.appearance_inputs:
             raise ValueError(f"the field expects {field.layout.appearance_inputs} local inputs, "
-                             f"the study gives {inputs.shape[0]}")
+                             f"the study gives {given}")
         self.field = field
         # (The kernels read field.kernels.appearance_inputs inputs: those past the study's read as zeros.)
-        self._inputs, self.inputs = interleaved_volumes(gpu, inputs, np.linalg.inv(prepared.affine))
+        self._inputs, self.inputs = interleaved_volumes(gpu, [prepared.channels, prepared.probability],
+                                                        np.linalg.inv(prepared.affine))
 
     @property
     def structures(self) -> int:

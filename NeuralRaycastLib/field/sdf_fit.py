@@ -122,8 +122,15 @@ class Adam:
 
 
 def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
-    """Voxel indices (n, 3) with |B_k| < band_mm, grouped by structure: (voxels, offsets, counts)."""
-    lists = [np.argwhere(np.abs(b) < band_mm).astype(np.int32) for b in prepared.boundary]
+    """Voxel indices (n, 3) with |B_k| < band_mm, grouped by structure: (voxels, offsets, counts). The same as
+    ``np.argwhere(np.abs(b) < band_mm)``, in the same order, without making |B_k| or argwhere's int64 indices."""
+    _, rows, columns = prepared.boundary.shape[1:]
+    lists = []
+    for b in prepared.boundary:
+        flat = np.flatnonzero((b > -band_mm) & (b < band_mm))
+        i, rest = np.divmod(flat, rows * columns)
+        j, k = np.divmod(rest, columns)
+        lists.append(np.stack([i, j, k], axis=1).astype(np.int32))
     counts = [len(v) for v in lists]
     offsets = [int(o) for o in np.concatenate([[0], np.cumsum(counts)[:-1]])]
     voxels = np.concatenate(lists) if sum(counts) else np.zeros((1, 3), np.int32)
@@ -137,6 +144,8 @@ class FitResult:
     points_per_second: float  # forward + backward + Adam
     losses: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     cancelled: bool = False
+    # The first step's seconds, device work included: it sets up the calls to the fit's kernels (None: no step).
+    first_step_seconds: float | None = None
 
 
 class SdfFitter:
@@ -161,6 +170,7 @@ class SdfFitter:
         # carried by whole waves.
         self.batch = -(-config.batch // WAVE) * WAVE
         field.zero_gradients()
+        _ = field.sdf_fit_module  # loaded here, with the rest of the setup, rather than in the first step
 
     @property
     def eikonal_points(self) -> int:
@@ -289,6 +299,9 @@ class SdfFitter:
                 report(f"step {self.step_index}/{c.steps} loss {loss:.4g}", self.step_index / c.steps)
             start = time.perf_counter()
             self.step()
+            if result.first_step_seconds is None:  # waited for: its own figure
+                self.gpu.device.wait()
+                result.first_step_seconds = time.perf_counter() - start
             timed += time.perf_counter() - start
             result.steps += 1
         timed += finish_device_work()

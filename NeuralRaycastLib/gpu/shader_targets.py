@@ -44,6 +44,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "reference_render": ("renderReference", "renderReferenceMeshShadows"),
     "segment_lists": ("listSegments",),
     "segment_shadows": ("segmentVisibility",),
+    "volume_upload": ("interleaveVolumes",),
     "sphere_scene": ("sphereDistances", "sphereSurface", "sphereBackwardDistances", "sphereBackwardSurface"),
     "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward",
                   "gridClear", "gridCount", "gridScanBlocks", "gridScanTotals", "gridScanAdd", "gridFill",
@@ -51,7 +52,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
 }
 #: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam",
-                  "latentParameterAdam")
+                  "latentParameterAdam", "latentBricksNear")
 LATENT_SCENE_KERNELS = ("latentFieldDistances", "latentFieldSurface", "latentAppearanceBackward")
 #: The kernels of a field module (field/field.py's field_source: sdf_fit, then field_render).
 FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "nearestOnGrid", "gradientsAt",

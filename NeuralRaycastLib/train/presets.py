@@ -36,6 +36,11 @@ class Preset:
     max_voxels: int | None  # the study is downsampled so that no axis is longer (None: as it is)
     fit: dict[str, Any] = field(default_factory=dict)  # stage 1: FitConfig fields
     stages: dict[str, Any] = field(default_factory=dict)  # stages 2 and 3: TrainConfig fields
+    # Stage 1 where it is the whole fit (``fit --appearance pretrained``): FitConfig fields over ``fit``'s, the
+    # warm-up scaled with the steps. Fewer steps, where the geometry is as good by the held-out picture and the Dice
+    # (docs/pretrained-appearance.md): on a CPU a fit costs its points, so half the steps; on a GPU a step's fixed
+    # cost outweighs its points, so a third of the steps at four times the points.
+    pretrained_fit: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for help texts and messages, e.g. ``quick (a CPU: study at most 96 voxels a side, 16
@@ -43,12 +48,14 @@ class Preset:
         study = f"study at most {self.max_voxels} voxels a side" if self.max_voxels else "study at full resolution"
         return f"{self.name} ({self.purpose}: {study}, {self.views} views of {self.size}²)"
 
-    def schedule(self, seed: int = 0) -> TrainConfig:
-        """The stages' training schedule (step counts, batch sizes, learning rates, render settings)."""
+    def schedule(self, seed: int = 0, pretrained: bool = False) -> TrainConfig:
+        """The stages' training schedule (step counts, batch sizes, learning rates, render settings);
+        ``pretrained``: stage 1 as :attr:`pretrained_fit` sets it for a pretrained appearance."""
         from ..field.sdf_fit import FitConfig
         from .trainer import TrainConfig
 
-        return TrainConfig(FitConfig(seed=seed, **self.fit), seed=seed, **self.stages)
+        fit = {**self.fit, **self.pretrained_fit} if pretrained else self.fit
+        return TrainConfig(FitConfig(seed=seed, **fit), seed=seed, **self.stages)
 
 
 PRESETS: dict[str, Preset] = {
@@ -61,14 +68,16 @@ PRESETS: dict[str, Preset] = {
         Preset("quick", "a CPU", views=16, size=128, max_voxels=96,
                fit=dict(steps=300, batch=1 << 13),
                stages=dict(appearance_steps=120, joint_steps=60, patches=4, max_samples=192, sdf_batch=1 << 12,
-                           eval_every=60, occupancy_cell_mm=2.0, shade_weight=3e-3, render_cell_mm=2.0)),
+                           eval_every=60, occupancy_cell_mm=2.0, shade_weight=3e-3, render_cell_mm=2.0),
+               pretrained_fit=dict(steps=150, warmup_steps=25)),
         # Sized to train a full-resolution study in seconds on one GPU: large batches (128 patches, 32,768 rays
         # a step) for few steps. Its pictures shade down to 4e-3, the largest weight that keeps its views within
         # 63 dB of exact shading (BENCHMARKS.md).
         Preset("standard", "a GPU", views=24, size=512, max_voxels=None,
                fit=dict(steps=600, batch=1 << 16),
                stages=dict(appearance_steps=150, joint_steps=75, patches=128, eval_every=25, rate_table=1e-3,
-                           rate_geometry=5e-4, rate_appearance=2e-3, shade_weight=3e-3, render_shade_weight=4e-3)),
+                           rate_geometry=5e-4, rate_appearance=2e-3, shade_weight=3e-3, render_shade_weight=4e-3),
+               pretrained_fit=dict(steps=200, batch=1 << 18, warmup_steps=17)),
         Preset("high", "a GPU, longer", views=24, size=512, max_voxels=None,
                fit=dict(steps=4000, batch=1 << 18),
                stages=dict(appearance_steps=600, joint_steps=5000, patches=64)),
@@ -87,9 +96,9 @@ def default_preset(software: bool) -> str:
     return "quick" if software else "standard"
 
 
-def training_schedule(name: str, seed: int = 0) -> TrainConfig:
+def training_schedule(name: str, seed: int = 0, pretrained: bool = False) -> TrainConfig:
     """The named preset's training schedule (see :meth:`Preset.schedule`)."""
-    return get_preset(name).schedule(seed)
+    return get_preset(name).schedule(seed, pretrained)
 
 
 def presets_help() -> str:
@@ -149,13 +158,17 @@ class RunSettings:
             raise ValueError(f"field_voxel_mm must be a positive number of millimetres (got {self.field_voxel_mm!r})")
         return self
 
-    def schedule(self, config: TrainConfig | None = None) -> TrainConfig:
+    def schedule(self, config: TrainConfig | None = None, pretrained: bool = False) -> TrainConfig:
         """The stages' schedule: the preset's, scaled to ``iterations`` where given, or ``config`` (which then
-        replaces it whole); with this run's shadows either way."""
+        replaces it whole); with this run's shadows either way. ``pretrained`` (a pretrained appearance): the
+        geometry alone, no rendering stage, stage 1 as the preset's ``pretrained_fit`` sets it unless
+        ``iterations`` or ``config`` say otherwise."""
         if config is None:
-            config = training_schedule(self.preset, self.seed)
+            config = training_schedule(self.preset, self.seed, pretrained=pretrained and not self.iterations)
             if self.iterations:
                 config = config.with_total_steps(self.iterations)
+        if pretrained:
+            config = replace(config, appearance_steps=0, joint_steps=0)
         return replace(config, shadows=self.shadows)
 
     def field_layout(self, gpu: GpuContext, prepared: PreparedStudy) -> FieldLayout:

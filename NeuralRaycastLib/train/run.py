@@ -12,7 +12,6 @@ failed, cancelled-by-error or interrupted run leaves an earlier run there as it 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,9 +33,11 @@ from .run_folder import (
     TrainedRun,
     is_run_folder,
     keep_trained_run,
+    model_encoder,
     prepare_for_run,
     reference_views_for_run,
     study_within_budget,
+    write_model_files,
     write_run,
 )
 from .trainer import TrainConfig, Trainer, score_views
@@ -89,9 +90,11 @@ def train_study(
     full or read-only disk), the run is kept elsewhere and
     :class:`~NeuralRaycastLib.train.run_folder.RunNotSavedError` says where.
 
-    ``appearance``: pretrained weights (``fit --appearance pretrained``): the geometry is fitted as the schedule's
-    first stage says and the rendering stages are left out; the encoder then runs over the study into a latent
-    grid, which with the pretrained decoder is the run's appearance (no per-study appearance training).
+    ``appearance``: pretrained weights (``fit --appearance pretrained``): the geometry is fitted as the preset's
+    ``pretrained_fit`` says (or the given ``config``'s first stage) and the rendering stages are left out; the
+    encoder then runs over the study into a latent grid, which with the pretrained decoder is the run's appearance
+    (no per-study appearance training). The model files are written on a thread of their own while the renderer
+    is set up.
     """
     settings = (settings or RunSettings.for_device(gpu)).check()
     check_view_size(settings.size, settings.size)  # before the study is prepared and the kernels compiled
@@ -102,13 +105,16 @@ def train_study(
     budget = memory_budget(gpu)
     clock = PhaseClock(lambda: device_memory_in_use(gpu))
     writer = ThreadPoolExecutor(1, thread_name_prefix="reference-views")
+    model_writer = ThreadPoolExecutor(1, thread_name_prefix="model-files")
+    model_written = None
     try:
         with clock.phase("load"):
             loaded, settings = study_within_budget(study, settings, budget, progress)
         with clock.phase("boundary maps"):
             prepared = prepare_for_run(loaded, settings, progress, gpu)
         layout = settings.field_layout(gpu, prepared)
-        check_run_fits(budget, layout, prepared, settings.schedule(config))  # before any work on the device
+        schedule = settings.schedule(config, pretrained=appearance is not None)  # the geometry alone if pretrained
+        check_run_fits(budget, layout, prepared, schedule)  # before any work on the device
         if warm_up:
             with clock.phase("compile"):
                 ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
@@ -120,18 +126,30 @@ def train_study(
                 raise CancelledBeforeTraining("cancelled before training began; nothing was written")
             # The view pictures are written while training runs: encoding them would otherwise delay its start.
             saved = writer.submit(save_reference_views, views, staged.path / "reference", arrays=False)
-            schedule = settings.schedule(config)
-            if appearance is not None:  # the geometry alone
-                schedule = replace(schedule, appearance_steps=0, joint_steps=0)
             with clock.phase("field and trainer"):
                 field = NeuralField(gpu, layout, seed=settings.seed)
                 trainer = Trainer(gpu, prepared, field, views, schedule)
-            with clock.phase("train" if appearance is None else "SDF fit"):
-                log = trainer.run(progress, should_stop)
-            latent = renderer = None
+            if appearance is None:
+                with clock.phase("train"):
+                    log = trainer.run(progress, should_stop)
+            else:  # the geometry's setup and its fit apart: the route's time is theirs
+                log = trainer.run(progress, should_stop, phase=clock.phase)
+            latent = renderer = model_files = None
             if appearance is not None:  # a cancelled fit's geometry gets its appearance too: a run that renders
+                def write_model(final) -> None:
+                    """The model files written on a thread of their own while the renderer is set up."""
+                    nonlocal model_written
+                    encode = model_encoder(gpu, prepared, field, log, settings, final)
+                    model_written = model_writer.submit(write_model_files, staged.path, encode)
+
                 latent, renderer = pretrained_appearance(gpu, prepared, field, appearance, trainer, clock, progress,
-                                                         tuning=not log.cancelled)
+                                                         tuning=not log.cancelled, finished=write_model)
+                log.memory["band_rays"] = renderer.band_rays()
+                with clock.phase("model written"):
+                    try:
+                        model_files = model_written.result()
+                    except OSError:  # written again with the rest, where the failure is reported as any save's
+                        model_files = None
                 if not log.cancelled:
                     step = schedule.geometry.steps + int(log.last("fine_tune_steps") or 0)
                     log.rows.append({"step": step, "stage": 2, "seconds": log.seconds,
@@ -141,14 +159,16 @@ def train_study(
                     trainer.use_picture_settings()
     except BaseException:
         writer.shutdown(cancel_futures=True)
+        model_writer.shutdown()  # its files are in the staging folder, discarded with it
         staged.discard()
         raise
+    model_writer.shutdown()
     log.phases = clock.as_list()  # train_log.json's record; the save's own time is only in the returned run's
     try:
         with clock.phase("reference views written"):  # the pictures of the held-out score, not the model's
             saved.result()  # a failed write surfaces here, before anything says the run is done
         with clock.phase("save"):
-            write_run(staged.path, gpu, prepared, field, log, settings, source, latent)
+            write_run(staged.path, gpu, prepared, field, log, settings, source, latent, model_files)
             staged.commit()
     except OSError as error:
         staged.discard()

@@ -13,13 +13,14 @@ import json
 import logging
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from .. import strict_json
 from ..field.field import NeuralField
-from ..files import WriteError, atomic_files, atomic_folder, copy_tree, write_text
+from ..files import FileSet, WriteError, atomic_folder, copy_tree, write_text
 from ..gpu.device import GpuContext
 from ..gpu.memory_budget import MemoryBudget
 from ..mesh.mesh import Mesh, mesh_sdf_grid
@@ -118,37 +119,75 @@ def is_run_folder(folder: Path) -> bool:
     return (folder / "run.json").is_file() and {entry.name for entry in folder.iterdir()} <= RUN_ENTRIES
 
 
-def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
-              settings: RunSettings, source: str | None, latent=None) -> None:
-    """Save a trained field with its training log and ``run.json`` into ``folder``, the three files all or
-    none (``source``: the study's file, so that ``evaluate`` can prepare the study again; None for a study
-    held in memory). ``latent``: the study's pretrained appearance, saved beside the model with them."""
+def model_encoder(gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
+                  settings: RunSettings, latent=None) -> Callable[[], dict[str, bytes]]:
+    """The run's model files (``model.safetensors``, and ``appearance.safetensors`` with a ``latent``
+    appearance) in two halves: the device's values are read here, on the caller's thread (the latent grid's
+    through pinned memory where the device has it), and the returned function, which touches no device and so may run on
+    another thread while the device works on, hashes and lays out the files' bytes by name."""
     from ..field.model_io import StudyGeometry, encode_model
 
+    parameters = field.parameters()
+    geometry = StudyGeometry.from_prepared(prepared)
     extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
-    model = encode_model(field.layout, field.parameters(), StudyGeometry.from_prepared(prepared), extra)
-    train_log = json.dumps({
-        "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
-        "rays_per_second": log.rays_per_second(),
-        "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
-        "rays_per_second_after_first_steps": log.rays_per_second(after_first_step=True),
-        "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
-        "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
-        "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "memory": log.memory,
-        "phases": log.phases, "rows": log.rows,
-    }, indent=1) + "\n"
-    run = json.dumps({
-        "version": RUN_VERSION, "study": source, "settings": asdict(settings),
-        "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }, indent=2) + "\n"
-    with atomic_files() as files:
-        if latent is not None:
-            from ..appearance.latent_scene import APPEARANCE_FILE, appearance_bytes
+    appearance = None
+    if latent is not None:
+        from ..appearance.latent_scene import APPEARANCE_FILE, appearance_encoder
+        from ..gpu.device import ReadBack
 
-            files.write_bytes(folder / APPEARANCE_FILE, appearance_bytes(latent, latent.source_digest))
-        files.write_bytes(folder / "model.safetensors", model)
+        appearance = appearance_encoder(latent, latent.source_digest, ReadBack(gpu).read)
+
+    def encode() -> dict[str, bytes]:
+        files = {} if appearance is None else {APPEARANCE_FILE: appearance()}
+        files["model.safetensors"] = encode_model(field.layout, parameters, geometry, extra)
+        return files
+
+    return encode
+
+
+def write_model_files(folder: Path, encode: Callable[[], dict[str, bytes]]) -> FileSet:
+    """:func:`model_encoder`'s files written into ``folder``, each flushed to the disk but not yet in place:
+    :func:`write_run` puts them there with the rest of the run, or nothing (may run on another thread)."""
+    files = FileSet()
+    try:
+        for name, data in encode().items():
+            files.write_bytes(folder / name, data)
+    except BaseException:
+        files.discard()
+        raise
+    return files
+
+
+def write_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, field: NeuralField, log: TrainLog,
+              settings: RunSettings, source: str | None, latent=None, model_files: FileSet | None = None) -> None:
+    """Save a trained field with its training log and ``run.json`` into ``folder``, the three files all or
+    none (``source``: the study's file, so that ``evaluate`` can prepare the study again; None for a study
+    held in memory). ``latent``: the study's pretrained appearance, saved beside the model with them.
+    ``model_files``: the model files already written by :func:`write_model_files` (into ``folder``), put in
+    place with the others here."""
+    files = model_files or write_model_files(folder, model_encoder(gpu, prepared, field, log, settings, latent))
+    try:
+        train_log = json.dumps({
+            "seconds": log.seconds, "render_seconds": log.render_seconds, "rays": log.rays,
+            "rays_per_second": log.rays_per_second(),
+            "rays_per_second_by_stage": {str(stage): log.rays_per_second(stage) for stage in sorted(log.stage_rays)},
+            "rays_per_second_after_first_steps": log.rays_per_second(after_first_step=True),
+            "first_step_seconds": {str(stage): seconds for stage, seconds in sorted(log.first_step_seconds.items())},
+            "sdf_first_step_seconds": log.sdf_first_step_seconds,
+            "cancelled": log.cancelled, "skipped_steps": log.skipped_steps,
+            "mesh_seconds": log.mesh_seconds, "mesh_extractions": log.mesh_extractions, "memory": log.memory,
+            "phases": log.phases, "rows": log.rows,
+        }, indent=1) + "\n"
+        run = json.dumps({
+            "version": RUN_VERSION, "study": source, "settings": asdict(settings),
+            "device": gpu.report.as_dict(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }, indent=2) + "\n"
         files.write_text(folder / "train_log.json", train_log)
         files.write_text(folder / "run.json", run)
+        files.commit()
+    except BaseException:
+        files.discard()
+        raise
 
 
 class RunNotSavedError(WriteError):

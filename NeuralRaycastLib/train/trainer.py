@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -126,6 +128,7 @@ class TrainLog:
     # Each render stage's first step, device work included: it also loads that stage's kernels and sets up the
     # calls to them, so even with every cache warm it takes several times as long as the steps after it.
     first_step_seconds: dict[int, float] = dataclasses.field(default_factory=dict)
+    sdf_first_step_seconds: float | None = None  # the SDF fit's first step, as the render stages' (None: no step)
     cancelled: bool = False
     skipped_steps: int = 0
     mesh_seconds: float = 0.0  # re-extracting the learned meshes and their BVH (training with shadows)
@@ -227,12 +230,33 @@ class Trainer:
         self._report: Progress = lambda message, fraction: None
         self._memory_retries = 0
         self.style = style or RenderStyle.default(prepared.structures, prepared.channel_names)
-        self.renderer = field_renderer(gpu, prepared, field, config.max_samples, self.style,
-                                       config.occupancy_cell_mm, from_boundary=True, shade_weight=config.shade_weight)
+        self._renderer: DiffRenderer | None = None  # made at first use (renderer)
+        if config.appearance_steps + config.joint_steps:  # a schedule that renders: made with the trainer
+            _ = self.renderer
         self._scorer: DeviceViewScorer | None = None  # made at the first evaluation
         self.log = TrainLog(memory={"budget_bytes": budget.bytes, "budget_source": budget.source,
                                     "held_bytes": budget.held, "preset_patches": config.patches,
                                     "patches": sized.patches, "sdf_points": sized.geometry.batch})
+
+    @property
+    def renderer(self) -> DiffRenderer:
+        """The field's differentiable renderer, made at first use: a fit of the geometry alone (a pretrained
+        appearance follows, with a renderer of its own) never renders, and making it uploads the study's local
+        inputs and works out the boundary maps' occupancy."""
+        if self._renderer is None:
+            c = self.config
+            self._renderer = field_renderer(self.gpu, self.prepared, self.field, c.max_samples, self.style,
+                                            c.occupancy_cell_mm, from_boundary=True, shade_weight=c.shade_weight)
+        return self._renderer
+
+    @renderer.setter
+    def renderer(self, renderer: DiffRenderer) -> None:
+        self._renderer = renderer
+
+    @property
+    def made_renderer(self) -> DiffRenderer | None:
+        """The renderer where it has been made (None: no step or caller has needed it yet)."""
+        return self._renderer
 
     # What the image steps read, made at the first that needs them: a fit of the geometry alone (a pretrained
     # appearance without a fine-tune) never does, and the views' targets are hundreds of MB to gather.
@@ -380,7 +404,11 @@ class Trainer:
         self.renderer.shade_weight = self.config.render_shade_weight
 
     # the whole schedule -----------------------------------------------------------------------------------
-    def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> TrainLog:
+    def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None,
+            phase: Callable[[str], AbstractContextManager] | None = None) -> TrainLog:
+        """The whole schedule. ``phase``: where the geometry's setup (the boundary maps and their band on the
+        device) and its fit are timed apart (a PhaseClock's ``phase``: "fit setup", then "SDF fit", which goes on
+        to the end of the run)."""
         c = self.config
         report = progress or (lambda message, fraction: None)
         self._report = report
@@ -389,13 +417,21 @@ class Trainer:
         start = time.perf_counter()
         if self.memory_note:
             report(Note(self.memory_note), 0.0)
+        with ExitStack() as timed:
+            if phase is not None:
+                timed.enter_context(phase("fit setup"))
+            fitter = SdfFitter(self.gpu, self.prepared, self.field, c.geometry)
+        with (nullcontext() if phase is None else phase("SDF fit")):
+            return self._run(fitter, report, stop, total, start)
 
+    def _run(self, fitter: SdfFitter, report: Progress, stop: ShouldStop, total: int, start: float) -> TrainLog:
+        c = self.config
         # stage 1: geometry from the boundary maps
-        fitter = SdfFitter(self.gpu, self.prepared, self.field, c.geometry)
         geometry = fitter.run(lambda message, fraction: report(f"geometry: {message}", fraction * c.geometry.steps
                                                                / total), stop)
         for step, loss in geometry.losses:
             self.log.rows.append({"step": step, "stage": 1, "sdf": loss})
+        self.log.sdf_first_step_seconds = geometry.first_step_seconds
         if geometry.cancelled:
             return self._finish(start, cancelled=True)
         steps = c.appearance_steps + c.joint_steps
@@ -473,6 +509,7 @@ class Trainer:
             self.refresh_meshes()
         self.log.seconds = time.perf_counter() - start
         self.log.cancelled = cancelled
-        self.log.memory["band_rays"] = self.renderer.band_rays()
+        if self._renderer is not None:  # a fit of the geometry alone never made one
+            self.log.memory["band_rays"] = self._renderer.band_rays()
         return self.log
 

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The pretrained route's time from study to renderable model on a GPU (issue target: at most 3 s with the kernels
+# compiled), phase by phase, with what it reaches. On the icbm sample (`sample`, seed 0), with the kernels
+# compiled beforehand (`warmup`):
+#
+#   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh);
+#   2. the same fit again, the maps from the cache;
+#   3. for comparison, the same fit with the standard preset's whole geometry schedule (`--iterations 825`: the
+#      600 steps of 65,536 points the route fitted before it took its own, shorter one), maps from the cache;
+#   4. evaluate of the runs of 2 and 3 (held-out PSNR and SSIM, Dice), and frame-rate --size 1024 1024 of 2.
+#
+# Prints each fit's "study to renderable model" and "time:" lines, the held-out PSNR and the 1024² frame time, and
+# writes under $OUT (3 files):
+#
+#   summary.txt            what is printed
+#   frame-rate.json        frame-rate's output for the run of 2
+#   logs.tar.gz            every command's output, the runs' train_log.json and metrics.json
+#
+#   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/pretrained_fast.sh
+#
+# About a minute and a half on an H100 host after `warmup` of this tree (without it the first fit compiles the
+# kernels first: its "compile" phase, left out of the route's sum but not out of the wall clock).
+set -u
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+: "${OUT:?set OUT to the folder for the results}"
+N=${N:-python3 -m NeuralRaycastLib.app.entry}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$OUT" "$work/logs"
+summary="$OUT/summary.txt"
+: > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+
+say "host: $(nproc) cores; gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo 'none found')"
+say "commit: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"
+$N sample "$work/icbm" > "$work/logs/sample.txt" 2>&1 || { say "sample failed:"; tail -n 5 "$work/logs/sample.txt" | tee -a "$summary"; exit 1; }
+
+# fit NAME WHAT OPTIONS...: a pretrained fit of the sample into run-NAME; its time lines and held-out PSNR said.
+fit() {
+    local name=$1 what=$2 start wall
+    shift 2
+    start=$(date +%s%N)
+    if ! $N fit "$work/icbm" --out "$work/run-$name" --appearance pretrained "$@" > "$work/logs/fit-$name.txt" 2>&1; then
+        say "fit $name failed:"; tail -n 5 "$work/logs/fit-$name.txt" | tr '\r' '\n' | tail -n 5 | tee -a "$summary"
+        return 1
+    fi
+    wall=$(( ($(date +%s%N) - start) / 1000000 ))
+    say ""
+    say "== fit $name ($what): ${wall} ms wall for the whole command =="
+    tr '\r' '\n' < "$work/logs/fit-$name.txt" | grep -E '^(study to renderable model|time|done):' | tee -a "$summary"
+    cp "$work/run-$name/train_log.json" "$work/logs/train_log-$name.json" 2>/dev/null
+}
+
+# evaluate NAME: held-out PSNR / SSIM and the Dice table of run-NAME.
+evaluate() {
+    if ! $N evaluate "$work/run-$1" > "$work/logs/evaluate-$1.txt" 2>&1; then
+        say "evaluate $1 failed:"; tail -n 5 "$work/logs/evaluate-$1.txt" | tee -a "$summary"
+        return 1
+    fi
+    say ""
+    say "== evaluate $1 =="
+    tr '\r' '\n' < "$work/logs/evaluate-$1.txt" | grep -E -A5 '^held-out PSNR' | tee -a "$summary"
+    cp "$work/run-$1/metrics.json" "$work/logs/metrics-$1.json" 2>/dev/null
+}
+
+$N cache --clear prepared > /dev/null 2>&1
+fit afresh "boundary maps computed afresh"
+fit cached "boundary maps from the cache"
+fit whole-geometry "the whole 600-step geometry, maps from the cache" --iterations 825
+evaluate cached
+evaluate whole-geometry
+
+if $N frame-rate "$work/run-cached" --size 1024 1024 --frames 30 --json > "$OUT/frame-rate.json" \
+        2> "$work/logs/frame-rate.err"; then
+    say ""
+    say "== frame-rate of the cached run, 1024² =="
+    python3 - "$OUT/frame-rate.json" <<'PYEOF' | tee -a "$summary"
+import json, sys
+data = json.load(open(sys.argv[1]))
+keys = [key for key in data if any(word in key for word in ("ms", "fps", "frame", "size", "bands"))]
+for key in keys or list(data):
+    print(f"  {key}: {data[key]}")
+PYEOF
+else
+    say "frame-rate failed:"; tail -n 5 "$work/logs/frame-rate.err" | tee -a "$summary"
+fi
+tar -czf "$OUT/logs.tar.gz" -C "$work" logs
