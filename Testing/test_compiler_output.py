@@ -13,8 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Every shader module the runtime loads by name (gpu.load_module), and the field's generated module.
-RUNTIME_MODULES = ("adam", "bvh", "composite", "distance_transform", "image_loss", "mesh_shadows", "ray_samples",
-                   "reference_render", "segment_lists", "segment_shadows", "volume_upload")
+RUNTIME_MODULES = ("adam", "bvh", "composite", "distance_transform", "image_loss", "mesh_distance", "mesh_shadows",
+                   "ray_samples", "reference_render", "segment_lists", "segment_shadows", "volume_upload")
 
 LOAD_EVERY_MODULE = f"""
 import numpy as np

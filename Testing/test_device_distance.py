@@ -78,10 +78,13 @@ def test_a_boundary_map_on_the_device_is_the_whole_grid_one(gpu, shape_name, mon
 
     from NeuralRaycastLib.study import device_distance
 
-    taken = []
+    taken, measured = [], []
     monkeypatch.setattr(device_distance, "distance_transform",
                         lambda *args, __transform=device_distance.distance_transform: taken.append(1)
                         or __transform(*args))
+    monkeypatch.setattr(device_distance, "mesh_distances",
+                        lambda *args, __measure=device_distance.mesh_distances: measured.append(1)
+                        or __measure(*args))
 
     spacing = np.array([1.5, 2.0, 2.5])
     shape = (72, 50, 44)
@@ -96,11 +99,40 @@ def test_a_boundary_map_on_the_device_is_the_whole_grid_one(gpu, shape_name, mon
     reference = whole_grid_signed_distance(inside, spacing)
     on_device = signed_distance(inside, spacing, gpu=gpu)
     assert len(taken) == 2  # outside and inside
+    assert measured  # the band's distances to the smoothed surface
     near = np.abs(reference) <= EXACT_REACH_MM
     np.testing.assert_allclose(on_device[near], reference[near], atol=1e-4)
     np.testing.assert_array_equal(np.sign(on_device), np.sign(reference))
     assert np.all(on_device[~near] <= reference[~near] + 1e-4)
     np.testing.assert_allclose(on_device, signed_distance(inside, spacing), atol=1e-4)
+
+
+def test_distances_to_a_mesh_on_the_device_are_the_processors(gpu):
+    """The band's distances to a smoothed surface on the device: the processor's signed distances to float32
+    rounding, through a nearest triangle at the same distance, for points inside and outside a closed mesh whose
+    candidates come from the same search."""
+    from skimage.measure import marching_cubes
+
+    from NeuralRaycastLib.mesh import surface_distance
+    from NeuralRaycastLib.study.device_distance import mesh_distances
+
+    grid = np.indices((24, 22, 20)).reshape(3, -1).T * np.array([1.0, 1.2, 1.5])
+    field = (np.linalg.norm((grid - [11.0, 12.5, 14.0]) / [8.0, 9.0, 10.0], axis=1) - 1.0).reshape(24, 22, 20)
+    vertices, faces, _, _ = marching_cubes(field, 0.0, spacing=(1.0, 1.2, 1.5))
+    faces = faces[:, ::-1]  # outward
+    rng = np.random.default_rng(4)
+    points = vertices[rng.integers(0, len(vertices), 500)] + rng.normal(0.0, 1.5, (500, 3))
+    nearest = surface_distance.candidate_triangles(vertices, faces, points)
+    expected, expected_triangles = surface_distance.mesh_distances(vertices, faces, points, nearest)
+    found, triangles = mesh_distances(gpu, vertices, faces, points, nearest)
+    assert found.dtype == np.float64 and triangles.dtype == np.int64
+    np.testing.assert_allclose(found, expected, atol=2e-5)
+    assert (found < 0).sum() > 50 and (found > 0).sum() > 50
+    same, _ = surface_distance.mesh_distances(vertices, faces, points, triangles[:, None])
+    np.testing.assert_allclose(np.abs(same), np.abs(expected), atol=2e-5)
+    assert np.mean(triangles == expected_triangles) > 0.95
+    empty = mesh_distances(gpu, vertices, faces, points[:0], nearest[:0])
+    assert empty[0].shape == (0,) and empty[1].shape == (0,)
 
 
 def test_a_study_prepared_on_the_device_is_cached_apart_and_reused_without_it(gpu, phantom_study_dir, tmp_path,

@@ -37,6 +37,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "composite": ("compositeRay", "compositeSegmentBackward", "finishPixel", "packPicture"),
     "device_check": ("deviceCheck",),
     "distance_transform": ("distanceLine",),
+    "mesh_distance": ("meshDistance",),
     "image_loss": ("imageLossPixel", "imageLossPatchSums", "imageLossGradient"),
     "view_score": ("viewScorePixel", "viewScoreRows"),
     "mesh_shadows": ("meshKeyVisibility", "meshKeyVisibilityByGrid", "meshAmbientVisibility"),

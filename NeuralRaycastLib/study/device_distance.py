@@ -1,8 +1,10 @@
-"""The exact Euclidean distance transform of a voxel mask on the device (shaders/distance_transform.slang).
+"""The boundary maps' distances on the device: the exact Euclidean distance transform of a voxel mask
+(shaders/distance_transform.slang) and the distances to a smoothed surface's mesh near it (shaders/mesh_distance.slang).
 
-The boundary maps wait for the brain's transforms; where a device is open (``fit`` opens one before it prepares
-the study) the transform's three separable passes run there, a thread per line, instead of on the processor's
-few cores. The values are those of the CPU's exact transforms (``edt``, scipy) to float32 rounding.
+The boundary maps wait for the brain's; where a device is open (``fit`` opens one before it prepares the study) the
+transform's three separable passes run there, a thread per line, and the band's distances to the mesh a thread per
+point, instead of on the processor's few cores. The values are the CPU's (``edt``, scipy, surface_distance.py) to
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -110,17 +112,73 @@ def distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray) -> np.
 _REFUSED: set[int] = set()
 
 
+def mesh_distances(gpu: Any, vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                   nearest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """surface_distance.mesh_distances on the device: the signed distances (negative inside, float64 of float32
+    values) from ``points`` (N, 3) to the closed mesh, the nearest triangle sought among ``nearest`` (N, k), and
+    that triangle per point."""
+    import slangpy as spy
+
+    count = len(points)
+    if count == 0:
+        return np.zeros(0), np.zeros(0, np.int64)
+    origin = vertices.mean(axis=0)
+
+    def upload(values: np.ndarray, dtype: type) -> Any:
+        return spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values, dtype).reshape(-1))
+
+    with _LOCK:
+        module = gpu.load_module("mesh_distance")
+        inputs = {"vertices": upload(vertices - origin, np.float32), "faces": upload(faces, np.int32),
+                  "points": upload(points - origin, np.float32), "candidates": upload(nearest, np.int32)}
+        distances = spy.Tensor.empty(gpu.device, shape=(count,), dtype=float)
+        chosen = spy.Tensor.empty(gpu.device, shape=(count,), dtype="int")
+        module.meshDistance(spy.grid((count,)), {
+            **{name: tensor.storage.device_address for name, tensor in inputs.items()},
+            "distances": distances.storage.device_address, "nearest": chosen.storage.device_address,
+            "count": count, "candidateCount": int(nearest.shape[1])})
+        return (np.asarray(distances.to_numpy(), np.float64),
+                np.asarray(chosen.to_numpy(), np.int64))
+
+
+def mesh_distance_bytes(vertices: int, faces: int, points: int, candidates: int) -> int:
+    """Device memory :func:`mesh_distances` takes: the mesh, the points, their candidates and the two results."""
+    return 12 * (vertices + faces) + points * (12 + 4 * candidates + 8)
+
+
+def _said_refused(gpu: Any, what: str, error: RuntimeError) -> None:
+    """A device that failed the maps' work (a driver's error) is said once in the log and not asked again: the
+    maps are the same either way, only slower."""
+    _REFUSED.add(id(gpu))
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    logging.getLogger(__name__).warning("the boundary maps' %s run on the processor: the device could not take "
+                                        "them (%s)", what, first[:200])
+
+
 def device_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray) -> np.ndarray | None:
     """:func:`distance_transform` where the grid fits the device's memory budget and the device takes it, else
-    None (the caller takes the processor's transform). A device that fails it (a driver's error) is said once in
-    the log and not asked again: the maps are the same either way, only slower."""
+    None (the caller takes the processor's transform)."""
     if id(gpu) in _REFUSED or not fits_device(gpu, inside.shape) or not gpu.use_on_this_thread():
         return None
     try:
         return distance_transform(gpu, inside, spacing)
     except RuntimeError as error:
-        _REFUSED.add(id(gpu))
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        logging.getLogger(__name__).warning("the boundary maps' distance transforms run on the processor: the "
-                                            "device could not take them (%s)", first[:200])
+        _said_refused(gpu, "distance transforms", error)
+        return None
+
+
+def device_mesh_distances(gpu: Any, vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                          nearest: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`mesh_distances` where its buffers fit the device's memory budget and the device takes it, else None
+    (the caller takes the processor's)."""
+    from ..gpu.device import memory_budget
+
+    needed = mesh_distance_bytes(len(vertices), len(faces), len(points), int(nearest.shape[1]))
+    if (id(gpu) in _REFUSED or needed > memory_budget(gpu).work_bytes or not len(faces)
+            or not gpu.use_on_this_thread()):
+        return None
+    try:
+        return mesh_distances(gpu, vertices, faces, points, nearest)
+    except RuntimeError as error:
+        _said_refused(gpu, "distances to the surface", error)
         return None

@@ -269,7 +269,7 @@ def signed_distance(inside: np.ndarray, spacing: np.ndarray, smooth_surface: boo
                 sdf = _voxel_signed_distance(box, spacing, low - origin, high - origin, gpu)
                 surface = pool.submit(_contour_surface, smoothed, spacing, origin)
         if surface is not None:
-            _smooth_near_surface(sdf, box, spacing, origin, *surface.result())
+            _smooth_near_surface(sdf, box, spacing, origin, *surface.result(), gpu=gpu)
     out = np.empty(inside.shape, np.float32)
     out[crop] = sdf
     _far_field(out, crop, low, high, spacing)
@@ -357,17 +357,28 @@ def _contour_surface(volume: np.ndarray, spacing: np.ndarray, origin: np.ndarray
 
 
 def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarray, origin: np.ndarray,
-                         vertices: np.ndarray, faces: np.ndarray) -> None:
+                         vertices: np.ndarray, faces: np.ndarray, gpu: Any = None) -> None:
     """Within ``EXACT_BAND_VOXELS`` of the surface, replace ``sdf`` (of the mask ``inside``, whose first voxel
     is ``origin`` of the grid) by the exact distance to the mask's smoothed surface (``vertices``, ``faces``;
-    see :func:`signed_distance`)."""
+    see :func:`signed_distance`); the distances to the mesh on ``gpu`` where given (study/device_distance.py)."""
     from ..mesh.surface_distance import (
         agree_with_labels,
         candidate_triangles_and_reach,
         candidates_after_move,
-        mesh_distances,
         mesh_pieces,
     )
+
+    def mesh_distances(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                       nearest: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from ..mesh import surface_distance
+
+        if gpu is not None:
+            from .device_distance import device_mesh_distances
+
+            found = device_mesh_distances(gpu, vertices, faces, points, nearest)
+            if found is not None:
+                return found
+        return surface_distance.mesh_distances(vertices, faces, points, nearest)
 
     with ThreadPoolExecutor(1) as pool:  # the mesh's pieces are found while the searches run on every core
         found = pool.submit(mesh_pieces, len(vertices), faces)
