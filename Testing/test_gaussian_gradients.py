@@ -30,7 +30,7 @@ def tiny_set() -> GaussianSet:
     positions[5] = (9.5, 4.0, 6.0)  # its box pokes out of the scene's
     positions[6] = (40.0, 40.0, 40.0)  # never seen
     return GaussianSet(positions, np.log(rng.uniform(0.6, 1.6, (n, 3))), rng.normal(size=(n, 4)),
-                       rng.normal(0.0, 1.0, n), rng.normal(0.0, 1.0, (n, 4, 3)))
+                       rng.normal(0.0, 1.0, n), rng.normal(0.0, 1.0, (n, 6, 3)))
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_backward_pass_matches_central_differences(scene, rays):
     n = scene.count
     scale = np.abs(gradient).max()
     for kind, (first, last) in {"position": (0, 3), "log-scale": (3, 6), "rotation": (6, 10), "density": (10, 11),
-                                "colour": (11, 23)}.items():
+                                "colour": (11, 29)}.items():
         assert np.abs(gradient[first * n : last * n]).max() > 1e-3 * scale, f"no {kind} gradient"
     rng = np.random.default_rng(3)
     directions = rng.normal(size=(3, params.size))
@@ -172,7 +172,7 @@ def test_backward_pass_matches_central_differences(scene, rays):
     np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)
     unseen = 6
     own = np.concatenate([3 * unseen + np.arange(3), 3 * n + 3 * unseen + np.arange(3),
-                          6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 12 * unseen + np.arange(12)])
+                          6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 18 * unseen + np.arange(18)])
     assert not gradient[own].any()
 
 
@@ -234,7 +234,7 @@ def flat_layer(gpu, width: float, thickness: float, depth: float, half: int = 12
     w = depth / ((2 * np.pi) ** 1.5 * width**2 * thickness)
     gaussians = GaussianSet(np.concatenate([xy, np.zeros((n, 1))], axis=1),
                             np.log(np.tile([width, width, thickness], (n, 1))), np.tile([1.0, 0.0, 0.0, 0.0], (n, 1)),
-                            np.full(n, np.log(w / (1 - w))), np.zeros((n, 4, 3)))
+                            np.full(n, np.log(w / (1 - w))), np.zeros((n, 6, 3)))
     return GaussianScene(gpu, gaussians, GridShape.for_box(LAYER_BOX, 2.0), density_scale=1.0,
                          march=MarchSettings(STEP, 1e-4))
 
@@ -276,7 +276,7 @@ def test_backward_pass_where_a_ray_is_inside_more_gaussians_than_it_keeps_sums_f
     gaussians.positions[:, 2] += rng.normal(0.0, 0.1, n)
     gaussians.rotations += rng.normal(0.0, 0.1, (n, 4))
     gaussians.density += rng.normal(0.0, 0.5, n)
-    gaussians.colours[:] = rng.normal(0.0, 1.0, (n, 4, 3))
+    gaussians.colours[:] = rng.normal(0.0, 1.0, (n, 6, 3))
     scene.set_gaussians(gaussians)
     rays = rays_through_the_origin([0.0, 30.0, 60.0])
     rays[:, :2] += rng.uniform(-0.5, 0.5, (3, 2))
