@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from math import erf
 
 import numpy as np
+from scipy.spatial import cKDTree
 
 from ..gpu.device import GpuContext, GpuMemoryError, device_memory, memory_budget
 from ..gpu.memory_budget import MemoryBudget
@@ -173,8 +174,12 @@ def surface_points(prepared: PreparedStudy, count: int, rng: np.random.Generator
         positions = voxels @ linear.T + prepared.affine[:3, 3] - distance[:, None] * normals
         area = len(voxels) * voxel_volume / (2.0 * band)  # the band is two voxels thick
         chosen = spread_evenly(positions, int(share), area, rng)
-        parts.append(SurfaceSamples(positions[chosen], normals[chosen], np.full(len(chosen), area / len(chosen)),
-                                    np.full(len(chosen), depths[k]), np.full(len(chosen), k)))
+        # each point stands for the part of the surface nearer to it than to the others (the band's points it is
+        # the nearest chosen one of): an even layer where the choice left the points unevenly spaced
+        nearest = cKDTree(positions[chosen]).query(positions)[1]
+        areas = area * np.bincount(nearest, minlength=len(chosen)) / len(positions)
+        parts.append(SurfaceSamples(positions[chosen], normals[chosen], areas, np.full(len(chosen), depths[k]),
+                                    np.full(len(chosen), k)))
     return SurfaceSamples(*(np.concatenate([getattr(p, name) for p in parts])
                             for name in ("positions", "normals", "areas", "depths", "structures")))
 
