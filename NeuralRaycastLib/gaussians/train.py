@@ -357,6 +357,11 @@ class GaussianStep:
         return stats[:, 0], stats[:, 1]
 
 
+#: How much narrower the two halves of a split Gaussian are than the original, in its plane: √2, so that each
+#: half has the original's density over half its area, and no density has to pass its cap to keep the mass.
+SPLIT_SHRINK = float(np.sqrt(2.0))
+
+
 def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, seen: np.ndarray,
           config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator,
           densify: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -381,13 +386,21 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
         if len(grow):
             chosen = gaussians.subset(grow)
             big = np.exp(chosen.log_scales.max(axis=1)) > config.scale_voxels * voxel
-            offsets = rng.normal(size=(len(grow), 3)) * np.exp(chosen.log_scales)
+            # a large one splits in its plane (its first two axes; the third is the surface's normal) into two
+            # narrower halves; a small one is cloned, each copy of half the density. Either pair keeps the
+            # original's mass, so a layer's optical depth is what it was, and the training moves the pair apart.
+            offsets = rng.normal(size=(len(grow), 3)) * np.exp(chosen.log_scales) * np.array([1.0, 1.0, 0.0])
             offsets = np.einsum("nab,nb->na", chosen.rotation_matrices(), offsets) * big[:, None]
-            shrink = np.where(big, np.log(1.6), 0.0)[:, None]
-            parts[0].positions[np.searchsorted(np.flatnonzero(keep), grow)] -= offsets
-            parts[0].log_scales[np.searchsorted(np.flatnonzero(keep), grow)] -= shrink
+            shrink = np.where(big, np.log(SPLIT_SHRINK), 0.0)[:, None] * np.array([1.0, 1.0, 0.0])
+            share = np.where(big, SPLIT_SHRINK**2 / 2.0, 0.5)
+            opacity = np.clip(share / (1.0 + np.exp(-chosen.density.astype(np.float64))), 1e-4, 0.999)
+            density = np.log(opacity / (1.0 - opacity))
+            grown_in_kept = np.searchsorted(np.flatnonzero(keep), grow)
+            parts[0].positions[grown_in_kept] -= offsets
+            parts[0].log_scales[grown_in_kept] -= shrink
+            parts[0].density[grown_in_kept] = density
             parts.append(GaussianSet(chosen.positions + offsets, chosen.log_scales - shrink, chosen.rotations,
-                                     chosen.density, chosen.colours))
+                                     density, chosen.colours))
             zeros = GaussianSet.from_flat(np.zeros(GAUSSIAN_FLOATS * len(grow) + 4, np.float32), len(grow))
             m_parts.append(zeros)
             v_parts.append(zeros)
