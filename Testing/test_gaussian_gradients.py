@@ -267,8 +267,9 @@ RAY_SLOTS = 32
 def test_backward_pass_where_a_ray_is_inside_more_gaussians_than_it_keeps_sums_for(gpu):
     """The backward pass sums each Gaussian's share of a ray's gradient along the ray before adding it to the
     parameters' gradients, for as many Gaussians at once as it has slots; past that, a sample's share goes out
-    on its own (and a sample held by more Gaussians than that goes through its cell's list a second time). Rays through a layer of wide, overlapping, differently coloured Gaussians (more of them around
-    a sample than there are slots) get the gradients of central differences all the same."""
+    on its own (and a sample held by more Gaussians than that goes through its cell's list a second time). Rays
+    through a layer of wide, overlapping, differently coloured Gaussians (more of them around a sample than there
+    are slots) get the gradients of central differences all the same."""
     scene = flat_layer(gpu, 1.6, 0.4, 1.5, half=8)
     rng = np.random.default_rng(5)
     gaussians = scene.gaussians()

@@ -51,7 +51,7 @@ class GaussianTrainConfig:
     step_voxels: float = 0.35  # segment length, in voxels of the prepared study
     cell_voxels: float = 3.0  # grid cells, in voxels
     scale_voxels: float = 0.6  # standard deviation above which densification splits a Gaussian, in voxels
-    spread: float = 1.0  # initial width (standard deviation) along the surface, in spacings of the Gaussians
+    spread: float = 0.8  # initial width (standard deviation) along the surface, in spacings of the Gaussians
     thickness_voxels: float = 0.5  # initial standard deviation across the surface, in voxels
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
