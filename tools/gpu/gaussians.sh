@@ -30,10 +30,10 @@ nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 
 SMI=$!
 mark() { date -u +"%s.%N $1" >> "$RAW/marks.txt"; }
 
-# Past 125 s the fit is interrupted as Ctrl-C does: it stops at the next step and saves the state reached
+# Past $GAUSS_FIT_S seconds (default 125) the fit is interrupted as Ctrl-C does: it stops at the next step and saves the state reached
 # (train_log.json says "cancelled"), so the other figures still come; 20 s later it is killed.
 mark fit
-/usr/bin/time -v timeout -s INT -k 20 125 $N fit "$SAMPLE" --representation gaussians --preset standard \
+/usr/bin/time -v timeout -s INT -k 20 ${GAUSS_FIT_S:-125} $N fit "$SAMPLE" --representation gaussians --preset standard \
   --out "$RUN" > "$RAW/fit.txt" 2>&1
 echo "exit $?" >> "$RAW/fit.txt"
 mark evaluate
