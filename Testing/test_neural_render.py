@@ -739,7 +739,8 @@ def _recorded_allocations(monkeypatch) -> list[str]:
 def test_views_turned_a_little_make_no_new_buffers_after_the_first(gpu, monkeypatch):
     """Once a view was rendered, the renderer holds the buffers a view of its size takes (at the most the views
     so far took, with room to spare): views turned a little from it, and it again, make no buffer and render
-    their pictures in one pass each (none renders again for want of room), as a fresh renderer renders them."""
+    their pictures in one pass each (none renders again for want of room), as a fresh renderer renders them; a view
+    of another size in between leaves the sizes its own views took."""
     renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
     renderer.render(_turned(0.0))
     made = _recorded_allocations(monkeypatch)
@@ -756,6 +757,11 @@ def test_views_turned_a_little_make_no_new_buffers_after_the_first(gpu, monkeypa
     assert made == [] and passes == [False] * len(views), (made, passes)
     fresh, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
     np.testing.assert_array_equal(pictures[1].rgba, fresh.render(views[1]).rgba)
+    sizes = (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot)
+    renderer.render(_turned(0.0, 12, 10))  # a smaller view, whose rays take more slots each, then this one again
+    assert renderer._slots_per_ray > sizes[1]
+    renderer.render(views[-1])
+    assert (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot) == sizes
 
 
 def test_a_renderers_band_buffers_stay_within_the_budgets_share(gpu, monkeypatch):

@@ -59,10 +59,12 @@ MAX_BUFFER_BYTES = 4 << 30
 #: How much more than the views rendered so far took a band is sized for: its memory per ray (a band that counts
 #: more than its share is drawn again in fewer rows), and its room for shaded segments per sample slot (a band
 #: that lists more renders the view again), so that a view a little fuller than the last fits the same bands and
-#: room. What a renderer's views took is kept at its most (a view of another side, then this one again, is
-#: sized as before), and the buffers for the next view of the same size are made once a view was rendered.
+#: room. What a renderer's views of a size took is kept at its most (a view of another side, then this one again,
+#: is sized as before), and the buffers for the next view of the same size are made once a view was rendered.
 BAND_HEADROOM = 1.1
 ROOM_HEADROOM = 1.25
+#: View sizes whose band sizes a renderer keeps (the most recently drawn).
+KEPT_VIEW_SIZES = 16
 #: Room for shaded segments per compact sample slot of a band until a view was counted.
 SHADED_PER_SLOT = 0.5
 #: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
@@ -103,10 +105,13 @@ class DiffRenderer:
         self.lists_module = gpu.load_module("segment_lists", scene.structures)
         self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
-        # the most the views' bands took (_learn_band_sizes; None: not counted yet, a ray may take max_samples)
+        # what views of this size took at the most (_learn_band_sizes; None: not counted yet, a ray may take
+        # max_samples), kept for each view size a renderer has drawn (a smaller view's rays take more slots each)
         self._ray_bytes: float | None = None  # device memory per ray
         self._slots_per_ray: float | None = None
         self._shaded_per_slot = SHADED_PER_SLOT
+        self._sizes_by_view: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._view_size: tuple[int, int] | None = None
         self.band_work: list[tuple[int, int, int]] = []  # each band's rays, slots and bytes (camera_bands)
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._frame: Any = None  # a whole view's sums on the device (render)
@@ -380,12 +385,27 @@ class DiffRenderer:
         counted = [(rays, slots, shaded) for rays, slots, shaded in bands if rays and slots]
         if not counted:
             return
-        first = self._slots_per_ray is None  # (until then the room per slot is a guess, not kept)
-        shaded_per_slot = max(shaded / slots for _rays, slots, shaded in counted) * ROOM_HEADROOM
-        self._shaded_per_slot = shaded_per_slot if first else max(self._shaded_per_slot, shaded_per_slot)
-        self._slots_per_ray = max([slots / rays for rays, slots, _shaded in counted] + [self._slots_per_ray or 0.0])
-        self._ray_bytes = max([self._band_need(rays, slots) / rays for rays, slots, _shaded in counted]
-                              + [self._ray_bytes or 0.0])
+        self._shaded_per_slot = max(shaded / slots for _rays, slots, shaded in counted) * ROOM_HEADROOM
+        self._slots_per_ray = max(slots / rays for rays, slots, _shaded in counted)
+        sizes = (max(self._band_need(rays, slots) / rays for rays, slots, _shaded in counted), self._slots_per_ray,
+                 self._shaded_per_slot)
+        if self._view_size is None:
+            self._ray_bytes = sizes[0]
+            return
+        kept = self._sizes_by_view.pop(self._view_size, sizes)
+        self._ray_bytes, self._slots_per_ray, self._shaded_per_slot = (max(a, b) for a, b in zip(sizes, kept,
+                                                                                                 strict=True))
+        self._sizes_by_view[self._view_size] = (self._ray_bytes, self._slots_per_ray, self._shaded_per_slot)
+        while len(self._sizes_by_view) > KEPT_VIEW_SIZES:
+            del self._sizes_by_view[next(iter(self._sizes_by_view))]
+
+    def _size_for_view(self, camera: Camera) -> None:
+        """Size the bands of a view by what views of its size took at the most, where one was drawn (else by the
+        last view's, of another size)."""
+        self._view_size = (camera.width, camera.height)
+        kept = self._sizes_by_view.get(self._view_size)
+        if kept is not None:
+            self._ray_bytes, self._slots_per_ray, self._shaded_per_slot = kept
 
     def _make_room_for_next_view(self, camera: Camera, rays_per_pass: int | None) -> None:
         """Once a view was rendered and counted, the buffers a view of its size takes by what the views so far
@@ -522,6 +542,7 @@ class DiffRenderer:
         if self._band_counts is None or self._band_counts.shape[0] < camera.height * 3:
             # each band's list counts (a band has a row at least)
             self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
+        self._size_for_view(camera)
         planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False, read=read)
         if crowded:
             planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True, read=read)
