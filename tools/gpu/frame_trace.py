@@ -80,6 +80,15 @@ def main() -> int:
     print(f"summary: {len(times)} frames, mean {times.mean():.2f} ms, median {statistics.median(times):.2f} ms, "
           f"fastest {times.min():.2f} ms, slowest {times.max():.2f} ms (frame {int(times.argmax()) + 1}); frames that "
           f"made buffers: {allocating or 'none'}; drawn again: {again or 'none'}")
+    from NeuralRaycastLib.bench.kernel_clock import kernel_clock
+
+    try:
+        with kernel_clock(gpu) as kernels:
+            renderer.render_picture(camera)
+        print(f"kernels of the last view again (device timestamps): {kernels.total_ms:.2f} ms; {kernels.summary()}; "
+              f"from the first kernel's start to the last one's end {kernels.span_ms:.2f} ms")
+    except Exception as error:  # (a device without timestamps: the frames above stand)
+        print(f"kernels not timed: {error}")
     return 0
 
 

@@ -5,7 +5,7 @@
 # launches: one launch a band) and the GPU-memory row of each run. Then the pretrained route's live view: the icbm
 # sample fitted with `fit --appearance pretrained` (seconds), its `frame-rate --size 1024 1024 --frames 30`, and
 # the same frames one by one (tools/gpu/frame_trace.py: each frame's time, bands, whether it was drawn again,
-# the buffers it made, the GPU memory in use) at the default budget and under `--gpu-memory 6G`. About three
+# the buffers it made, the GPU memory in use; one frame's kernels) at the default budget and under `--gpu-memory 6G`. About three
 # minutes after `warmup` of this tree. Writes under $OUT (3 files):
 #
 #   bench-default.md, bench-6G.md   each run's whole Markdown section and its progress lines
@@ -38,7 +38,7 @@ for budget in default 6G; do
 done
 
 # The pretrained route's live view, frame by frame.
-python=${N%% -m *}
+case "$N" in *" -m "*) python=${N%% -m *} ;; *) python=python3 ;; esac  # the interpreter $N runs
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 log="$OUT/pretrained.txt"
@@ -59,5 +59,5 @@ for budget in default 6G; do
     echo "== frames one by one, budget $budget ==" | tee -a "$log"
     $python tools/gpu/frame_trace.py "$work/run" --size 1024 --frames 30 "${options[@]}" >> "$log" 2>&1 \
         || echo "frame trace failed" | tee -a "$log"
-    grep -E '^summary' "$log" | tail -n 1
+    grep -E '^(summary|kernels)' "$log" | tail -n 2
 done
