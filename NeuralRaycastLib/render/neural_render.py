@@ -50,8 +50,8 @@ from .scene import TrainableScene, WorkLists, list_launch
 #: the first figure and at most the second; on a CPU device the third; never more than the memory budget's
 #: share for a band (gpu/memory_budget.py), which leaves these sizes as they are on a GPU with memory to spare.
 #: Fewer, larger bands mean fewer passes and waits, and render a frame faster, with or without mesh shadows
-#: (BENCHMARKS.md); bands laid out compact hold a 512² view in one band of this size and a 1024² view in two,
-#: so that a process rendering 1024² views holds no more than its training took and two such bands.
+#: (BENCHMARKS.md); but a band's buffers stand beside all else the process holds (a trained field, its
+#: training's buffers), so a large view is drawn in bands of no more than the second figure.
 BAND_BYTES = (1 << 30, 2 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
 #: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
