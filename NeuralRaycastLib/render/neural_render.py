@@ -50,16 +50,21 @@ from .scene import TrainableScene, WorkLists, list_launch
 #: the first figure and at most the second; on a CPU device the third; never more than the memory budget's
 #: share for a band (gpu/memory_budget.py), which leaves these sizes as they are on a GPU with memory to spare.
 #: Fewer, larger bands mean fewer passes and waits, and render a frame faster, with or without mesh shadows
-#: (BENCHMARKS.md).
-BAND_BYTES = (2 << 30, 8 << 30, 1 << 30)
+#: (BENCHMARKS.md); but a band's buffers stand beside all else the process holds (a trained field, its
+#: training's buffers), so a large view is drawn in bands of no more than the second figure.
+BAND_BYTES = (1 << 30, 2 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
 #: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
 MAX_BUFFER_BYTES = 4 << 30
-#: How much more than the last view's bands took a band is sized for: its memory per ray (a band that counts more
-#: than its share is drawn again in fewer rows), and its room for shaded segments per sample slot (a band that
-#: lists more renders the view again), so that a view a little fuller than the last fits the same bands and room.
+#: How much more than the views rendered so far took a band is sized for: its memory per ray (a band that counts
+#: more than its share is drawn again in fewer rows), and its room for shaded segments per sample slot (a band
+#: that lists more renders the view again), so that a view a little fuller than the last fits the same bands and
+#: room. What a renderer's views of a size took is kept at its most (a view of another side, then this one again,
+#: is sized as before), and the buffers for the next view of the same size are made once a view was rendered.
 BAND_HEADROOM = 1.1
 ROOM_HEADROOM = 1.25
+#: View sizes whose band sizes a renderer keeps (the most recently drawn).
+KEPT_VIEW_SIZES = 16
 #: Room for shaded segments per compact sample slot of a band until a view was counted.
 SHADED_PER_SLOT = 0.5
 #: Threads per ray of a rendered band's launches over its lists while their lengths are not known (forward,
@@ -100,10 +105,13 @@ class DiffRenderer:
         self.lists_module = gpu.load_module("segment_lists", scene.structures)
         self._batch: RayBatch | None = None
         self._band_limit = 1 << 62  # rays per band, lowered where the device could not hold a band
-        # what the last view's bands took (_learn_band_sizes; None: not counted yet, a ray may take max_samples)
+        # what views of this size took at the most (_learn_band_sizes; None: not counted yet, a ray may take
+        # max_samples), kept for each view size a renderer has drawn (a smaller view's rays take more slots each)
         self._ray_bytes: float | None = None  # device memory per ray
         self._slots_per_ray: float | None = None
         self._shaded_per_slot = SHADED_PER_SLOT
+        self._sizes_by_view: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self._view_size: tuple[int, int] | None = None
         self.band_work: list[tuple[int, int, int]] = []  # each band's rays, slots and bytes (camera_bands)
         self._device_bytes: int | None = None  # the GPU's memory (0: not known), read at the first band
         self._frame: Any = None  # a whole view's sums on the device (render)
@@ -260,13 +268,24 @@ class DiffRenderer:
                                       batch.slot_capacity // RayTiles.PIXELS)
         return int(batch.list_counts.to_numpy()[3])
 
-    def make_room(self, batch: RayBatch, slots: int, shaded: int) -> None:
+    def make_room(self, batch: RayBatch, slots: int, shaded: int, allowance: int | None = None) -> None:
         """Buffers for ``slots`` compact slots (:meth:`count_samples`) and ``shaded`` shaded segments; where the
-        slots' buffers grew, the tiles reserve their rows again in them (the same count)."""
-        batch.reserve_surfaces(shaded)
+        slots' buffers grew, the tiles reserve their rows again in them (the same count). Buffers that grow take
+        some room to spare, but not beyond ``allowance`` bytes for the band (a band's memory, :meth:`_band_bytes`)."""
+        most_slots, most_shaded = self._room_within(self.ray_count, slots, shaded, allowance)
+        batch.reserve_surfaces(shaded, most_shaded)
         if slots > batch.slot_capacity:
-            batch.reserve_slots(slots)
+            batch.reserve_slots(slots, most_slots)
             self._reserve_tiles(batch)
+
+    def _room_within(self, rays: int, slots: int, shaded: int, allowance: int | None) -> tuple[int | None, int | None]:
+        """The most slots and shaded segments a band of ``rays`` rays may make room for within ``allowance`` bytes,
+        in the proportion of ``slots`` to ``shaded`` (None, None: no limit)."""
+        if allowance is None:
+            return None, None
+        need = RayBatch.band_bytes(rays, slots, shaded, self.scene.structures, self.segment_words())
+        scale = allowance / max(need, 1)
+        return int(slots * scale), int(shaded * scale)
 
     def _composite(self, batch: RayBatch, sums_at: int, for_backward: bool) -> None:
         """Composite the batch into the sums at ``sums_at``; ``for_backward``: also keep what the backward
@@ -368,7 +387,47 @@ class DiffRenderer:
             return
         self._shaded_per_slot = max(shaded / slots for _rays, slots, shaded in counted) * ROOM_HEADROOM
         self._slots_per_ray = max(slots / rays for rays, slots, _shaded in counted)
-        self._ray_bytes = max(self._band_need(rays, slots) / rays for rays, slots, _shaded in counted)
+        sizes = (max(self._band_need(rays, slots) / rays for rays, slots, _shaded in counted), self._slots_per_ray,
+                 self._shaded_per_slot)
+        if self._view_size is None:
+            self._ray_bytes = sizes[0]
+            return
+        kept = self._sizes_by_view.pop(self._view_size, sizes)
+        self._ray_bytes, self._slots_per_ray, self._shaded_per_slot = (max(a, b) for a, b in zip(sizes, kept,
+                                                                                                 strict=True))
+        self._sizes_by_view[self._view_size] = (self._ray_bytes, self._slots_per_ray, self._shaded_per_slot)
+        while len(self._sizes_by_view) > KEPT_VIEW_SIZES:
+            del self._sizes_by_view[next(iter(self._sizes_by_view))]
+
+    def _size_for_view(self, camera: Camera) -> None:
+        """Size the bands of a view by what views of its size took at the most, where one was drawn (else by the
+        last view's, of another size)."""
+        self._view_size = (camera.width, camera.height)
+        kept = self._sizes_by_view.get(self._view_size)
+        if kept is not None:
+            self._ray_bytes, self._slots_per_ray, self._shaded_per_slot = kept
+
+    def _make_room_for_next_view(self, camera: Camera, rays_per_pass: int | None) -> None:
+        """Once a view was rendered and counted, the buffers a view of its size takes by what the views so far
+        took (:meth:`_learn_band_sizes`), with :data:`BAND_HEADROOM` to spare: the next view's bands, the same view
+        again or one a little fuller, make none (the first view, sized at ``max_samples`` a ray, may have been
+        rendered in more, smaller bands). A device that cannot hold them leaves them to the next view's bands
+        (which render in fewer rows)."""
+        if self._slots_per_ray is None:
+            return
+        per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
+        rows = even_bands(camera.height, max(1, per_pass // camera.width))
+        rays = rows * camera.width
+        slots = math.ceil(self._slots_per_ray * BAND_HEADROOM * rays)
+        shaded = self._shaded_room(slots)
+        most_slots, most_shaded = self._room_within(rays, slots, shaded, self._band_bytes())
+        try:
+            if self._batch is None or self._batch.capacity < rays:
+                self.batch(rays).reserve_tiles(rays, RayTiles(camera.width, rows), self.segment_words())
+            self._batch.reserve_surfaces(shaded, most_shaded)
+            self._batch.reserve_slots(slots, most_slots)
+        except GpuMemoryError:
+            self._batch = None
 
     def _band_need(self, rays: int, slots: int) -> int:
         """Device memory of a rendered band of ``rays`` rays in ``slots`` compact slots, with room for the shaded
@@ -424,7 +483,7 @@ class DiffRenderer:
                     rows_per_pass = whole_tiles(max(1, min(rows * allowance // need, rows - 1,
                                                            rows * (MAX_BUFFER_BYTES - 1) // (slots * distance_bytes))))
                     continue
-                self.make_room(batch, slots, self._shaded_room(slots))
+                self.make_room(batch, slots, self._shaded_room(slots), allowance)
                 self.forward(batch, timings, sums_at=at, counted=counted, backward_follows=False)
             except GpuMemoryError:
                 if rows == 1:
@@ -483,9 +542,11 @@ class DiffRenderer:
         if self._band_counts is None or self._band_counts.shape[0] < camera.height * 3:
             # each band's list counts (a band has a row at least)
             self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
+        self._size_for_view(camera)
         planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False, read=read)
         if crowded:
             planes, _crowded = self._render_frame(camera, rays_per_pass, timings, counted=True, read=read)
+        self._make_room_for_next_view(camera, rays_per_pass)
         return planes
 
     def _render_frame(self, camera: Camera, rays_per_pass: int | None, timings: dict[str, float] | None,

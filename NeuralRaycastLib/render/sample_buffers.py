@@ -130,23 +130,29 @@ class RayBatch:
         rays in these ``tiles`` (each tile's rows of slots, reserved on the device: shaders/sample_buffers.slang),
         with ``segment_words`` words a ray for its occupied segments (ray_samples.slang's countSamples).
         The passes over these rays, and the gradient buffers sized for them, use exactly their slots."""
-        import slangpy as spy
 
         self.struct["rayCount"] = rays
         if tiles is None:
             self.struct.update(slotStride=rays, compactSlots=0, rowWidth=1)
         else:
-            count = tiles.count()
-            if self.tile_slots.shape[0] < count:
-                self.tile_slots = None
-                with device_memory(f"the tiles of {rays:,} rays"):
-                    self.tile_slots = spy.Tensor.zeros(self.device, shape=(count,), dtype="int")
-            if self.segment_bits.shape[0] < rays * segment_words:
-                self.segment_bits = None
-                with device_memory(f"the occupied segments of {rays:,} rays"):
-                    self.segment_bits = spy.Tensor.zeros(self.device, shape=(rays * segment_words,), dtype="uint")
+            self.reserve_tiles(rays, tiles, segment_words)
             self.struct.update(slotStride=RayTiles.PIXELS, compactSlots=1,
                                tileSlots=self.tile_slots.storage.device_address, rowWidth=tiles.width)
+
+    def reserve_tiles(self, rays: int, tiles: RayTiles, segment_words: int) -> None:
+        """Room for a compact layout's tiles and ``segment_words`` words a ray of occupied segments, for ``rays``
+        rays in these ``tiles`` (:meth:`set_rays`); never shrunk."""
+        import slangpy as spy
+
+        count = tiles.count()
+        if self.tile_slots.shape[0] < count:
+            self.tile_slots = None
+            with device_memory(f"the tiles of {rays:,} rays"):
+                self.tile_slots = spy.Tensor.zeros(self.device, shape=(count,), dtype="int")
+        if self.segment_bits.shape[0] < rays * segment_words:
+            self.segment_bits = None
+            with device_memory(f"the occupied segments of {rays:,} rays"):
+                self.segment_bits = spy.Tensor.zeros(self.device, shape=(rays * segment_words,), dtype="uint")
 
     @property
     def compact(self) -> bool:
@@ -209,15 +215,16 @@ class RayBatch:
         gradients = per_sample + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures
         return RayBatch.bytes_per_ray(max_samples, structures) + 4 * gradients
 
-    def reserve_slots(self, slots: int) -> None:
+    def reserve_slots(self, slots: int, most: int | None = None) -> None:
         """Room for ``slots`` sample slots (the touched list's apart: :meth:`reserve_touched`): grown where
-        smaller, by a quarter at least, and never shrunk (a batch keeps the room its largest pass took). The
-        values in them are not kept: a forward pass writes every slot it reads."""
+        smaller, by a quarter at least (but to no more than ``most`` slots, where given and more than ``slots``),
+        and never shrunk (a batch keeps the room its largest pass took). The values in them are not kept: a
+        forward pass writes every slot it reads."""
         import slangpy as spy
 
         if slots <= self.slot_capacity:
             return
-        capacity = max(slots, self.slot_capacity + self.slot_capacity // 4)
+        capacity = grown(slots, self.slot_capacity, most)
         capacity = -(-capacity // RayTiles.PIXELS) * RayTiles.PIXELS  # whole rows of a tile
         self.samples = self.distances = self.surface_entry = self.visibility = None  # free the smaller ones first
         self.shaded_slots = self.sampled_slots = self.chunk_rays = None
@@ -256,19 +263,24 @@ class RayBatch:
     def surface_width(self) -> int:
         return SURFACE_VALUES_PER_STRUCTURE * self.structures
 
-    def reserve_surfaces(self, entries: int) -> None:
-        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments.
-        The values are stored value by value (shaders/sample_buffers.slang): see :meth:`surface_values`."""
+    def reserve_surfaces(self, entries: int, most: int | None = None) -> None:
+        """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments, grown as
+        :meth:`reserve_slots` grows its room. The values are stored value by value (shaders/sample_buffers.slang):
+        see :meth:`surface_values`; they are not kept (the room grows before a pass writes them), so the smaller
+        buffers are freed first."""
         import slangpy as spy
 
         if entries <= self.surface_capacity:
             return
-        capacity = max(entries, self.surface_capacity + self.surface_capacity // 4)
+        capacity = grown(entries, self.surface_capacity, most)
         shape = (capacity * self.surface_width,)
+        keeps_gradients = self.surface_grads is not None
+        self.surface = self.surface_grads = None
+        self.surface_capacity = self.struct["surfaceCapacity"] = 0
         with device_memory(f"the surface values of {capacity:,} shaded segments"):
             self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
             self.struct["surface"] = self.surface.storage.device_address
-            if self.surface_grads is not None:
+            if keeps_gradients:
                 self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
                 self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
         self.surface_capacity = self.struct["surfaceCapacity"] = capacity
@@ -299,3 +311,11 @@ class RayBatch:
         if self.surface_grads is None:
             self.surface_grads = spy.Tensor.zeros_like(self.surface)
             self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+
+
+def grown(needed: int, capacity: int, most: int | None = None) -> int:
+    """A buffer's new room for ``needed`` entries where it holds ``capacity``: a quarter more than it held at
+    least (few regrowths while a renderer's views grow), but no more than ``most`` entries where that is given
+    and holds ``needed`` (a memory budget's share)."""
+    room = max(needed, capacity + capacity // 4)
+    return room if most is None else max(needed, min(room, most))
