@@ -52,7 +52,7 @@ from .scene import TrainableScene, WorkLists, list_launch
 #: Fewer, larger bands mean fewer passes and waits, and render a frame faster, with or without mesh shadows
 #: (BENCHMARKS.md); but a band's buffers stand beside all else the process holds (a trained field, its
 #: training's buffers), so a large view is drawn in bands of no more than the second figure.
-BAND_BYTES = (1 << 30, 2 << 30, 1 << 30)
+BAND_BYTES = (1 << 30, 3 << 30, 1 << 30)
 #: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
 #: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
 MAX_BUFFER_BYTES = 4 << 30
