@@ -191,6 +191,25 @@ class GpuContext:
         return self._sessions[(slots, extra)]
 
 
+#: Bytes of stack a CUDA thread gets (cuCtxSetLimit), where set; the driver's default otherwise.
+CUDA_STACK_ENV = "NEURALRAYCAST_CUDA_STACK_BYTES"
+
+
+def _set_cuda_stack_bytes(device: Any, size: int) -> bool:
+    """Give each CUDA thread ``size`` bytes of stack (kernels whose calls keep large arrays need more than the
+    driver's default)."""
+    import ctypes
+    import ctypes.util
+
+    if not _make_cuda_context_current(device):
+        return False
+    try:
+        driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+        return driver.cuCtxSetLimit(0, ctypes.c_size_t(size)) == 0  # CU_LIMIT_STACK_SIZE
+    except (OSError, AttributeError):
+        return False
+
+
 def _make_cuda_context_current(device: Any) -> bool:
     """Make ``device``'s CUDA context current on the calling thread (see GpuContext.use_on_this_thread)."""
     import ctypes
@@ -575,6 +594,8 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
                 continue
             context = GpuContext(device, backend, _report(device, backend, capability, tried))
             context.memory_at_open = _cuda_memory(context)
+            if backend == "cuda" and os.environ.get(CUDA_STACK_ENV):
+                _set_cuda_stack_bytes(device, int(os.environ[CUDA_STACK_ENV]))
             _CONTEXTS[wanted] = _CONTEXTS[backend] = context
             break
         else:
