@@ -31,15 +31,8 @@ tar -C "$R" -czf "$OUT/coopvec.tar.gz" .
 grep -h "points/s\|error\|failed" "$R/probe.txt" | cut -c1-200 | head -20
 python3 - "$R"/bench-*.json <<'PY'
 import json, sys
-def rows(data):
-    if isinstance(data, dict):
-        if "metric" in data and "value" in data:
-            yield data
-        for value in data.values():
-            yield from rows(value)
-    elif isinstance(data, list):
-        for value in data:
-            yield from rows(value)
+sys.path.insert(0, "tools/gpu")
+from bench_rows import rows  # noqa: E402
 for path in sys.argv[1:]:
     try:
         found = [r for r in rows(json.load(open(path))) if "points/s" in str(r["metric"])]

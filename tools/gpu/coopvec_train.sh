@@ -30,22 +30,15 @@ echo "bench --device cuda: exit $?"
 NEURALRAYCAST_DEVICE=vulkan timeout 120 python3 -m pytest -q -p no:cacheprovider Testing/test_coopvec.py \
     -k "render or frozen" > "$R/tests.txt" 2>&1
 tar -C "$R" -czf "$OUT/logs.tar.gz" .
-tail -2 "$R/bench-vulkan.log" "$R/bench-cuda.log" | cut -c1-200
+tail -n 2 "$R/bench-vulkan.log" "$R/bench-cuda.log" | cut -c1-200
 echo "tests on Vulkan: $(tail -1 "$R/tests.txt")"
 python3 - "$OUT/bench-vulkan.json" "$OUT/bench-cuda.json" <<'PY'
 import json
 import sys
 
 
-def rows(data):
-    if isinstance(data, dict):
-        if "metric" in data and "value" in data:
-            yield data
-        for value in data.values():
-            yield from rows(value)
-    elif isinstance(data, list):
-        for value in data:
-            yield from rows(value)
+sys.path.insert(0, "tools/gpu")
+from bench_rows import rows  # noqa: E402
 
 
 def table(path):
