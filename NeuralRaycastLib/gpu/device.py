@@ -195,35 +195,36 @@ class GpuContext:
 CUDA_STACK_ENV = "NEURALRAYCAST_CUDA_STACK_BYTES"
 
 
-def _set_cuda_stack_bytes(device: Any, size: int) -> bool:
+def _set_cuda_stack_bytes(context: GpuContext, size: int) -> bool:
     """Give each CUDA thread ``size`` bytes of stack (kernels whose calls keep large arrays need more than the
     driver's default)."""
     import ctypes
-    import ctypes.util
 
-    if not _make_cuda_context_current(device):
-        return False
-    try:
-        driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
-        return driver.cuCtxSetLimit(0, ctypes.c_size_t(size)) == 0  # CU_LIMIT_STACK_SIZE
-    except (OSError, AttributeError):
-        return False
+    with _cuda_context(context) as driver:
+        try:
+            return driver is not None and driver.cuCtxSetLimit(0, ctypes.c_size_t(size)) == 0  # CU_LIMIT_STACK_SIZE
+        except (AttributeError, ctypes.ArgumentError):
+            return False
+
+
+def _cuda_context_handle(device: Any) -> int | None:
+    """The CUDA context of a slangpy ``device``, or None where it names none."""
+    import slangpy as spy
+
+    handles = [handle.value for handle in device.native_handles if handle.type == spy.NativeHandleType.CUcontext]
+    return int(handles[0]) if handles else None
 
 
 def _make_cuda_context_current(device: Any) -> bool:
-    """Make ``device``'s CUDA context current on the calling thread (see GpuContext.use_on_this_thread)."""
+    """Make ``device``'s CUDA context current on the calling thread, and keep it so (see
+    GpuContext.use_on_this_thread; :func:`_cuda_context` makes it current only for a while)."""
     import ctypes
-    import ctypes.util
 
-    import slangpy as spy
-
-    handles = [handle for handle in device.native_handles if handle.type == spy.NativeHandleType.CUcontext]
-    if not handles:
-        return False
+    handle = _cuda_context_handle(device)
+    driver = _cuda_driver() if handle is not None else None
     try:
-        driver = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
-        return driver.cuCtxSetCurrent(ctypes.c_void_p(int(handles[0].value))) == 0
-    except (OSError, AttributeError):
+        return driver is not None and driver.cuCtxSetCurrent(ctypes.c_void_p(handle)) == 0
+    except (AttributeError, ctypes.ArgumentError):
         return False
 
 
@@ -360,13 +361,10 @@ def _cuda_context(gpu: GpuContext) -> Iterator[Any]:
     (other backends, no driver, a driver without these entry points)."""
     import ctypes
 
-    import slangpy as spy
-
     driver = _cuda_driver() if gpu.backend == "cuda" else None
-    contexts = [h.value for h in gpu.device.native_handles if h.type == spy.NativeHandleType.CUcontext] \
-        if driver is not None else []
+    handle = _cuda_context_handle(gpu.device) if driver is not None else None
     try:
-        pushed = bool(contexts) and driver.cuCtxPushCurrent_v2(ctypes.c_void_p(contexts[0])) == 0
+        pushed = handle is not None and driver.cuCtxPushCurrent_v2(ctypes.c_void_p(handle)) == 0
     except (AttributeError, ctypes.ArgumentError):
         pushed = False
     try:
@@ -595,7 +593,7 @@ def open_device(choice: str | None = None, gpu_memory: str | int | None = None) 
             context = GpuContext(device, backend, _report(device, backend, capability, tried))
             context.memory_at_open = _cuda_memory(context)
             if backend == "cuda" and os.environ.get(CUDA_STACK_ENV):
-                _set_cuda_stack_bytes(device, int(os.environ[CUDA_STACK_ENV]))
+                _set_cuda_stack_bytes(context, int(os.environ[CUDA_STACK_ENV]))
             _CONTEXTS[wanted] = _CONTEXTS[backend] = context
             break
         else:
