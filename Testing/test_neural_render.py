@@ -784,3 +784,50 @@ def test_a_renderers_band_buffers_stay_within_the_budgets_share(gpu, monkeypatch
         sizes = (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot)
         assert all(now >= before for now, before in zip(sizes, kept, strict=True))
         kept = sizes
+
+
+def test_a_view_of_a_size_drawn_before_is_drawn_without_waiting_for_its_count(gpu, monkeypatch):
+    """A view of a size drawn before is drawn on the room its views took without reading its slot count back
+    first (the host waits once, for the frame), in one pass, to the picture a fresh renderer draws."""
+    renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    renderer.render(_turned(0.0))
+    reads = []
+    original = renderer._reserve_tiles
+
+    def recorded(batch, read=True):
+        reads.append(read)
+        return original(batch, read)
+
+    monkeypatch.setattr(renderer, "_reserve_tiles", recorded)
+    picture = renderer.render(_turned(6.0))
+    assert reads and not any(reads), reads
+    assert all(slots is not None and slots > 0 for _rays, slots, _need in renderer.band_work)
+    fresh, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    np.testing.assert_array_equal(picture.rgba, fresh.render(_turned(6.0)).rgba)
+
+
+def test_a_view_whose_samples_outgrow_the_kept_room_is_drawn_again_counted(gpu, monkeypatch):
+    """A view of a size drawn before whose rays take more slots than the room its views left (a closer view)
+    leaves those rays empty on its first pass, then is drawn again, counted, to a fresh renderer's picture; the
+    next such view fits."""
+    renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    far = Camera((0.0, -90.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    near = Camera((0.0, -40.0, 5.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
+    renderer.render(far)
+    passes = []
+    original = renderer._render_frame
+
+    def recorded(*args, **kwargs):
+        passes.append(kwargs.get("counted"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(renderer, "_render_frame", recorded)
+    picture = renderer.render(near)
+    assert passes == [False, True], passes
+    fresh, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    expected = fresh.render(near)
+    assert expected.rgba[..., 3].max() > 0.5
+    np.testing.assert_array_equal(picture.rgba, expected.rgba)
+    passes.clear()
+    np.testing.assert_array_equal(renderer.render(near).rgba, expected.rgba)
+    assert passes == [False], passes

@@ -247,26 +247,27 @@ class DiffRenderer:
         self._composite(batch, batch.sums.storage.device_address if sums_at is None else sums_at, for_backward)
         clock.lap("composite")
 
-    def count_samples(self, batch: RayBatch, timings: dict[str, float] | None = None) -> int:
+    def count_samples(self, batch: RayBatch, timings: dict[str, float] | None = None, read: bool = True) -> int | None:
         """The compact layout's first passes over the current rays (:meth:`camera_rays` ``compact``): each ray's
         samples counted, its tile's rows of slots reserved. Returns the slots reserved, read back: the one wait
-        of a rendered band, before its buffers are made to that size (:meth:`make_room`)."""
+        of a rendered band, before its buffers are made to that size (:meth:`make_room`); not ``read``: None, the
+        count stays on the device (a band drawn on the room kept for its view: :meth:`camera_bands`)."""
 
         clock = PassClock(self.gpu, timings)
         self.rays_module.countSamples(self._tiles.launch(), batch.struct, self._occupancy, self.settings,
                                       self._tiles.struct(), batch.segment_bits.storage.device_address)
-        slots = self._reserve_tiles(batch)
+        slots = self._reserve_tiles(batch, read)
         clock.lap("place samples")
         return slots
 
-    def _reserve_tiles(self, batch: RayBatch) -> int:
+    def _reserve_tiles(self, batch: RayBatch, read: bool = True) -> int | None:
         import slangpy as spy
 
         self.rays_module.clearLists(spy.grid((1,)), batch.struct, 3)
         tiles = self._tiles.count()
         self.rays_module.reserveTiles(WorkLists.launch(tiles), batch.struct, self._tiles.struct(), tiles,
                                       batch.slot_capacity // RayTiles.PIXELS)
-        return int(batch.list_counts.to_numpy()[3])
+        return int(batch.list_counts.to_numpy()[3]) if read else None
 
     def make_room(self, batch: RayBatch, slots: int, shaded: int, allowance: int | None = None) -> None:
         """Buffers for ``slots`` compact slots (:meth:`count_samples`) and ``shaded`` shaded segments; where the
@@ -454,8 +455,8 @@ class DiffRenderer:
         return min(most, max(least, self._device_bytes // 10), share)
 
     def camera_bands(self, camera: Camera, rays_per_pass: int | None = None,
-                     timings: dict[str, float] | None = None, frame: Any = None, counted: bool = True
-                     ) -> Iterator[tuple[int, int, RayBatch]]:
+                     timings: dict[str, float] | None = None, frame: Any = None, counted: bool = True,
+                     kept_room: bool = False) -> Iterator[tuple[int, int, RayBatch]]:
         """A view's rays in bands of rows (``rays_per_pass`` rays at most, default :meth:`band_rays`; never
         more than a batch's buffers can be created for), so memory stays bounded: (first row, rows, batch)
         after its :meth:`forward` (``timings``, ``counted``: see there; no backward follows, so the batch has
@@ -463,7 +464,11 @@ class DiffRenderer:
         of it. A band's slots are laid out compact: its rays' samples are counted first, and a band whose count
         needs more than a band's memory (:meth:`_band_bytes`) renders in fewer rows. A band the device cannot
         hold is rendered in halves, down to one row (GpuMemoryError there). ``band_work`` ends as each band's
-        rays, slots and the bytes it was expected to need."""
+        rays, slots and the bytes it was expected to need. ``kept_room`` (a view not ``counted``): where views of
+        this size were drawn before and the buffers made for the next (:meth:`_room_kept`), a band's count stays
+        on the device and the band is drawn on that room, so the host never waits inside the frame; its slots
+        and bytes are None in ``band_work`` until the frame is read (:meth:`_render_frame`, which draws the view
+        again, counted, where a band reserved more slots than the room: those rays placed no samples)."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
         rows_per_pass = even_bands(camera.height, max(1, rays_per_pass // camera.width))
         allowance, distance_bytes = self._band_bytes(), 4 * self.scene.structures
@@ -475,6 +480,13 @@ class DiffRenderer:
             at = None if frame is None else frame.storage.device_address + first * camera.width * OUTPUTS * 4  # float32
             try:
                 batch = self.camera_rays(camera, first, rows, compact=True)
+                if kept_room and not counted and self._room_kept(batch, rays):
+                    self.count_samples(batch, timings, read=False)
+                    self.forward(batch, timings, sums_at=at, counted=False, backward_follows=False)
+                    self.band_work.append((rays, None, None))
+                    yield first, rows, batch
+                    first += rows
+                    continue
                 slots = self.count_samples(batch, timings)
                 need = self._band_need(rays, slots)
                 if rows > 1 and (need > allowance or slots * distance_bytes >= MAX_BUFFER_BYTES):
@@ -496,6 +508,16 @@ class DiffRenderer:
             self.band_work.append((rays, slots, need))
             yield first, rows, batch
             first += rows
+
+    def _room_kept(self, batch: RayBatch, rays: int) -> bool:
+        """Whether ``batch`` has the room views of the current size took for a band of ``rays`` rays (made after
+        the last of them: :meth:`_make_room_for_next_view`), so that the band may be drawn without its count."""
+        kept = self._sizes_by_view.get(self._view_size) if self._view_size is not None else None
+        if kept is None:
+            return False
+        _ray_bytes, slots_per_ray, shaded_per_slot = kept
+        slots = math.ceil(slots_per_ray * rays)
+        return batch.slot_capacity >= slots and batch.surface_capacity >= math.ceil(slots * shaded_per_slot)
 
     def render(self, camera: Camera, rays_per_pass: int | None = None,
                timings: dict[str, float] | None = None) -> RenderedImage:
@@ -539,9 +561,9 @@ class DiffRenderer:
             with device_memory(f"a {camera.width} × {camera.height} frame"):
                 self._frame = spy.Tensor.zeros(self.gpu.device, shape=(pixels * OUTPUTS,), dtype="float")
                 self._planes = spy.Tensor.zeros(self.gpu.device, shape=(pixels * PLANE_FLOATS,), dtype="float")
-        if self._band_counts is None or self._band_counts.shape[0] < camera.height * 3:
-            # each band's list counts (a band has a row at least)
-            self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 3,), dtype="int")
+        if self._band_counts is None or self._band_counts.shape[0] < camera.height * 4:
+            # each band's list counts and slots reserved (a band has a row at least)
+            self._band_counts = spy.Tensor.zeros(self.gpu.device, shape=(camera.height * 4,), dtype="int")
         self._size_for_view(camera)
         planes, crowded = self._render_frame(camera, rays_per_pass, timings, counted=False, read=read)
         if crowded:
@@ -556,14 +578,16 @@ class DiffRenderer:
         frame; the last band's batch then has its ``lists``)."""
         import slangpy as spy
 
-        rooms, shaded = [], []  # each band's room for shaded segments, and (counted) its shaded segments
+        # each band's room for shaded segments and for slots, and (counted) its shaded segments
+        rooms, slot_rooms, shaded = [], [], []
         for band, (_first, _rows, batch) in enumerate(self.camera_bands(camera, rays_per_pass, timings, self._frame,
-                                                                        counted)):
+                                                                        counted, kept_room=True)):
             rooms.append(batch.surface_capacity)
+            slot_rooms.append(batch.slot_capacity)
             shaded.append(batch.lists.shaded)
             if not counted:
                 encoder = self.gpu.device.create_command_encoder()
-                encoder.copy_buffer(self._band_counts.storage, band * 12, batch.list_counts.storage, 0, 12)
+                encoder.copy_buffer(self._band_counts.storage, band * 16, batch.list_counts.storage, 0, 16)
                 self.gpu.device.submit_command_buffer(encoder.finish())
         clock = PassClock(self.gpu, timings)
         pixels = camera.height * camera.width
@@ -572,13 +596,19 @@ class DiffRenderer:
         clock.lap("G-buffer")
         planes = self._read_back.read(self._planes) if read else None
         clock.lap("read-back")
+        crowded = False
         if not counted:
-            counts = np.asarray(self._band_counts.to_numpy()).reshape(-1, 3)[:len(rooms)]
-            batch.lists = WorkLists(*(int(c) for c in counts[-1]))
+            counts = np.asarray(self._band_counts.to_numpy()).reshape(-1, 4)[:len(rooms)]
+            batch.lists = WorkLists(*(int(c) for c in counts[-1, :3]))
             shaded = [int(count) for count in counts[:, 0]]
+            self.band_work = [(rays, int(reserved), self._band_need(rays, int(reserved))) if slots is None
+                              else (rays, slots, need)
+                              for (rays, slots, need), reserved in zip(self.band_work, counts[:, 3], strict=True)]
+            reserved = np.asarray([slots for _rays, slots, _need in self.band_work])
+            crowded = bool(np.any(np.asarray(shaded) > np.asarray(rooms)) or np.any(reserved > np.asarray(slot_rooms)))
         self._learn_band_sizes([(rays, slots, count) for (rays, slots, _need), count in zip(self.band_work, shaded,
                                                                                             strict=True)])
-        return planes, not counted and bool(np.any(np.asarray(shaded) > np.asarray(rooms)))
+        return planes, crowded
 
 
 def even_bands(height: int, rows: int) -> int:

@@ -95,6 +95,7 @@ class RayBatch:
             "compactSlots": 0,
             "tileSlots": self.tile_slots.storage.device_address,
             "chunkRays": 0,
+            "slotCapacity": 0,
             "rowWidth": 1,
             "structures": structures,
             "listCounts": self.list_counts.storage.device_address,
@@ -228,7 +229,7 @@ class RayBatch:
         capacity = -(-capacity // RayTiles.PIXELS) * RayTiles.PIXELS  # whole rows of a tile
         self.samples = self.distances = self.surface_entry = self.visibility = None  # free the smaller ones first
         self.shaded_slots = self.sampled_slots = self.chunk_rays = None
-        self.slot_capacity = 0
+        self.slot_capacity = self.struct["slotCapacity"] = 0
         with device_memory(f"the samples of {capacity:,} slots"):
             zeros = spy.Tensor.zeros
             self.samples = zeros(self.device, shape=(capacity * 2,), dtype="float")
@@ -238,7 +239,7 @@ class RayBatch:
             self.shaded_slots = zeros(self.device, shape=(capacity,), dtype="int")
             self.sampled_slots = zeros(self.device, shape=(capacity,), dtype="int")
             self.chunk_rays = zeros(self.device, shape=(capacity // RayTiles.PIXELS,), dtype="int")
-        self.slot_capacity = capacity
+        self.slot_capacity = self.struct["slotCapacity"] = capacity
         self.struct.update(samples=self.samples.storage.device_address,
                            distances=self.distances.storage.device_address,
                            surfaceEntry=self.surface_entry.storage.device_address,

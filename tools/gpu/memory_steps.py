@@ -1,0 +1,92 @@
+"""Where the GPU memory of `bench --suite train` goes: the memory in use after each of its steps (the standard
+preset's training, the learned meshes for shadows, the neural render at 512² and 1024², the reference
+renderer), and what is given back when the renderer's sample buffers, the reference renderer and the mesh
+shadows are let go. CUDA only (the device's total less free).
+
+    python3 tools/gpu/memory_steps.py [--gpu-memory 6G] [--preset standard]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-memory", default=None)
+    parser.add_argument("--preset", default="standard")
+    args = parser.parse_args()
+
+    from NeuralRaycastLib.field.field import NeuralField
+    from NeuralRaycastLib.gpu.device import device_memory_in_use, open_device
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.render.reference_render import ReferenceRenderer
+    from NeuralRaycastLib.study.sample import cached_sample
+    from NeuralRaycastLib.study.study import load_study
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run_folder import prepare_for_run, reference_views_for_run
+    from NeuralRaycastLib.train.trainer import Trainer, learned_mesh_shadows
+
+    gpu = open_device(None, args.gpu_memory)
+    last = [0]
+
+    def step(name: str) -> None:
+        gc.collect()
+        used = device_memory_in_use(gpu) or 0
+        print(f"{used / 2**30:6.2f} GiB ({(used - last[0]) / 2**20:+8.0f} MiB)  {name}", flush=True)
+        last[0] = used
+
+    step("device open")
+    settings = RunSettings.for_device(gpu, args.preset)
+    study = load_study(cached_sample("icbm"))
+    prepared = prepare_for_run(study, settings)
+    step("study prepared")
+    views = reference_views_for_run(gpu, prepared, settings)
+    step(f"reference views ({len(views.images)})")
+    field = NeuralField(gpu, settings.field_layout(gpu, prepared), seed=settings.seed)
+    trainer = Trainer(gpu, prepared, field, views, settings.schedule())
+    step("field and trainer made")
+    log = trainer.run()
+    step(f"training done ({log.seconds:.1f} s)")
+    batch = trainer.renderer._batch
+    if batch is not None:
+        print(f"    batch: capacity {batch.capacity:,} rays, slots {batch.slot_capacity:,}, "
+              f"surfaces {batch.surface_capacity:,}")
+    shadows = learned_mesh_shadows(gpu, prepared, field, trainer.style)
+    step("learned meshes for shadows")
+    trainer.use_picture_settings()
+    step("picture settings")
+    renderer = trainer.renderer
+    trainer.renderer.release_batch()
+    step("renderer's batch let go")
+    reference = ReferenceRenderer(gpu, prepared)
+    for width in (512, 1024):
+        camera = orbit_cameras(prepared.bounds, 3, width, width)[1]
+        renderer.set_mesh_shadows(None)
+        for _ in range(3):
+            renderer.render(camera)
+        step(f"neural {width}², no shadows")
+        renderer.set_mesh_shadows(shadows)
+        for _ in range(3):
+            renderer.render(camera)
+        step(f"neural {width}², mesh shadows")
+        batch = renderer._batch
+        print(f"    batch: capacity {batch.capacity:,} rays, slots {batch.slot_capacity:,}, "
+              f"surfaces {batch.surface_capacity:,}; bands {renderer.band_work}")
+        reference.render(camera, shadows=True)
+        step(f"reference {width}²")
+    del reference
+    step("reference renderer let go")
+    renderer.set_mesh_shadows(None)
+    del shadows
+    step("mesh shadows let go")
+    renderer.release_batch()
+    step("renderer's batch let go")
+    renderer._frame = renderer._planes = renderer._picture = None
+    step("frame buffers let go")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
