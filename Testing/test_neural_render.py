@@ -831,3 +831,43 @@ def test_a_view_whose_samples_outgrow_the_kept_room_is_drawn_again_counted(gpu, 
     passes.clear()
     np.testing.assert_array_equal(renderer.render(near).rgba, expected.rgba)
     assert passes == [False], passes
+
+
+def test_a_batch_made_for_more_rays_keeps_the_room_the_smaller_one_made(gpu):
+    """A renderer that needs a batch for more rays (a view after training's patches) moves the smaller batch's
+    slot and segment buffers into it rather than making them again beside the rays' (the device's allocator
+    keeps the pages of buffers let go), and its pictures are a fresh renderer's."""
+    renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    small = renderer.batch(64)
+    small.reserve_slots(40_000)
+    small.reserve_surfaces(9_000)
+    distances, surface = small.distances, small.surface
+    camera = _turned(0.0, 32, 24)
+    larger = renderer.batch(camera.width * camera.height)
+    assert larger is not small and larger.capacity >= camera.width * camera.height
+    assert larger.distances is distances and larger.surface is surface and larger.slot_capacity >= 40_000
+    assert larger.struct["distances"] == distances.storage.device_address
+    assert larger.struct["slotCapacity"] == larger.slot_capacity and small.distances is None
+    fresh, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    np.testing.assert_array_equal(renderer.render(camera).rgba, fresh.render(camera).rgba)
+
+
+def test_view_sizes_forgotten_are_learned_again_from_the_next_view(gpu, monkeypatch):
+    """After forget_view_sizes (the occupancy changed much: training's cells to the pictures'), the next view
+    reads its bands' counts again and the renderer learns the same sizes its views took before."""
+    renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
+    renderer.render(_turned(0.0))
+    learned = (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot)
+    renderer.forget_view_sizes()
+    assert renderer._slots_per_ray is None and not renderer._sizes_by_view
+    reads = []
+    original = renderer._reserve_tiles
+
+    def recorded(batch, read=True):
+        reads.append(read)
+        return original(batch, read)
+
+    monkeypatch.setattr(renderer, "_reserve_tiles", recorded)
+    renderer.render(_turned(0.0))
+    assert reads and all(reads), reads
+    assert (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot) == learned

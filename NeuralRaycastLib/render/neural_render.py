@@ -144,6 +144,14 @@ class DiffRenderer:
         if shadows is not None and not hasattr(self, "_shadow_module"):
             self._shadow_module = self.gpu.load_module("segment_shadows", self.scene.structures)
 
+    def forget_view_sizes(self) -> None:
+        """Size the next views' bands afresh (:meth:`_learn_band_sizes`): after the occupancy changed much, as
+        from training's coarse cells to the pictures' fine ones, whose rays take a fraction of the slots; else
+        the pictures' views would make room for what training's views took."""
+        self._ray_bytes = self._slots_per_ray = None
+        self._shaded_per_slot = SHADED_PER_SLOT
+        self._sizes_by_view.clear()
+
     def release_batch(self) -> None:
         """Free the sample buffers (the next batch makes them again, at its size): after the device could not
         hold a batch, before a smaller one is tried."""
@@ -153,10 +161,13 @@ class DiffRenderer:
         """Buffers for ``rays`` rays (the last batch if it is large enough; GpuMemoryError if the device cannot
         hold them)."""
         if self._batch is None or self._batch.capacity < rays:
-            self._batch = None  # free the smaller one first
+            smaller, self._batch = self._batch, None
             megabytes = rays * RayBatch.bytes_per_ray(self.max_samples, self.scene.structures) / 2**20
             with device_memory(f"the sample buffers of {rays:,} rays ({megabytes:,.0f} MB)"):
-                self._batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
+                batch = RayBatch(self.gpu, rays, self.max_samples, self.scene.structures)
+            if smaller is not None:
+                batch.take_room(smaller)  # its slots' and segments' buffers: only the rays' are made again
+            self._batch = batch
         return self._batch
 
     # rays ---------------------------------------------------------------------------------------------

@@ -294,6 +294,30 @@ class RayBatch:
         """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
         return self.surface_planes(tensor)[:, :entries].T
 
+    #: What :meth:`take_room` moves from a batch to the one made for more rays: the buffers sized by slots or
+    #: shaded segments, and their room.
+    ROOM = ("samples", "distances", "surface_entry", "visibility", "shaded_slots", "sampled_slots", "chunk_rays",
+            "slot_capacity", "touched_slots", "touched_capacity", "surface", "surface_grads", "surface_capacity",
+            "distance_grads", "kept")
+    ROOM_ADDRESSES = {"samples": "samples", "distances": "distances", "surface_entry": "surfaceEntry",
+                      "visibility": "visibility", "shaded_slots": "shadedSlots", "sampled_slots": "sampledSlots",
+                      "chunk_rays": "chunkRays", "touched_slots": "touchedSlots", "surface": "surface",
+                      "surface_grads": "surfaceGrads", "distance_grads": "distanceGrads"}
+
+    def take_room(self, other: RayBatch) -> None:
+        """Take over ``other``'s buffers sized by slots and shaded segments (``other`` is left without them): a
+        batch made for more rays (a larger view after training's patches, say) keeps the room the smaller one
+        made, since the device's allocator keeps the pages of buffers let go and would hold both."""
+        for name in self.ROOM:
+            setattr(self, name, getattr(other, name))
+        for name, field in self.ROOM_ADDRESSES.items():
+            tensor = getattr(self, name)
+            self.struct[field] = 0 if tensor is None else tensor.storage.device_address
+        self.struct["slotCapacity"] = self.slot_capacity
+        self.struct["surfaceCapacity"] = self.surface_capacity
+        for name in self.ROOM:
+            setattr(other, name, 0 if name.endswith("capacity") else None)
+
     def keep_gradients(self, rays: int) -> None:
         """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
         ``rays`` rays: a rendering-only batch does without them, and a batch made for a rendered band (far more

@@ -401,6 +401,7 @@ class Trainer:
         """Once training is over: the renderer set up for the finished field's pictures (occupancy cells of
         ``render_cell_mm``, shading down to ``render_shade_weight``)."""
         self.refresh_occupancy(self.config.render_cell_mm)
+        self.renderer.forget_view_sizes()  # the fine cells' rays take a fraction of the slots training's took
         self.renderer.shade_weight = self.config.render_shade_weight
 
     # the whole schedule -----------------------------------------------------------------------------------
