@@ -43,7 +43,7 @@ from ..gpu.device import (
 from .camera import Camera
 from .image import PLANE_FLOATS, RenderedImage, image_from_planes
 from .occupancy import Occupancy
-from .sample_buffers import OUTPUTS, RayBatch, RayTiles
+from .sample_buffers import OUTPUTS, RayBatch, RayTiles, grown
 from .scene import TrainableScene, WorkLists, list_launch
 
 #: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
@@ -285,9 +285,12 @@ class DiffRenderer:
         slots' buffers grew, the tiles reserve their rows again in them (the same count). Buffers that grow take
         some room to spare, but not beyond ``allowance`` bytes for the band (a band's memory, :meth:`_band_bytes`)."""
         most_slots, most_shaded = self._room_within(self.ray_count, slots, shaded, allowance)
-        batch.reserve_surfaces(shaded, most_shaded)
+        # grown at once by the quarter a second growth would add when the next view of this size is given its
+        # room (_make_room_for_next_view): one allocation, not two in a row
+        if shaded > batch.surface_capacity:
+            batch.reserve_surfaces(grown(shaded, shaded, most_shaded), most_shaded)
         if slots > batch.slot_capacity:
-            batch.reserve_slots(slots, most_slots)
+            batch.reserve_slots(grown(slots, slots, most_slots), most_slots)
             self._reserve_tiles(batch)
 
     def _room_within(self, rays: int, slots: int, shaded: int, allowance: int | None) -> tuple[int | None, int | None]:

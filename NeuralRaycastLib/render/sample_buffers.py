@@ -295,24 +295,21 @@ class RayBatch:
         return self.surface_planes(tensor)[:, :entries].T
 
     #: What :meth:`take_room` moves from a batch to the one made for more rays: the buffers sized by slots or
-    #: shaded segments, and their room.
+    #: shaded segments (not the gradients' and the backward's, which training alone needs), and their room.
     ROOM = ("samples", "distances", "surface_entry", "visibility", "shaded_slots", "sampled_slots", "chunk_rays",
-            "slot_capacity", "touched_slots", "touched_capacity", "surface", "surface_grads", "surface_capacity",
-            "distance_grads", "kept")
+            "slot_capacity", "surface", "surface_capacity")
     ROOM_ADDRESSES = {"samples": "samples", "distances": "distances", "surface_entry": "surfaceEntry",
                       "visibility": "visibility", "shaded_slots": "shadedSlots", "sampled_slots": "sampledSlots",
-                      "chunk_rays": "chunkRays", "touched_slots": "touchedSlots", "surface": "surface",
-                      "surface_grads": "surfaceGrads", "distance_grads": "distanceGrads"}
+                      "chunk_rays": "chunkRays", "surface": "surface"}
 
     def take_room(self, other: RayBatch) -> None:
         """Take over ``other``'s buffers sized by slots and shaded segments (``other`` is left without them): a
-        batch made for more rays (a larger view after training's patches, say) keeps the room the smaller one
-        made, since the device's allocator keeps the pages of buffers let go and would hold both."""
+        batch made for more rays (a view after training's patches, say) keeps the room the smaller one made, since
+        the device's allocator (slang-rhi's heap on CUDA) keeps the pages of buffers let go and would hold both."""
         for name in self.ROOM:
             setattr(self, name, getattr(other, name))
         for name, field in self.ROOM_ADDRESSES.items():
-            tensor = getattr(self, name)
-            self.struct[field] = 0 if tensor is None else tensor.storage.device_address
+            self.struct[field] = getattr(self, name).storage.device_address
         self.struct["slotCapacity"] = self.slot_capacity
         self.struct["surfaceCapacity"] = self.surface_capacity
         for name in self.ROOM:
