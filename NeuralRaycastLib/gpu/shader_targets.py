@@ -62,9 +62,9 @@ FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "
 #: Those a field module has only with its geometry network on tensor cores (FIELD_COOPERATIVE, CUDA's).
 COOPERATIVE_FIELD_KERNELS = ("networksToTiled", "networkGradientsFromTiled", "geometryTiledCount",
                              "geometryGradientLength", "appearanceTiledCount")
-#: Those a field module has only with its geometry network on cooperative vectors (the SDF fit's, on Vulkan;
+#: Those a field module has only with its networks on cooperative vectors (the SDF fit's and renderer's, on Vulkan;
 #: compiled with field.py's COOPVEC_DEFINES, which no other variant sees).
-COOPVEC_FIELD_KERNELS = ("coopVecGeometryToHalf", "coopVecAddGradients", "coopVecHalfCount")
+COOPVEC_FIELD_KERNELS = ("coopVecToHalves", "coopVecAddNetworkGradients", "coopVecHalfCount")
 #: The structure slots the named modules are compiled for (the device's own session's).
 STRUCTURE_SLOTS = 8
 #: The modules whose kernels HLSL cannot express, and why: Direct3D 12 is out of reach for training and for
