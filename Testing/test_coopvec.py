@@ -360,7 +360,9 @@ def test_a_render_on_cooperative_vectors_shows_every_change_of_a_networks_weight
     from NeuralRaycastLib.render.camera import orbit_cameras
     from NeuralRaycastLib.train.trainer import field_renderer
 
-    prepared, _, coop = shaded_pair
+    prepared, _, shared = shaded_pair
+    # a field of its own, whose weights it may change
+    coop = NeuralField(gpu, shared.layout, shared.parameters(), cooperative=False, coop_vectors=shared.coop_vectors)
     camera = orbit_cameras(prepared.bounds, 1, 16, 16)[0]
     renderer = field_renderer(gpu, prepared, coop, 128)
     first = renderer.render(camera).rgba
@@ -375,7 +377,6 @@ def test_a_render_on_cooperative_vectors_shows_every_change_of_a_networks_weight
     new = field_renderer(gpu, prepared, fresh, 128)
     new.set_occupancy(renderer.occupancy)  # the samples where the first renderer places them
     np.testing.assert_array_equal(changed, new.render(camera).rgba)
-
 
 
 @pytest.mark.gpu

@@ -572,10 +572,11 @@ class NeuralField:
         for name in names:
             self.coop_network(name).upload(self.values.storage.device_address, self.weights_version, unless_current)
 
-    def upload_coop_vector_network(self, name: str = "geometry") -> None:
-        """Before a pass that trains the ``name`` network on cooperative vectors: its half copy up to date (each
-        pass of the SDF fit follows a change of the weights) and its weights' gradient sums zeroed."""
-        self.upload_coop_vector_weights(unless_current=True, names=(name,))
+    def upload_coop_vector_network(self, name: str = "geometry", unless_current: bool = False) -> None:
+        """Before a pass that trains the ``name`` network on cooperative vectors: its half copy from the current
+        weights (``unless_current``: where it does not hold them already; the renderer's backward follows its
+        forward, which made it) and its weights' gradient sums zeroed."""
+        self.upload_coop_vector_weights(unless_current, names=(name,))
         self.coop_network(name).clear_sums()
 
     def add_coop_vector_gradients(self, name: str = "geometry") -> None:

@@ -123,7 +123,7 @@ class FieldScene:
         rays and its sums zeroed."""
         if self.coop_vectors:
             self.field.coop_network("appearance").gradient_scale = appearance_gradient_scale(buffers["rayCount"])
-            self.field.upload_coop_vector_network("appearance")
+            self.field.upload_coop_vector_network("appearance", unless_current=True)
 
     def _end_appearance_sums(self, clock: PassClock) -> None:
         """On cooperative vectors, after a backward pass: the appearance network's weights' gradients back."""

@@ -381,18 +381,26 @@ def field_module_code(target: str, variant: FieldVariant, kernels: tuple[str, ..
 
 def compile_latent_modules(target: str) -> list[TargetFailure]:
     """The pretrained appearance's kernels for ``target``: its own module, and the field's with its scene (a GPU's
-    field sizes, four structures)."""
+    field sizes, four structures; on SPIR-V also with the geometry network on cooperative vectors)."""
     from ..appearance.latent import LatentConfig, latent_source
     from ..appearance.latent_scene import latent_scene_source
+    from ..field.field import field_session_defines
     from .device import structure_slots
 
     config = LatentConfig()
     layout = _field_layout(FieldVariant(small=False, structures=4))
     defines = module_defines(target, structure_slots(4))
     with tempfile.TemporaryDirectory() as name:
-        return (_failures(_library(), Path(name), "latent", latent_source(config), LATENT_KERNELS, target, defines)
-                + _failures(_library(), Path(name), "latent_scene", latent_scene_source(layout, config),
-                            LATENT_SCENE_KERNELS, target, defines))
+        failures = (_failures(_library(), Path(name), "latent", latent_source(config), LATENT_KERNELS, target,
+                              defines)
+                    + _failures(_library(), Path(name), "latent_scene", latent_scene_source(layout, config),
+                                LATENT_SCENE_KERNELS, target, defines))
+        if target == "spirv":
+            half_sums = 1  # coopvec_mlp.slang's Kind of a GPU's
+            failures += _failures(_library(), Path(name), "latent_scene_coopvec",
+                                  latent_scene_source(layout, config, coop_vectors=half_sums), LATENT_SCENE_KERNELS,
+                                  target, {**defines, **field_session_defines(half_sums)})
+        return failures
 
 
 def named_module_source(name: str) -> str:
