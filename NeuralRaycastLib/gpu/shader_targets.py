@@ -327,7 +327,7 @@ FIELD_VARIANTS = (FieldVariant(small=True, structures=3), FieldVariant(small=Fal
 #: Those CUDA loads besides (tensor-core networks, on GPUs of compute capability 8.0 and newer).
 CUDA_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=1),
                        FieldVariant(small=False, structures=4, cooperative=2))
-#: Those Vulkan loads besides for the SDF fit (the geometry network on cooperative vectors, where the device has
+#: Those Vulkan loads besides for the SDF fit and the renders (the networks on cooperative vectors, where the device has
 #: them; with the weights' gradients summed in half one operand of one instruction differs), and their per-thread
 #: fallback, which every target compiles (the cooperative-vector instructions are SPIR-V's alone).
 COOPVEC_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=4),

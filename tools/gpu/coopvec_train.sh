@@ -8,7 +8,7 @@ for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; export VK_DRIVER_FILES=/usr
 #  logs.tar.gz                          each step's standard error, `info --device vulkan`, and tests.txt:
 #                                       Testing/test_coopvec.py's render, training-step, frozen-backward and
 #                                       appearance-network tests on the Vulkan device
-# Each step has its own time limit (at most about eight minutes in all, most of it the two benches); a step that fails or
+# Each step has its own time limit (at most about nine minutes in all, most of it the two benches); a step that fails or
 # runs out of time leaves its error in its log and the others still run. Printed last: each row on Vulkan and on
 # CUDA, and Vulkan's speed as a percentage of CUDA's (rays/s: Vulkan / CUDA; frame times: CUDA / Vulkan).
 set -u
@@ -27,7 +27,7 @@ timeout 110 $N bench --device cuda --suite train --json > "$OUT/bench-cuda.json"
 echo "bench --device cuda: exit $?"
 # the render's and a training step's agreement with the per-thread kernels on this device (its cooperative vectors
 # and their fallback), and the frozen backward's and the appearance network's central differences
-NEURALRAYCAST_DEVICE=vulkan timeout 120 python3 -m pytest -q -p no:cacheprovider Testing/test_coopvec.py \
+NEURALRAYCAST_DEVICE=vulkan timeout 150 python3 -m pytest -q -p no:cacheprovider Testing/test_coopvec.py \
     -k "render or frozen or appearance_network" > "$R/tests.txt" 2>&1
 tar -C "$R" -czf "$OUT/logs.tar.gz" .
 tail -n 2 "$R/bench-vulkan.log" "$R/bench-cuda.log" | cut -c1-200
