@@ -43,7 +43,7 @@ MAX_STRUCTURES = 8
 #: the others, so every study of one to four channels runs on the same kernels.
 INPUT_CAPACITY = 5
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
-#: FIELD_COOPERATIVE of the geometry network on cooperative vectors is this plus coopvec_mlp.slang's Kind (0: its
+#: FIELD_COOPERATIVE of the networks on cooperative vectors is this plus coopvec_mlp.slang's Kind (0: their
 #: per-thread fallback, 1 and 2: on the device, the weights' gradients summed in half or float).
 COOPVEC_GEOMETRY = 3
 #: What the session of a field module on cooperative vectors defines, and no other session: every cooperative-vector
