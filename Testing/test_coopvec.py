@@ -16,6 +16,7 @@ from conftest import analytic_prepared, phantom_prepared
 from field_reference import appearance, central_difference, far_from_zero_parameters, geometry, tiny_config
 
 from NeuralRaycastLib.field import field as field_module
+from NeuralRaycastLib.field.coop_vectors import network_layers
 from NeuralRaycastLib.field.field import (
     COOPVEC_FALLBACK,
     FieldLayout,
@@ -24,6 +25,7 @@ from NeuralRaycastLib.field.field import (
     coop_vector_sized,
     load_field_module,
 )
+from NeuralRaycastLib.field.field_render import appearance_gradient_scale
 from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter
 from NeuralRaycastLib.gpu.device import coop_vector_networks
 
@@ -52,6 +54,12 @@ def test_the_network_on_cooperative_vectors_is_chosen_from_the_devices_features(
     assert coop_vector_sized(FieldLayout.build(config, BOX, STRUCTURES, CHANNELS))
     odd = replace(config, encoding=replace(config.encoding, levels=5, features=1))
     assert not coop_vector_sized(FieldLayout.build(odd, BOX, STRUCTURES, CHANNELS))
+    narrow = replace(config, network=replace(config.network, appearance_hidden=12))
+    assert not coop_vector_sized(FieldLayout.build(narrow, BOX, STRUCTURES, CHANNELS))
+    # the appearance network's 15 features and 5 local inputs padded to whole 16-byte rows of half weights; its
+    # weights' gradients scaled for a mean image loss over a batch of 128 patches of 32² rays
+    assert network_layers([20, 64, 20]) == [(64, 24), (20, 64)] and network_layers([32, 64, 19])[0] == (64, 32)
+    assert appearance_gradient_scale(128 * 32 * 32) == 128.0
 
 
 class RecordingDevice:
