@@ -1,9 +1,10 @@
-"""The SDF fit's geometry network on cooperative vectors (shaders/coopvec_mlp.slang), which Vulkan devices that
-report them run. Where the suite runs without such a device (lavapipe), the same Slang source runs through its
-per-thread fallback of the three cooperative operations (the layer products, the transposed products and the
-weights' outer products): its fit must give the per-thread network's gradients within the half-precision
-tolerances of the tensor-core networks (test_cooperative_geometry.py), and its gradients must be those of
-central differences. The choice of the network from the device's features needs no device."""
+"""The field's networks on cooperative vectors (shaders/coopvec_mlp.slang), which Vulkan devices that report them
+run: the geometry network in the SDF fit and the renderer, the appearance network in the renderer. Where the
+suite runs without such a device (lavapipe), the same Slang source runs through its per-thread fallback of the
+three cooperative operations (the layer products, the transposed products and the weights' outer products): its
+fit and render must give the per-thread networks' values and gradients within the half-precision tolerances of
+the tensor-core networks (test_cooperative_geometry.py), and its gradients must be those of central differences.
+The choice of the network from the device's features needs no device."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import analytic_prepared, phantom_prepared
-from field_reference import central_difference, far_from_zero_parameters, geometry, tiny_config
+from field_reference import appearance, central_difference, far_from_zero_parameters, geometry, tiny_config
 
 from NeuralRaycastLib.field import field as field_module
+from NeuralRaycastLib.field.coop_vectors import network_layers
 from NeuralRaycastLib.field.field import (
     COOPVEC_FALLBACK,
     FieldLayout,
@@ -23,6 +25,7 @@ from NeuralRaycastLib.field.field import (
     coop_vector_sized,
     load_field_module,
 )
+from NeuralRaycastLib.field.field_render import appearance_gradient_scale
 from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter
 from NeuralRaycastLib.gpu.device import coop_vector_networks
 
@@ -51,6 +54,12 @@ def test_the_network_on_cooperative_vectors_is_chosen_from_the_devices_features(
     assert coop_vector_sized(FieldLayout.build(config, BOX, STRUCTURES, CHANNELS))
     odd = replace(config, encoding=replace(config.encoding, levels=5, features=1))
     assert not coop_vector_sized(FieldLayout.build(odd, BOX, STRUCTURES, CHANNELS))
+    narrow = replace(config, network=replace(config.network, appearance_hidden=12))
+    assert not coop_vector_sized(FieldLayout.build(narrow, BOX, STRUCTURES, CHANNELS))
+    # the appearance network's 15 features and 5 local inputs padded to whole 16-byte rows of half weights; its
+    # weights' gradients scaled for a mean image loss over a batch of 128 patches of 32² rays
+    assert network_layers([20, 64, 20]) == [(64, 24), (20, 64)] and network_layers([32, 64, 19])[0] == (64, 32)
+    assert appearance_gradient_scale(128 * 32 * 32) == 128.0
 
 
 class RecordingDevice:
@@ -126,7 +135,7 @@ def test_a_fit_step_on_cooperative_vectors_gives_the_per_thread_networks_gradien
         field.zero_gradients()
     assert fields[1].coop_vectors is not None and fields[0].coop_vectors is None
     # the weights' gradients came through the cooperative vectors' sums, not the per-thread network
-    assert np.asarray(fields[1].coop_vector_buffers()["sums"].to_numpy()).view(np.uint8).any()
+    assert np.asarray(fields[1].coop_network("geometry").sums.to_numpy()).view(np.uint8).any()
     np.testing.assert_allclose(losses[1], losses[0], rtol=2e-2)
     for name, (start, stop) in fields[0].layout.segments().items():
         expected, got = gradients[0][start:stop], gradients[1][start:stop]
@@ -212,7 +221,7 @@ def test_with_its_weights_frozen_the_networks_input_gradient_is_central_differen
         coop.zero_gradients()
         assert np.isfinite(dx).all() and np.isfinite(gradient).all()
         assert not gradient[layout.geometry_offset :].any(), size
-        assert not np.asarray(coop.coop_vector_buffers()["sums"].to_numpy()).view(np.uint8).any()
+        assert not np.asarray(coop.coop_network("geometry").sums.to_numpy()).view(np.uint8).any()
         steps = np.eye(3)[None] * 1e-4
         numeric_dx = np.stack([(reference(params, points + steps[:, a]) - reference(params, points - steps[:, a]))
                                / 2e-4 for a in range(3)], axis=1)
@@ -222,6 +231,61 @@ def test_with_its_weights_frozen_the_networks_input_gradient_is_central_differen
                                      1e-5)
         np.testing.assert_allclose(gradient[largest], numeric, rtol=5e-2, atol=5e-2 * np.abs(gradient).max(),
                                    err_msg=str(size))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [1.0, 1e-6], ids=["unit_loss", "mean_loss"])
+def test_the_appearance_network_on_cooperative_vectors_gives_central_differences(fields, layout, params, size):
+    """The appearance network's values, its weights' gradients (their sums over the points, at the gradient scale
+    of the loss's size, brought back) and biases', and its input gradient against central differences of the float
+    network, within half precision: its 5 inputs padded to 8 read as zeros, and a loss whose gradients are far
+    below half's smallest normal number (a mean over a batch's pixels) is summed at a scale that keeps them in
+    range."""
+    coop = fields[1]
+    rng = np.random.default_rng(11)
+    net = layout.config.network
+    features = rng.normal(size=(12, net.geometry_features)).astype(np.float32).astype(np.float64)
+    inputs = rng.uniform(0.0, 1.0, (12, layout.appearance_inputs)).astype(np.float32).astype(np.float64)
+    w = size * rng.normal(size=STRUCTURES * (3 + net.materials))
+    rows = [(list(map(float, f)), list(map(float, i))) for f, i in zip(features, inputs, strict=True)]
+
+    def reference(p, f=features, i=inputs):
+        return appearance(layout, p, f, i) @ w
+
+    module, network = coop.sdf_fit_module, coop.coop_network("appearance")
+    network.gradient_scale = coop_gradient_scale(size)
+    coop.zero_gradients()
+    coop.upload_coop_vector_network("appearance")
+    struct = coop.shader_struct(coop_vectors=True)
+    values = np.array([module.appearanceValue(struct, f, i, list(w)) for f, i in rows])
+    expected = reference(params)
+    np.testing.assert_allclose(values, expected, atol=2e-2 * np.abs(expected).max())
+    d_inputs = np.array([list(module.appearanceBackward(struct, f, i, list(w))) for f, i in rows], np.float64)
+    assert np.asarray(network.sums.to_numpy()).view(np.uint8).any()
+    coop.add_coop_vector_gradients("appearance")
+    gradient = coop.gradients().astype(np.float64)
+    coop.zero_gradients()
+    assert np.isfinite(gradient).all() and gradient[layout.appearance_offset :].any()
+    assert not gradient[: layout.appearance_offset].any()
+
+    scale = np.abs(gradient).max()
+    directions = rng.normal(size=(3, params.size))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    numeric = central_difference(lambda p: reference(p).sum(), params, directions, 1e-5)
+    np.testing.assert_allclose(directions @ gradient, numeric, rtol=5e-2, atol=5e-3 * scale * np.sqrt(params.size))
+    # every parameter of the network, each weight's within a hundredth of the largest (without the scale, the
+    # mean loss's sums of half subnormals miss by several hundredths)
+    network_parameters = np.arange(layout.appearance_offset, layout.count)
+    numeric = central_difference(lambda p: reference(p).sum(), params, np.eye(params.size)[network_parameters], 1e-5)
+    np.testing.assert_allclose(gradient[network_parameters], numeric, atol=1e-2 * np.abs(numeric).max())
+
+    step = 1e-4
+    e_f, e_i = np.zeros_like(features), np.zeros_like(inputs)
+    e_f[:, 0], e_i[:, 0] = step, step
+    numeric_f = (reference(params, features + e_f) - reference(params, features - e_f)) / (2 * step)
+    numeric_i = (reference(params, i=inputs + e_i) - reference(params, i=inputs - e_i)) / (2 * step)
+    numeric_d = np.stack([numeric_f, numeric_i], axis=1)
+    np.testing.assert_allclose(d_inputs, numeric_d, atol=5e-2 * np.abs(numeric_d).max())
 
 
 @pytest.fixture(scope="module", params=[COOPVEC_FALLBACK, 1], ids=["fallback", "half_sums"])
@@ -297,18 +361,21 @@ def test_the_render_and_a_training_step_on_cooperative_vectors_agree_with_the_pe
 
 
 @pytest.mark.gpu
-def test_a_render_on_cooperative_vectors_shows_every_change_of_the_geometry_networks_weights(gpu, shaded_pair):
-    """Frames reuse the network's half copy until the weights change: after set_parameters the next frame is that
+@pytest.mark.parametrize("group", ["geometry", "appearance"])
+def test_a_render_on_cooperative_vectors_shows_every_change_of_a_networks_weights(gpu, shaded_pair, group):
+    """Frames reuse the networks' half copies until the weights change: after set_parameters the next frame is that
     of a new field holding the new weights."""
     from NeuralRaycastLib.render.camera import orbit_cameras
     from NeuralRaycastLib.train.trainer import field_renderer
 
-    prepared, _, coop = shaded_pair
+    prepared, _, shared = shaded_pair
+    # a field of its own, whose weights it may change
+    coop = NeuralField(gpu, shared.layout, shared.parameters(), cooperative=False, coop_vectors=shared.coop_vectors)
     camera = orbit_cameras(prepared.bounds, 1, 16, 16)[0]
     renderer = field_renderer(gpu, prepared, coop, 128)
     first = renderer.render(camera).rgba
     np.testing.assert_array_equal(renderer.render(camera).rgba, first)
-    start, stop = coop.layout.segments()["geometry"]
+    start, stop = coop.layout.segments()[group]
     values = coop.parameters()
     values[start:stop] *= 1.05
     coop.set_parameters(values)
@@ -319,6 +386,44 @@ def test_a_render_on_cooperative_vectors_shows_every_change_of_the_geometry_netw
     new.set_occupancy(renderer.occupancy)  # the samples where the first renderer places them
     np.testing.assert_array_equal(changed, new.render(camera).rgba)
 
+
+@pytest.mark.gpu
+def test_the_pretrained_appearances_render_on_cooperative_vectors_agrees_with_the_per_thread_network(gpu,
+                                                                                                      shaded_pair):
+    """The pretrained route's renderer (latent_scene.py) runs the field's geometry network on cooperative vectors
+    where the field has them: the per-thread kernels' picture to half precision, and the fine-tune's gradients of
+    the decoder and the latent grid nearly the same."""
+    from NeuralRaycastLib.appearance.latent import LatentAppearance, LatentConfig
+    from NeuralRaycastLib.appearance.latent_scene import latent_renderer, study_grid
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.render.neural_render import SHADE_WEIGHT
+    from NeuralRaycastLib.render.sample_buffers import OUTPUTS
+
+    prepared, *fields = shaded_pair
+    config = LatentConfig(latent=8, encoder_hidden=16, decoder_hidden=16, structures=4, materials=2)
+    rng = np.random.default_rng(13)
+    params = config.initial_parameters(seed=3) + rng.normal(0.0, 0.1, config.count).astype(np.float32)
+    grid = study_grid(fields[0])
+    codes = rng.uniform(-1.0, 1.0, (grid.vertices, config.latent)).astype(np.float16)
+    camera = orbit_cameras(prepared.bounds, 1, 16, 16)[0]
+    d_sums = np.zeros((camera.width * camera.height, OUTPUTS), np.float32)
+    d_sums[:, :4] = rng.normal(size=(len(d_sums), 4))
+    pictures, gradients = [], []
+    for field in fields:
+        latent = LatentAppearance(gpu, config, grid, params)
+        latent.set_grid_codes(codes)
+        renderer = latent_renderer(gpu, prepared, field, latent, 128, 4.0, SHADE_WEIGHT)
+        assert (renderer.scene.coop_vectors is not None) == (field.coop_vectors is not None)
+        pictures.append(renderer.render(camera).rgba)
+        batch = renderer.camera_rays(camera)
+        renderer.forward(batch)
+        latent.zero_gradients()
+        renderer.backward(batch, d_sums, geometry=False)
+        gradients.append(np.concatenate([latent.gradients(), latent.grid_gradients().ravel()]).astype(np.float64))
+    assert pictures[0][..., 3].max() > 0.5
+    np.testing.assert_allclose(pictures[1], pictures[0], atol=2e-2)
+    assert np.abs(gradients[0]).max() > 0
+    assert cosine(gradients[0], gradients[1]) > 0.99
 
 def test_a_warm_up_with_the_cooperative_vectors_switched_off_does_not_stand_for_one_with_them(
         monkeypatch, tmp_path, phantom_study_dir):

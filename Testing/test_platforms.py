@@ -75,8 +75,9 @@ def test_what_each_platform_gets():
     linux = platform_support(Platform("Linux", "x86_64", (3, 12), libc=("glibc", (2, 36)))).describe()
     assert linux.startswith("Linux x86_64, glibc 2.36, CPython 3.12: slangpy 0.43.1 wheel manylinux_2_34_x86_64; "
                             "devices tried: CUDA on NVIDIA GPUs (tensor-core networks from compute capability 8.0")
-    assert ("else Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks; the SDF fit's geometry network on "
-            "cooperative vectors where the GPU has them); else Mesa's lavapipe") in linux
+    assert ("else Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks; on cooperative vectors where the GPU "
+            "has them: the SDF fit's geometry network, and both networks in the renders); else Mesa's lavapipe"
+            ) in linux
     windows = platform_support(Platform("Windows", "AMD64", (3, 12))).describe()
     assert "CUDA on NVIDIA GPUs" in windows and "lavapipe" not in windows
     summary = platforms.platforms_summary()

@@ -98,7 +98,7 @@ def test_the_shared_pages_renderer_compiles_to_wgsl(small):
 
 #: What the cooperative vectors' Slang is named in the code made of it (shaders/coopvec_mlp.slang's network and
 #: operations, neural_field.slang's member of the field); CUDA's prelude has OptiX's own, which these leave out.
-COOPVEC_NAMES = re.compile(r"CoopVecNetwork|CoopVecMlp|CoopVecLayout|coopVec[A-Z]\w*|coopGeometry")
+COOPVEC_NAMES = re.compile(r"CoopVecNetwork|CoopVecMlp|CoopVecLayout|coopVec[A-Z]\w*|coopGeometry|coopAppearance")
 
 
 def test_the_cuda_and_per_thread_field_modules_hold_no_cooperative_vector_code():

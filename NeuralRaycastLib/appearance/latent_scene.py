@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..field.field import FieldLayout, NeuralField, field_source
+from ..field.field import FieldLayout, NeuralField, field_session_defines, field_source
 from ..gpu.device import GpuContext
 from ..paths import shader_dir
 from ..render.scene import WorkLists
@@ -37,47 +37,56 @@ VISIBLE_WIDTHS = 2.0
 _MODULES: dict[tuple[int, str], Any] = {}
 
 
-def latent_scene_source(layout: FieldLayout, config: LatentConfig, cooperative: bool = False) -> str:
-    """The module source of the field's kernels (the geometry network on tensor cores where ``cooperative``)
-    with the latent appearance and its scene."""
+def latent_scene_source(layout: FieldLayout, config: LatentConfig, cooperative: bool = False,
+                        coop_vectors: int | None = None) -> str:
+    """The module source of the field's kernels (the geometry network on tensor cores where ``cooperative``, on
+    cooperative vectors of that Kind where ``coop_vectors``) with the latent appearance and its scene."""
     lines = [f"#define {name} {value}" for name, value in config.defines().items()]
-    lines.append(field_source(layout, ("sdf_fit",), cooperative=cooperative))
+    lines.append(field_source(layout, ("sdf_fit",), cooperative=cooperative, coop_vectors=coop_vectors))
     lines += [(shader_dir() / f"{part}.slang").read_text() for part in ("latent_appearance", "latent_render")]
     return "\n".join(lines)
 
 
-def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig, cooperative: bool = False):
-    """:func:`latent_scene_source`'s kernels, compiled once per process, device and sizes."""
-    source = latent_scene_source(field.layout, config, cooperative)
+def latent_scene_module(gpu: GpuContext, field: NeuralField, config: LatentConfig, cooperative: bool = False,
+                        coop_vectors: int | None = None):
+    """:func:`latent_scene_source`'s kernels, compiled once per process, device and sizes (those on cooperative
+    vectors in their own session, as the field's: field.py's field_session_defines)."""
+    source = latent_scene_source(field.layout, config, cooperative, coop_vectors)
     name = "latent_scene_" + hashlib.sha256(source.encode()).hexdigest()[:16]
     key = (id(gpu.device), name)
     if key not in _MODULES:
-        _MODULES[key] = gpu.load_module_from_source(name, source, field.layout.kernels.structures)
+        _MODULES[key] = gpu.load_module_from_source(name, source, field.layout.kernels.structures,
+                                                    field_session_defines(coop_vectors) or None)
     return _MODULES[key]
 
 
 class LatentFieldScene:
-    """The field's distances and normals (on tensor cores where the field's networks are), the latent grid's
-    appearance."""
+    """The field's distances and normals (on tensor cores or cooperative vectors where the field's networks are),
+    the latent grid's appearance."""
 
     def __init__(self, gpu: GpuContext, field: NeuralField, latent: LatentAppearance) -> None:
         if latent.config.structures < field.structures:
             raise LatentConfigError(f"the pretrained appearance holds {latent.config.structures} structures, the "
                                     f"study has {field.structures}")
         self.field, self.latent, self.cooperative = field, latent, bool(field.cooperative)
-        self.module = latent_scene_module(gpu, field, latent.config, self.cooperative)
+        self.coop_vectors = field.coop_vectors
+        self.module = latent_scene_module(gpu, field, latent.config, self.cooperative, self.coop_vectors)
 
     @property
     def structures(self) -> int:
         return self.field.structures
 
     def struct(self) -> dict[str, Any]:
-        return {"field": self.field.shader_struct(self.cooperative, geometry_network_gradients=False),
+        return {"field": self.field.shader_struct(self.cooperative, geometry_network_gradients=False,
+                                                  coop_vectors=self.coop_vectors is not None),
                 "latent": self.latent.shader_struct()}
 
     def distances(self, grid: Any, buffers: dict) -> None:
-        if self.cooperative:  # the tiled copy of the geometry network, made once for a finished field
+        # the tiled or half copy of the geometry network, made once for a finished field
+        if self.cooperative:
             self.field.upload_tiled_networks(unless_current=True)
+        elif self.coop_vectors is not None:
+            self.field.upload_coop_vector_weights(unless_current=True, names=("geometry",))
         self.module.latentFieldDistances(grid, self.struct(), buffers)
 
     def surface(self, grid: Any, buffers: dict) -> None:

@@ -31,6 +31,8 @@ from ..gpu.device import (
     tensor_core_networks,
 )
 from ..paths import shader_dir
+from .coop_vectors import CONVERT_THREADS, NETWORKS, CoopVectorNetwork, padded_inputs
+from .coop_vectors import COOPVEC_FALLBACK as COOPVEC_FALLBACK  # (the Kind of the fallback, for callers)
 
 GROUP_TABLE, GROUP_GEOMETRY, GROUP_APPEARANCE = 0, 1, 2
 FIELD_PARTS = ("sdf_fit", "field_render")  # the kernel files of a field module, in order
@@ -40,12 +42,10 @@ MAX_STRUCTURES = 8
 #: The appearance inputs the kernels hold: up to four MRI channels and P(x). A study with fewer gets zeros in
 #: the others, so every study of one to four channels runs on the same kernels.
 INPUT_CAPACITY = 5
-CONVERT_THREADS = 4096  # threads of the small kernels that convert the geometry network's layout
 FROZEN_GEOMETRY = 2  # FIELD_COOPERATIVE of the tensor-core kernels whose geometry weights are frozen
-#: FIELD_COOPERATIVE of the geometry network on cooperative vectors is this plus coopvec_mlp.slang's Kind (0: its
+#: FIELD_COOPERATIVE of the networks on cooperative vectors is this plus coopvec_mlp.slang's Kind (0: their
 #: per-thread fallback, 1 and 2: on the device, the weights' gradients summed in half or float).
 COOPVEC_GEOMETRY = 3
-COOPVEC_FALLBACK = 0
 #: What the session of a field module on cooperative vectors defines, and no other session: every cooperative-vector
 #: construct of the shaders sits behind it, so the CUDA and per-thread modules are the same Slang as without them.
 COOPVEC_DEFINES = {"FIELD_COOPVEC": "1"}
@@ -457,9 +457,12 @@ def coop_gradient_scale(point_weight: float) -> float:
 
 
 def coop_vector_sized(layout: FieldLayout) -> bool:
-    """Whether the geometry network's inputs and hidden width are multiples of 8: the cooperative vectors read
-    a layer's weights a row at a time, and a row must span a multiple of 16 bytes."""
-    return layout.kernels.defines()["FIELD_ENCODED"] % 8 == 0 and layout.config.network.hidden % 8 == 0
+    """Whether the geometry network's inputs and both hidden widths are multiples of 8: the cooperative vectors
+    read a layer's weights a row at a time, and a row must span a multiple of 16 bytes. (The appearance network's
+    inputs are padded to one; the geometry network's come from the hash grid, whose sizes the config chooses.)"""
+    net = layout.config.network
+    encoded = layout.kernels.defines()["FIELD_ENCODED"]
+    return padded_inputs(encoded) == encoded and net.hidden % 8 == 0 and net.appearance_hidden % 8 == 0
 
 
 class NeuralField:
@@ -499,10 +502,9 @@ class NeuralField:
                 gpu.backend, gpu.report.cooperative_vector, os.environ.get(COOPVEC_ENV, "1"))[0]
         self.coop_vectors: int | None = coop_vectors
         self._coop_vector_module = None
-        self._coop_vector_buffers: dict[str, Any] | None = None
-        #: The cooperative vectors' gradient scale (coopvec_mlp.slang's CoopVecNetwork.gradientScale; the SDF fit
-        #: sets it from its loss's scale, coop_gradient_scale).
-        self.coop_gradient_scale = 1.0
+        # The networks on cooperative vectors (coop_network); each one's gradient scale is set by the pass that
+        # trains it from its loss's scale (coop_gradient_scale): the SDF fit's, the renderer's backward.
+        self._coop_networks: dict[str, CoopVectorNetwork] = {}
         self.parts = parts
         self.module = load_field_module(gpu, layout, parts)
         self.kernels = layout.kernels
@@ -518,7 +520,6 @@ class NeuralField:
         # the weights as of change _tiled_version (None: not uploaded yet).
         self.weights_version = 0
         self._tiled_version: int | None = None
-        self._coop_vector_version: int | None = None  # the same for the cooperative vectors' half copy
         self._cooperative_module = None
         self._frozen_module = None
 
@@ -549,95 +550,38 @@ class NeuralField:
                                                          coop_vectors=self.coop_vectors)
         return self._coop_vector_module
 
-    def coop_vector_layers(self) -> list[tuple[int, int]]:
-        """The geometry network's layers as (outputs, inputs), first to last."""
-        defines, net = self.kernels.defines(), self.layout.config.network
-        widths = [defines["FIELD_ENCODED"]] + [net.hidden] * net.hidden_layers + [defines["FIELD_GEOMETRY_OUTPUTS"]]
-        return list(zip(widths[1:], widths[:-1], strict=True))
+    def coop_network(self, name: str) -> CoopVectorNetwork:
+        """The ``name`` network ("geometry" or "appearance") on cooperative vectors: its buffers, made on first use."""
+        if name not in self._coop_networks:
+            defines, net = self.kernels.defines(), self.layout.config.network
+            if name == "geometry":
+                widths = ([defines["FIELD_ENCODED"]] + [net.hidden] * net.hidden_layers
+                          + [defines["FIELD_GEOMETRY_OUTPUTS"]])
+                offset = self.kernels.geometry_offset
+            else:
+                widths = [defines["FIELD_APPEARANCE_NET_INPUTS"], net.appearance_hidden,
+                          defines["FIELD_APPEARANCE_NET_OUTPUTS"]]
+                offset = self.kernels.appearance_offset
+            self._coop_networks[name] = CoopVectorNetwork(self.gpu, self.sdf_fit_module, name, self.coop_vectors,
+                                                          widths, offset)
+        return self._coop_networks[name]
 
-    def coop_vector_buffers(self) -> dict[str, Any]:
-        """The cooperative vectors' buffers, made on first use: the geometry network's half copy, its weights'
-        gradient sums (each layer's matrix at its byte offset: the device's training-optimal layout, or
-        row-major float in the fallback) and, on the device, the row-major sums they are converted to."""
-        if self._coop_vector_buffers is None:
-            import slangpy as spy
+    def upload_coop_vector_weights(self, unless_current: bool = False, names: tuple[str, ...] = NETWORKS) -> None:
+        """The networks' half copies from the current weights; ``unless_current``: nothing where a copy holds them
+        already (the renderer's forward passes, which only read them: a finished field's frames convert nothing)."""
+        for name in names:
+            self.coop_network(name).upload(self.values.storage.device_address, self.weights_version, unless_current)
 
-            device = self.gpu.device
-            usage = spy.BufferUsage.shader_resource | spy.BufferUsage.unordered_access
-            kind = spy.DataType.float32 if self.coop_vectors != 1 else spy.DataType.float16
-            offsets, row_major, at = [], [], 0
-            for rows, cols in self.coop_vector_layers():
-                offsets.append(at)
-                size = 4 * rows * cols
-                if self.coop_vectors != COOPVEC_FALLBACK:
-                    size = device.get_coop_vec_matrix_size(rows, cols, spy.CoopVecMatrixLayout.training_optimal, kind)
-                at += -(-size // 64) * 64
-            floats = 0
-            for rows, cols in self.coop_vector_layers():
-                row_major.append(floats)
-                floats += rows * cols
-            with device_memory("the geometry network on cooperative vectors"):
-                halves = int(self.sdf_fit_module.coopVecHalfCount())
-                self._coop_vector_buffers = {
-                    "weights": device.create_buffer(size=2 * halves, usage=usage),
-                    "sums": device.create_buffer(size=at, usage=usage),
-                    "row_major": device.create_buffer(size=4 * floats, usage=usage),
-                    "offsets": offsets + [0] * (3 - len(offsets)),
-                    "row_major_offsets": row_major + [0] * (3 - len(row_major)),
-                    "kind": kind,
-                }
-        return self._coop_vector_buffers
+    def upload_coop_vector_network(self, name: str = "geometry", unless_current: bool = False) -> None:
+        """Before a pass that trains the ``name`` network on cooperative vectors: its half copy from the current
+        weights (``unless_current``: where it does not hold them already; the renderer's backward follows its
+        forward, which made it) and its weights' gradient sums zeroed."""
+        self.upload_coop_vector_weights(unless_current, names=(name,))
+        self.coop_network(name).clear_sums()
 
-    def upload_coop_vector_weights(self, unless_current: bool = False) -> None:
-        """The geometry network's half copy from the current weights; ``unless_current``: nothing where the copy
-        holds them already (the renderer's passes, which only read them: a finished field's frames convert
-        nothing)."""
-        import slangpy as spy
-
-        if unless_current and self._coop_vector_version == self.weights_version:
-            return
-        buffers = self.coop_vector_buffers()
-        self.sdf_fit_module.coopVecGeometryToHalf(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS,
-                                                  self.values.storage.device_address, self.kernels.geometry_offset,
-                                                  buffers["weights"].device_address)
-        self._coop_vector_version = self.weights_version
-
-    def upload_coop_vector_network(self) -> None:
-        """The geometry network's half copy from the current weights, and its weights' gradient sums zeroed
-        (before each pass of the SDF fit on cooperative vectors)."""
-        buffers = self.coop_vector_buffers()
-        self.upload_coop_vector_weights()
-        encoder = self.gpu.device.create_command_encoder()
-        encoder.clear_buffer(buffers["sums"])
-        self.gpu.device.submit_command_buffer(encoder.finish())
-
-    def add_coop_vector_gradients(self) -> None:
-        """Add the weights' gradient sums of a pass on cooperative vectors to the field's gradients: on the device
-        each layer's matrix converted from the training-optimal layout to row-major first (of the sums' own
-        type: the conversion changes the layout, not the type)."""
-        import slangpy as spy
-
-        buffers = self.coop_vector_buffers()
-        sums, offsets, halves = buffers["sums"], buffers["offsets"], 0
-        if self.coop_vectors != COOPVEC_FALLBACK:
-            device, encoder = self.gpu.device, self.gpu.device.create_command_encoder()
-            kind = buffers["kind"]
-            halves = int(kind == spy.DataType.float16)
-            for (rows, cols), offset, target in zip(self.coop_vector_layers(), offsets,
-                                                    buffers["row_major_offsets"], strict=False):
-                encoder.convert_coop_vec_matrix(
-                    buffers["row_major"],
-                    device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.row_major, kind,
-                                                       (2 if halves else 4) * target),
-                    sums, device.create_coop_vec_matrix_desc(rows, cols, spy.CoopVecMatrixLayout.training_optimal,
-                                                             kind, offset))
-            device.submit_command_buffer(encoder.finish())
-            sums, offsets = buffers["row_major"], buffers["row_major_offsets"]
-        else:
-            offsets = [offset // 4 for offset in offsets]
-        self.sdf_fit_module.coopVecAddGradients(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS, sums.device_address,
-                                                offsets, halves, 1.0 / self.coop_gradient_scale,
-                                                self.grads.storage.device_address, self.kernels.geometry_offset)
+    def add_coop_vector_gradients(self, name: str = "geometry") -> None:
+        """After that pass: the ``name`` network's weights' gradient sums added to the field's gradients."""
+        self.coop_network(name).add_gradients(self.grads.storage.device_address)
 
     @property
     def frozen_module(self):
@@ -767,13 +711,10 @@ class NeuralField:
             "appearanceOffset": self.kernels.appearance_offset,
             "distanceScale": self.layout.config.network.distance_scale_mm,
         }
-        if coop_vectors:  # the member exists only in the modules of the cooperative vectors' session
-            buffers = self.coop_vector_buffers()
-            struct["coopGeometry"] = {
-                "weights": buffers["weights"].device_address, "weightGradients": buffers["sums"],
-                "gradientOffsets": buffers["offsets"],
-                "biasGradients": self.grads.storage.device_address + 4 * self.kernels.geometry_offset,
-                "gradientScale": self.coop_gradient_scale}
+        if coop_vectors:  # the members exist only in the modules of the cooperative vectors' session
+            grads = self.grads.storage.device_address
+            struct["coopGeometry"] = self.coop_network("geometry").struct(grads)
+            struct["coopAppearance"] = self.coop_network("appearance").struct(grads)
         return struct
 
     def default_step_mm(self) -> float:

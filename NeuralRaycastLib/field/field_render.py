@@ -6,9 +6,10 @@ normalised MRI channels and P(x) as the appearance network's local inputs.
 Where the field is ``cooperative`` (CUDA) the kernels run over whole waves with both networks on tensor
 cores, from tiled copies of their weights uploaded at the start of each forward and backward pass; the
 appearance network's gradients go back to the field's buffer after each backward pass. Where it has
-``coop_vectors`` (Vulkan devices that report them) the same kernels as the SDF fit's run the geometry network on
-cooperative vectors, a point a thread, from its half copy (made once per change of the weights); the appearance
-network runs per thread there.
+``coop_vectors`` (Vulkan devices that report them) the same kernels as the SDF fit's run both networks on
+cooperative vectors, a point a thread, from their half copies (made once per change of the weights); the appearance
+network's weights' gradient sums go back to the field's buffer after each backward pass, taken into half at a scale
+set from the batch's rays (:func:`appearance_gradient_scale`).
 
 The image loss trains the hash table and the appearance network; the geometry network's weights follow
 the SDF and Eikonal terms alone. Their image gradients are sums over every sample of a batch of terms that
@@ -37,7 +38,14 @@ from ..render.scene import WorkLists
 from ..render.style import BAND_WIDTHS
 from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy
-from .field import NeuralField
+from .field import NeuralField, coop_gradient_scale
+
+
+def appearance_gradient_scale(rays: int) -> float:
+    """The gradient scale of the appearance network's weights on cooperative vectors for a backward pass over
+    ``rays`` rays: the image loss is a mean over the batch's pixels, so a shaded segment's share of it is at most
+    about a ray's, 1 / ``rays`` (coop_gradient_scale, as the SDF fit's points)."""
+    return coop_gradient_scale(1.0 / max(int(rays), 1))
 
 
 class FieldScene:
@@ -97,6 +105,7 @@ class FieldScene:
             clock.lap("scene backward: weights to tensor-core layout")
             module, struct = self.field.frozen_module, self.struct(True)
         else:  # per thread, or on cooperative vectors with the geometry network's weights frozen alike
+            self._start_appearance_sums(buffers)
             module, struct = self.forward_module(), self.struct(geometry_network_gradients=False)
         if lists.shaded:  # an empty list launches nothing, as in the forward pass
             module.fieldBackwardSurface(WorkLists.launch(lists.shaded), struct, buffers)
@@ -107,6 +116,20 @@ class FieldScene:
         if self.cooperative:
             self.field.add_tiled_gradients()
             clock.lap("scene backward: gradients back")
+        self._end_appearance_sums(clock)
+
+    def _start_appearance_sums(self, buffers: dict) -> None:
+        """On cooperative vectors, before a backward pass: the appearance network's gradient scale for the batch's
+        rays and its sums zeroed."""
+        if self.coop_vectors:
+            self.field.coop_network("appearance").gradient_scale = appearance_gradient_scale(buffers["rayCount"])
+            self.field.upload_coop_vector_network("appearance", unless_current=True)
+
+    def _end_appearance_sums(self, clock: PassClock) -> None:
+        """On cooperative vectors, after a backward pass: the appearance network's weights' gradients back."""
+        if self.coop_vectors:
+            self.field.add_coop_vector_gradients("appearance")
+            clock.lap("scene backward: gradients back")
 
     def backward_appearance(self, lists: WorkLists, buffers: dict, timings: dict[str, float] | None = None) -> None:
         """The backward pass with the geometry frozen: gradients of the appearance network only. The geometry
@@ -114,8 +137,10 @@ class FieldScene:
         network does (``timings``: see :meth:`backward`)."""
         clock = PassClock(self.field.gpu, timings)
         if not self.cooperative:
+            self._start_appearance_sums(buffers)
             self.forward_module().fieldAppearanceBackward(WorkLists.launch(lists.shaded), self.struct(), buffers)
             clock.lap("scene backward: appearance")
+            self._end_appearance_sums(clock)
             return
         self.field.upload_tiled_networks()  # their gradients start from zero
         clock.lap("scene backward: weights to tensor-core layout")

@@ -219,7 +219,7 @@ class SdfFitter:
         settings["eikonalScale"] *= weight
         field = self.field
         if field.coop_vectors is not None:
-            field.coop_gradient_scale = coop_gradient_scale(settings["dataScale"])
+            field.coop_network("geometry").gradient_scale = coop_gradient_scale(settings["dataScale"])
         struct = self._field_struct()
         clock.lap("weights to tensor-core layout" if field.cooperative or field.coop_vectors is not None
                   else "settings")

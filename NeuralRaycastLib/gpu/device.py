@@ -338,7 +338,7 @@ COOPVEC_KINDS = {"float": 2, "half": 1}
 
 
 def coop_vector_networks(backend: str, cooperative_vector: bool, setting: str) -> tuple[int | None, str]:
-    """The geometry network on cooperative vectors (the SDF fit's, and the renderer's in training and pictures):
+    """The networks on cooperative vectors (the SDF fit's geometry network, and both in the renderer's kernels):
     coopvec_mlp.slang's Kind where it runs on them, else None, and the reason. On Vulkan devices that report
     them, unless the NEURALRAYCAST_COOPVEC ``setting`` is "0". The weights' gradients are summed in half unless
     it is "float": on an H100 the driver's float sums came back wrong (docs/shader-targets.md), its half sums

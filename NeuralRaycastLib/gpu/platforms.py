@@ -30,8 +30,8 @@ MACOS_MINIMUM = (26, 0)
 #: What a GPU gets where CUDA opens, and what Vulkan gets (gpu/device.py tries CUDA first).
 CUDA_DEVICES = ("CUDA on NVIDIA GPUs (tensor-core networks from compute capability 8.0; the per-thread "
                 "networks on older GPUs)")
-VULKAN_DEVICES = ("Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks; the SDF fit's geometry network "
-                  "on cooperative vectors where the GPU has them)")
+VULKAN_DEVICES = ("Vulkan on NVIDIA, AMD and Intel GPUs (the per-thread networks; on cooperative vectors where "
+                  "the GPU has them: the SDF fit's geometry network, and both networks in the renders)")
 LAVAPIPE = "Mesa's lavapipe on the CPU (Vulkan, the per-thread networks; slow, the quick preset)"
 METAL_UNTRIED = ("slangpy installs, and NeuralRaycast tries Metal, then Vulkan (a driver over Metal, MoltenVK), but "
                  "has not been run on a Mac: set the device to metal or vulkan to try them")

@@ -62,9 +62,9 @@ FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "
 #: Those a field module has only with its geometry network on tensor cores (FIELD_COOPERATIVE, CUDA's).
 COOPERATIVE_FIELD_KERNELS = ("networksToTiled", "networkGradientsFromTiled", "geometryTiledCount",
                              "geometryGradientLength", "appearanceTiledCount")
-#: Those a field module has only with its geometry network on cooperative vectors (the SDF fit's, on Vulkan;
+#: Those a field module has only with its networks on cooperative vectors (the SDF fit's and renderer's, on Vulkan;
 #: compiled with field.py's COOPVEC_DEFINES, which no other variant sees).
-COOPVEC_FIELD_KERNELS = ("coopVecGeometryToHalf", "coopVecAddGradients", "coopVecHalfCount")
+COOPVEC_FIELD_KERNELS = ("coopVecToHalves", "coopVecAddNetworkGradients", "coopVecHalfCount")
 #: The structure slots the named modules are compiled for (the device's own session's).
 STRUCTURE_SLOTS = 8
 #: The modules whose kernels HLSL cannot express, and why: Direct3D 12 is out of reach for training and for
@@ -327,7 +327,7 @@ FIELD_VARIANTS = (FieldVariant(small=True, structures=3), FieldVariant(small=Fal
 #: Those CUDA loads besides (tensor-core networks, on GPUs of compute capability 8.0 and newer).
 CUDA_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=1),
                        FieldVariant(small=False, structures=4, cooperative=2))
-#: Those Vulkan loads besides for the SDF fit (the geometry network on cooperative vectors, where the device has
+#: Those Vulkan loads besides for the SDF fit and the renders (the networks on cooperative vectors, where the device has
 #: them; with the weights' gradients summed in half one operand of one instruction differs), and their per-thread
 #: fallback, which every target compiles (the cooperative-vector instructions are SPIR-V's alone).
 COOPVEC_FIELD_VARIANTS = (FieldVariant(small=False, structures=4, cooperative=4),
@@ -381,18 +381,26 @@ def field_module_code(target: str, variant: FieldVariant, kernels: tuple[str, ..
 
 def compile_latent_modules(target: str) -> list[TargetFailure]:
     """The pretrained appearance's kernels for ``target``: its own module, and the field's with its scene (a GPU's
-    field sizes, four structures)."""
+    field sizes, four structures; on SPIR-V also with the geometry network on cooperative vectors)."""
     from ..appearance.latent import LatentConfig, latent_source
     from ..appearance.latent_scene import latent_scene_source
+    from ..field.field import field_session_defines
     from .device import structure_slots
 
     config = LatentConfig()
     layout = _field_layout(FieldVariant(small=False, structures=4))
     defines = module_defines(target, structure_slots(4))
     with tempfile.TemporaryDirectory() as name:
-        return (_failures(_library(), Path(name), "latent", latent_source(config), LATENT_KERNELS, target, defines)
-                + _failures(_library(), Path(name), "latent_scene", latent_scene_source(layout, config),
-                            LATENT_SCENE_KERNELS, target, defines))
+        failures = (_failures(_library(), Path(name), "latent", latent_source(config), LATENT_KERNELS, target,
+                              defines)
+                    + _failures(_library(), Path(name), "latent_scene", latent_scene_source(layout, config),
+                                LATENT_SCENE_KERNELS, target, defines))
+        if target == "spirv":
+            half_sums = 1  # coopvec_mlp.slang's Kind of a GPU's
+            failures += _failures(_library(), Path(name), "latent_scene_coopvec",
+                                  latent_scene_source(layout, config, coop_vectors=half_sums), LATENT_SCENE_KERNELS,
+                                  target, {**defines, **field_session_defines(half_sums)})
+        return failures
 
 
 def named_module_source(name: str) -> str:

@@ -1,13 +1,14 @@
 for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 # Training and the neural render through Vulkan, with the geometry network on cooperative vectors in the SDF fit
-# and in the renderer's kernels (the appearance network per thread), beside CUDA's tensor-core kernels, on one
-# machine: `bench --suite train` on each device, their training rays/s and 1024² render rows side by side.
+# and both networks on them in the renderer's kernels, beside CUDA's tensor-core kernels, on one machine:
+# `bench --suite train` on each device, their training rays/s (stages 2 and 3) and 1024² render rows side by side,
+# and Vulkan's step phases.
 # Output under $OUT:
 #  bench-vulkan.json, bench-cuda.json   `bench --device D --suite train --json`
 #  logs.tar.gz                          each step's standard error, `info --device vulkan`, and tests.txt:
-#                                       Testing/test_coopvec.py's render, training-step and frozen-backward tests
-#                                       on the Vulkan device
-# Each step has its own time limit (at most about eight minutes in all, most of it the two benches); a step that fails or
+#                                       Testing/test_coopvec.py's render, training-step, frozen-backward and
+#                                       appearance-network tests on the Vulkan device
+# Each step has its own time limit (at most about nine minutes in all, most of it the two benches); a step that fails or
 # runs out of time leaves its error in its log and the others still run. Printed last: each row on Vulkan and on
 # CUDA, and Vulkan's speed as a percentage of CUDA's (rays/s: Vulkan / CUDA; frame times: CUDA / Vulkan).
 set -u
@@ -25,10 +26,9 @@ echo "bench --device vulkan: exit $?"
 timeout 110 $N bench --device cuda --suite train --json > "$OUT/bench-cuda.json" 2> "$R/bench-cuda.log"
 echo "bench --device cuda: exit $?"
 # the render's and a training step's agreement with the per-thread kernels on this device (its cooperative vectors
-# and their fallback; the appearance network's wave sums run here, not on lavapipe), and the frozen backward's
-# central differences
-NEURALRAYCAST_DEVICE=vulkan timeout 120 python3 -m pytest -q -p no:cacheprovider Testing/test_coopvec.py \
-    -k "render or frozen" > "$R/tests.txt" 2>&1
+# and their fallback), and the frozen backward's and the appearance network's central differences
+NEURALRAYCAST_DEVICE=vulkan timeout 150 python3 -m pytest -q -p no:cacheprovider Testing/test_coopvec.py \
+    -k "render or frozen or appearance_network" > "$R/tests.txt" 2>&1
 tar -C "$R" -czf "$OUT/logs.tar.gz" .
 tail -n 2 "$R/bench-vulkan.log" "$R/bench-cuda.log" | cut -c1-200
 echo "tests on Vulkan: $(tail -1 "$R/tests.txt")"
@@ -67,4 +67,7 @@ for metric in wanted:
 for name, found in (("Vulkan", vulkan), ("CUDA", cuda)):
     note = found.get("training rays/s (render stages)", {}).get("notes", "")
     print(f"{name}: {str(note)[:160]}")
+for metric in ("stage-2 step phases", "stage-3 step phases"):  # where a step's time goes on Vulkan
+    row = vulkan.get(metric, {})
+    print(f"Vulkan {metric}: {row.get('value', '-')} ms: {str(row.get('notes', ''))[:300]}")
 PY
