@@ -143,3 +143,23 @@ def test_vertex_normals_point_straight_out_of_a_sphere():
     radial /= np.linalg.norm(radial, axis=1, keepdims=True)
     np.testing.assert_allclose(np.linalg.norm(normals, axis=1), 1.0, atol=1e-12)
     assert (normals * radial).sum(axis=1).min() > 0.99
+
+
+def test_the_distance_floor_is_below_every_points_distance_and_rules_out_the_far_points():
+    """mesh_distance_floor: what the boundary maps use to measure first only the points that may lie within a
+    voxel of the smoothed surface. It must never exceed a point's true distance (brute force over every triangle
+    of a terraced, smoothed sphere), and it must rule out the points well away from the surface."""
+    from NeuralRaycastLib.mesh.surface_distance import candidate_search, candidate_triangles, mesh_distance_floor
+
+    vertices, faces = sphere_mesh(6.0, voxelised=True)
+    vertices = smooth_surface(vertices, faces)
+    points = np.random.default_rng(1).uniform(-10, 10, (600, 3))
+    corners = vertices[faces]
+    _, distance2, _ = closest_on_triangles(points[:, None, :], corners[None, :, 0], corners[None, :, 1],
+                                           corners[None, :, 2])
+    brute = np.sqrt(distance2.min(axis=1))
+    nearest, centroid_distances = candidate_search(vertices, faces, points)
+    floor = mesh_distance_floor(vertices, faces, centroid_distances[:, 0])
+    assert np.all(floor <= brute + 1e-12)
+    assert np.all(floor[brute > 2.5] > 1.0)  # a triangle of a 1-voxel grid spreads less than 1.5 voxels
+    np.testing.assert_array_equal(nearest, candidate_triangles(vertices, faces, points))

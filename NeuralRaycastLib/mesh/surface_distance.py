@@ -190,10 +190,31 @@ def candidate_triangles_and_reach(vertices: np.ndarray, faces: np.ndarray, point
                                   candidates: int = 12) -> tuple[np.ndarray, np.ndarray]:
     """:func:`candidate_triangles`, and the distance from each point to the farthest of its candidates'
     centroids (N,): how far another triangle may lie before it would have been a candidate."""
+    nearest, centroid_distances = candidate_search(vertices, faces, points, candidates)
+    return nearest, centroid_distances[:, -1]
+
+
+def candidate_search(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                     candidates: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`candidate_triangles` (N, k), and the distances from each point to those triangles' centroids
+    (N, k), nearest first."""
     k = min(candidates, len(faces))
-    reach, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
-    reach = np.asarray(reach, np.float64).reshape(len(points), k)
-    return np.asarray(nearest, np.int64).reshape(len(points), k), reach[:, -1]
+    distances, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
+    distances = np.asarray(distances, np.float64).reshape(len(points), k)
+    return np.asarray(nearest, np.int64).reshape(len(points), k), distances
+
+
+def mesh_distance_floor(vertices: np.ndarray, faces: np.ndarray, nearest_centroid: np.ndarray) -> np.ndarray:
+    """A lower bound of each point's distance to the mesh, from its distance to the nearest triangle centroid
+    (:func:`candidate_search`'s first column): every point of a triangle lies within the triangle's spread (the
+    largest distance from its centroid to a corner) of its centroid, so no triangle comes nearer than the nearest
+    centroid less the largest spread of the mesh."""
+    distances = np.asarray(nearest_centroid, np.float64)
+    if len(faces) == 0:
+        return distances.copy()
+    corners = vertices[faces].astype(np.float64)
+    spread = float(np.sqrt(((corners - corners.mean(axis=1, keepdims=True)) ** 2).sum(-1)).max())
+    return distances - spread
 
 
 def candidates_after_move(vertices: np.ndarray, moved: np.ndarray, faces: np.ndarray, points: np.ndarray,
