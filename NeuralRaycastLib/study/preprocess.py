@@ -39,6 +39,7 @@ from .drawn_labels import (
     smoothing_mm,
     tidy_label,
 )
+from .order_statistics import percentile
 from .pieces import fill_holes
 from .slabs import in_slabs, slab_edges
 from .structures import BRAIN, Structure, make_structures
@@ -112,7 +113,7 @@ def channel_range(image: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
     """The 0.5th and 99.5th percentiles of a channel inside ``mask`` (outliers do not move them), the values
     :func:`normalise_channel` maps to 0 and 1; a flat channel gets a range of 1."""
     values = image[mask] if mask.any() else image.ravel()
-    low, high = (float(v) for v in np.percentile(values, NORMALISE_PERCENTILES))
+    low, high = (float(percentile(values, q)) for q in NORMALISE_PERCENTILES)
     if high - low <= 1e-12 * max(1.0, abs(high)):
         high = low + 1.0
     return low, high
@@ -144,7 +145,7 @@ def _thresholded_head(channels: dict[str, np.ndarray]) -> np.ndarray:
     from scipy import ndimage
 
     images = list(channels.values())
-    scales = map_in_threads(lambda image: float(np.percentile(image, 99.0)) or float(image.max()) or 1.0, images)
+    scales = map_in_threads(lambda image: float(percentile(image, 99.0)) or float(image.max()) or 1.0, images)
     combined = _scaled_maximum(images, scales)
     mask = combined > _otsu_threshold(combined)
     if mask.any():
