@@ -163,3 +163,29 @@ def test_the_distance_floor_is_below_every_points_distance_and_rules_out_the_far
     assert np.all(floor <= brute + 1e-12)
     assert np.all(floor[brute > 2.5] > 1.0)  # a triangle of a 1-voxel grid spreads less than 1.5 voxels
     np.testing.assert_array_equal(nearest, candidate_triangles(vertices, faces, points))
+
+
+@pytest.mark.parametrize("library", ["pykdtree", "scipy"])
+def test_nearest_neighbours_are_exact_with_either_library(library, monkeypatch):
+    """The candidate triangles' search (pykdtree's tree, or scipy's where pykdtree is not installed) finds each
+    point's k nearest centroids, nearest first, at the distances a brute-force search measures."""
+    import sys
+
+    from NeuralRaycastLib.mesh.surface_distance import nearest_neighbours
+
+    if library == "pykdtree":
+        pytest.importorskip("pykdtree.kdtree")
+    else:
+        monkeypatch.setitem(sys.modules, "pykdtree.kdtree", None)  # import pykdtree.kdtree raises ImportError
+    vertices, faces = sphere_mesh(5.0, voxelised=True)
+    centroids = smooth_surface(vertices, faces)[faces].mean(axis=1)
+    points = np.random.default_rng(2).uniform(-8, 8, (300, 3))
+    distances, indices = nearest_neighbours(centroids, points, 12)
+    assert distances.shape == indices.shape == (300, 12) and indices.dtype == np.int64
+    brute = np.linalg.norm(points[:, None] - centroids[None], axis=-1)
+    np.testing.assert_allclose(distances, np.sort(brute, axis=1)[:, :12], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.take_along_axis(brute, indices, axis=1), distances, rtol=1e-12, atol=1e-12)
+    single = nearest_neighbours(centroids, points[:1], 1)
+    assert single[0].shape == single[1].shape == (1, 1) and single[1][0, 0] == indices[0, 0]
+    assert nearest_neighbours(centroids, points[:0], 12)[1].shape == (0, 12)
+

@@ -199,9 +199,27 @@ def candidate_search(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray
     """:func:`candidate_triangles` (N, k), and the distances from each point to those triangles' centroids
     (N, k), nearest first."""
     k = min(candidates, len(faces))
-    distances, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
-    distances = np.asarray(distances, np.float64).reshape(len(points), k)
-    return np.asarray(nearest, np.int64).reshape(len(points), k), distances
+    distances, nearest = nearest_neighbours(vertices[faces].mean(axis=1), points, k)
+    return nearest, distances
+
+
+def nearest_neighbours(data: np.ndarray, points: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` points of ``data`` nearest each of ``points``, nearest first: (distances (N, k) float64,
+    indices (N, k) int64). By the ``pykdtree`` package where it is installed (its queries take less processor
+    time, which the boundary maps wait for on few cores), else by scipy's ``cKDTree``; both are exact and
+    measure the same float64 distances, so they give the same neighbours (points at exactly equal distances
+    aside, whose order either may choose)."""
+    data, points = (np.ascontiguousarray(array, np.float64) for array in (data, points))
+    if len(points) == 0 or k == 0:
+        return np.zeros((len(points), k)), np.zeros((len(points), k), np.int64)
+    try:
+        from pykdtree.kdtree import KDTree
+    except ImportError:
+        distances, indices = cKDTree(data).query(points, k=k, workers=-1)
+    else:
+        distances, indices = KDTree(data).query(points, k=k)
+    shape = (len(points), k)
+    return np.asarray(distances, np.float64).reshape(shape), np.asarray(indices, np.int64).reshape(shape)
 
 
 def mesh_distance_floor(vertices: np.ndarray, faces: np.ndarray, nearest_centroid: np.ndarray) -> np.ndarray:

@@ -96,9 +96,9 @@ class PreparedStudy:
 
 
 def import_map_libraries() -> None:
-    """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, the surface
-    distances): a second or more on a first run, which a caller can spend while it does something else (``fit``
-    imports them in a thread while the device opens)."""
+    """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, pykdtree, the
+    surface distances): a second or more on a first run, which a caller can spend while it does something else
+    (``fit`` imports them in a thread while the device opens)."""
     import scipy.ndimage  # noqa: F401
     import skimage.filters  # noqa: F401
     import skimage.measure  # noqa: F401
@@ -107,6 +107,8 @@ def import_map_libraries() -> None:
 
     with contextlib.suppress(ImportError):  # scipy's transform is the fallback (_distance_transform)
         import edt  # noqa: F401
+    with contextlib.suppress(ImportError):  # scipy's tree is the fallback (surface_distance.nearest_neighbours)
+        import pykdtree.kdtree  # noqa: F401
 
 
 def channel_range(image: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
