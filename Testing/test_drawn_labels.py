@@ -265,7 +265,7 @@ def test_each_piece_is_placed_at_its_voxels_centre_of_mass(many):
 def test_neighbouring_order_statistics_are_the_partitions():
     """The two values that level a smoothed label are those np.partition gives, whatever the bracket its sample
     finds: ties, a bracket missing the rank, the first and last ranks."""
-    from NeuralRaycastLib.study.drawn_labels import _neighbouring_order_statistics
+    from NeuralRaycastLib.study.order_statistics import neighbouring_order_statistics
 
     rng = np.random.default_rng(5)
     cases = [(rng.standard_normal(n).astype(np.float32), int(rng.integers(0, n - 1))) for n in (2, 3, 1000, 300_000)]
@@ -274,4 +274,4 @@ def test_neighbouring_order_statistics_are_the_partitions():
               (np.arange(70_000, dtype=np.float32), 69_998)]
     for values, rank in cases:
         expected = tuple(np.partition(values, (rank, rank + 1))[[rank, rank + 1]])
-        assert _neighbouring_order_statistics(values, rank) == expected
+        assert neighbouring_order_statistics(values, rank) == expected

@@ -143,3 +143,57 @@ def test_vertex_normals_point_straight_out_of_a_sphere():
     radial /= np.linalg.norm(radial, axis=1, keepdims=True)
     np.testing.assert_allclose(np.linalg.norm(normals, axis=1), 1.0, atol=1e-12)
     assert (normals * radial).sum(axis=1).min() > 0.99
+
+
+def test_the_distance_floor_is_below_every_points_distance_and_rules_out_the_far_points():
+    """mesh_distance_floor: what the boundary maps use to measure first only the points that may lie within a
+    voxel of the smoothed surface. It must never exceed a point's true distance (brute force over every triangle
+    of a terraced, smoothed sphere), and it must rule out the points well away from the surface."""
+    from NeuralRaycastLib.mesh.surface_distance import candidate_search, candidate_triangles, mesh_distance_floor
+
+    vertices, faces = sphere_mesh(6.0, voxelised=True)
+    vertices = smooth_surface(vertices, faces)
+    points = np.random.default_rng(1).uniform(-10, 10, (600, 3))
+    corners = vertices[faces]
+    _, distance2, _ = closest_on_triangles(points[:, None, :], corners[None, :, 0], corners[None, :, 1],
+                                           corners[None, :, 2])
+    brute = np.sqrt(distance2.min(axis=1))
+    nearest, centroid_distances = candidate_search(vertices, faces, points)
+    floor = mesh_distance_floor(vertices, faces, centroid_distances[:, 0])
+    assert np.all(floor <= brute + 1e-12)
+    assert np.all(floor[brute > 2.5] > 1.0)  # a triangle of a 1-voxel grid spreads less than 1.5 voxels
+    np.testing.assert_array_equal(nearest, candidate_triangles(vertices, faces, points))
+
+
+@pytest.mark.parametrize("library", ["pykdtree", "scipy"])
+def test_nearest_neighbours_are_exact_with_either_library(library, monkeypatch):
+    """The candidate triangles' search (pykdtree's tree, or scipy's where pykdtree is not installed) finds each
+    point's k nearest centroids, nearest first, at the distances a brute-force search measures."""
+    import sys
+
+    from NeuralRaycastLib.mesh.surface_distance import nearest_neighbours
+
+    if library == "pykdtree":
+        pytest.importorskip("pykdtree.kdtree")
+    else:
+        monkeypatch.setitem(sys.modules, "pykdtree.kdtree", None)  # import pykdtree.kdtree raises ImportError
+    vertices, faces = sphere_mesh(5.0, voxelised=True)
+    centroids = smooth_surface(vertices, faces)[faces].mean(axis=1)
+    points = np.random.default_rng(2).uniform(-8, 8, (300, 3))
+    distances, indices = nearest_neighbours(centroids, points, 12)
+    assert distances.shape == indices.shape == (300, 12) and indices.dtype == np.int64
+    brute = np.linalg.norm(points[:, None] - centroids[None], axis=-1)
+    np.testing.assert_allclose(distances, np.sort(brute, axis=1)[:, :12], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.take_along_axis(brute, indices, axis=1), distances, rtol=1e-12, atol=1e-12)
+    single = nearest_neighbours(centroids, points[:1], 1)
+    assert single[0].shape == single[1].shape == (1, 1) and single[1][0, 0] == indices[0, 0]
+    assert nearest_neighbours(centroids, points[:0], 12)[1].shape == (0, 12)
+
+
+def test_smoothing_the_coordinates_together_is_smoothing_each_alone():
+    """The three coordinates go through each sparse product together; each comes out bit for bit as the filter
+    gives it alone, so the smoothed surfaces (and the boundary maps) do not depend on how they are batched."""
+    vertices, faces = sphere_mesh(5.0, spacing=0.8, voxelised=True)
+    together = smooth_surface(vertices, faces)
+    for axis in range(3):
+        np.testing.assert_array_equal(together[:, [axis]], smooth_surface(vertices[:, [axis]], faces))

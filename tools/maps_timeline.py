@@ -27,7 +27,7 @@ STEPS = {
                                           "_distance_transform", "_derived_from_maps", "_derived_from_mask",
                                           "_rounded_probability", "write_entry", "normalise_channel"],
     "NeuralRaycastLib.study.device_distance": ["squared_distance_transform"],
-    "NeuralRaycastLib.mesh.surface_distance": ["smooth_surface", "candidate_triangles_and_reach", "mesh_distances",
+    "NeuralRaycastLib.mesh.surface_distance": ["smooth_surface", "candidate_search", "mesh_distances",
                                                "mesh_pieces", "agree_with_labels", "candidates_after_move"],
 }
 

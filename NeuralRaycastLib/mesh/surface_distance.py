@@ -64,27 +64,24 @@ def smooth_surface(vertices: np.ndarray, faces: np.ndarray, iterations: int = 20
     """Windowed-sinc smoothing of a closed triangle mesh: the new vertex positions.
 
     With K = I − W the filter is Σ c_i T_i(I − K/2) applied to the positions (T_i Chebyshev polynomials),
-    evaluated by the three-term recurrence, one sparse product per iteration."""
+    evaluated by the three-term recurrence, one sparse product per iteration. The three coordinates go through
+    each product together (the filter acts on them alike): one pass over the matrix instead of three, and each
+    coordinate summed in the same order as alone."""
     if len(faces) == 0:
         return vertices.copy()
     average = _neighbour_average(len(vertices), faces)
     c = _sinc_coefficients(iterations, passband)
 
-    def filtered(x: np.ndarray) -> np.ndarray:
-        def half_step(x: np.ndarray) -> np.ndarray:
-            return 0.5 * (x + average @ x)
+    def half_step(x: np.ndarray) -> np.ndarray:
+        return 0.5 * (x + average @ x)
 
-        previous, current = x, half_step(x)
-        result = c[0] * previous + c[1] * current
-        for coefficient in c[2:]:
-            previous, current = current, 2.0 * half_step(current) - previous
-            result += coefficient * current
-        return result
-
-    # each coordinate on its own (the filter acts on them alike), in threads: the sparse products let others run
-    coordinates = [np.ascontiguousarray(vertices[:, axis], np.float64) for axis in range(vertices.shape[1])]
-    with ThreadPoolExecutor(len(coordinates)) as pool:
-        return np.stack(list(pool.map(filtered, coordinates)), axis=1)
+    previous = np.ascontiguousarray(vertices, np.float64)
+    current = half_step(previous)
+    result = c[0] * previous + c[1] * current
+    for coefficient in c[2:]:
+        previous, current = current, 2.0 * half_step(current) - previous
+        result += coefficient * current
+    return result
 
 
 def vertex_normals(vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
@@ -190,10 +187,49 @@ def candidate_triangles_and_reach(vertices: np.ndarray, faces: np.ndarray, point
                                   candidates: int = 12) -> tuple[np.ndarray, np.ndarray]:
     """:func:`candidate_triangles`, and the distance from each point to the farthest of its candidates'
     centroids (N,): how far another triangle may lie before it would have been a candidate."""
+    nearest, centroid_distances = candidate_search(vertices, faces, points, candidates)
+    return nearest, centroid_distances[:, -1]
+
+
+def candidate_search(vertices: np.ndarray, faces: np.ndarray, points: np.ndarray,
+                     candidates: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`candidate_triangles` (N, k), and the distances from each point to those triangles' centroids
+    (N, k), nearest first."""
     k = min(candidates, len(faces))
-    reach, nearest = cKDTree(vertices[faces].mean(axis=1)).query(points, k=k, workers=-1)
-    reach = np.asarray(reach, np.float64).reshape(len(points), k)
-    return np.asarray(nearest, np.int64).reshape(len(points), k), reach[:, -1]
+    distances, nearest = nearest_neighbours(vertices[faces].mean(axis=1), points, k)
+    return nearest, distances
+
+
+def nearest_neighbours(data: np.ndarray, points: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` points of ``data`` nearest each of ``points``, nearest first: (distances (N, k) float64,
+    indices (N, k) int64). By the ``pykdtree`` package where it is installed (its queries take less processor
+    time, which the boundary maps wait for on few cores), else by scipy's ``cKDTree``; both are exact and
+    measure the same float64 distances, so they give the same neighbours (points at exactly equal distances
+    aside, whose order either may choose)."""
+    data, points = (np.ascontiguousarray(array, np.float64) for array in (data, points))
+    if len(points) == 0 or k == 0:
+        return np.zeros((len(points), k)), np.zeros((len(points), k), np.int64)
+    try:
+        from pykdtree.kdtree import KDTree
+    except ImportError:
+        distances, indices = cKDTree(data).query(points, k=k, workers=-1)
+    else:
+        distances, indices = KDTree(data).query(points, k=k)
+    shape = (len(points), k)
+    return np.asarray(distances, np.float64).reshape(shape), np.asarray(indices, np.int64).reshape(shape)
+
+
+def mesh_distance_floor(vertices: np.ndarray, faces: np.ndarray, nearest_centroid: np.ndarray) -> np.ndarray:
+    """A lower bound of each point's distance to the mesh, from its distance to the nearest triangle centroid
+    (:func:`candidate_search`'s first column): every point of a triangle lies within the triangle's spread (the
+    largest distance from its centroid to a corner) of its centroid, so no triangle comes nearer than the nearest
+    centroid less the largest spread of the mesh."""
+    distances = np.asarray(nearest_centroid, np.float64)
+    if len(faces) == 0:
+        return distances.copy()
+    corners = vertices[faces].astype(np.float64)
+    spread = float(np.sqrt(((corners - corners.mean(axis=1, keepdims=True)) ** 2).sum(-1)).max())
+    return distances - spread
 
 
 def candidates_after_move(vertices: np.ndarray, moved: np.ndarray, faces: np.ndarray, points: np.ndarray,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..grid import voxel_box_slices
+from .order_statistics import neighbouring_order_statistics
 from .pieces import Piece, fill_holes, label_pieces, pieces_of
 from .slabs import gaussian_reach, in_slabs
 
@@ -119,30 +120,9 @@ def smoothed_label(sdf: np.ndarray, inside: np.ndarray, sigma_voxels: np.ndarray
     flat = smooth.ravel()
     if count <= 0 or count >= flat.size:
         return smooth
-    below, above = _neighbouring_order_statistics(flat, count - 1)
+    below, above = neighbouring_order_statistics(flat, count - 1)
     smooth -= np.float32(0.5 * (float(below) + float(above)))
     return smooth
-
-
-#: The share of the values either side of the rank sought that :func:`_neighbouring_order_statistics` first
-#: looks among.
-ORDER_BRACKET_SHARE = 0.01
-
-
-def _neighbouring_order_statistics(values: np.ndarray, rank: int) -> tuple[float, float]:
-    """The values of ranks ``rank`` and ``rank + 1`` (from 0) of a flat array, as ``np.partition`` gives them: a
-    sample's quantiles bracket them, and only the values within the bracket are partitioned, where the bracket
-    holds both (else all of them are)."""
-    sample = np.sort(values[:: max(1, values.size // (1 << 16))])
-    share = rank / values.size
-    low, high = (sample[min(int(q * len(sample)), len(sample) - 1)]
-                 for q in (max(share - ORDER_BRACKET_SHARE, 0.0), min(share + ORDER_BRACKET_SHARE, 1.0)))
-    lower = int(np.count_nonzero(values < low))
-    bracket = values[(values >= low) & (values <= high)]
-    if lower <= rank and rank + 1 < lower + len(bracket):
-        values, rank = bracket, rank - lower
-    first, second = np.partition(values, (rank, rank + 1))[[rank, rank + 1]]
-    return first, second
 
 
 def disagreement(sdf: np.ndarray, inside: np.ndarray) -> float:

@@ -39,6 +39,7 @@ from .drawn_labels import (
     smoothing_mm,
     tidy_label,
 )
+from .order_statistics import percentile
 from .pieces import fill_holes
 from .slabs import in_slabs, slab_edges
 from .structures import BRAIN, Structure, make_structures
@@ -95,9 +96,9 @@ class PreparedStudy:
 
 
 def import_map_libraries() -> None:
-    """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, the surface
-    distances): a second or more on a first run, which a caller can spend while it does something else (``fit``
-    imports them in a thread while the device opens)."""
+    """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, pykdtree, the
+    surface distances): a second or more on a first run, which a caller can spend while it does something else
+    (``fit`` imports them in a thread while the device opens)."""
     import scipy.ndimage  # noqa: F401
     import skimage.filters  # noqa: F401
     import skimage.measure  # noqa: F401
@@ -106,13 +107,15 @@ def import_map_libraries() -> None:
 
     with contextlib.suppress(ImportError):  # scipy's transform is the fallback (_distance_transform)
         import edt  # noqa: F401
+    with contextlib.suppress(ImportError):  # scipy's tree is the fallback (surface_distance.nearest_neighbours)
+        import pykdtree.kdtree  # noqa: F401
 
 
 def channel_range(image: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
     """The 0.5th and 99.5th percentiles of a channel inside ``mask`` (outliers do not move them), the values
     :func:`normalise_channel` maps to 0 and 1; a flat channel gets a range of 1."""
     values = image[mask] if mask.any() else image.ravel()
-    low, high = (float(v) for v in np.percentile(values, NORMALISE_PERCENTILES))
+    low, high = (float(percentile(values, q)) for q in NORMALISE_PERCENTILES)
     if high - low <= 1e-12 * max(1.0, abs(high)):
         high = low + 1.0
     return low, high
@@ -144,7 +147,7 @@ def _thresholded_head(channels: dict[str, np.ndarray]) -> np.ndarray:
     from scipy import ndimage
 
     images = list(channels.values())
-    scales = map_in_threads(lambda image: float(np.percentile(image, 99.0)) or float(image.max()) or 1.0, images)
+    scales = map_in_threads(lambda image: float(percentile(image, 99.0)) or float(image.max()) or 1.0, images)
     combined = _scaled_maximum(images, scales)
     mask = combined > _otsu_threshold(combined)
     if mask.any():
@@ -363,8 +366,9 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
     see :func:`signed_distance`); the distances to the mesh on ``gpu`` where given (study/device_distance.py)."""
     from ..mesh.surface_distance import (
         agree_with_labels,
-        candidate_triangles_and_reach,
+        candidate_search,
         candidates_after_move,
+        mesh_distance_floor,
         mesh_pieces,
     )
 
@@ -380,21 +384,33 @@ def _smooth_near_surface(sdf: np.ndarray, inside: np.ndarray, spacing: np.ndarra
                 return found
         return surface_distance.mesh_distances(vertices, faces, points, nearest)
 
+    voxel = float(spacing.min())
     with ThreadPoolExecutor(1) as pool:  # the mesh's pieces are found while the searches run on every core
         found = pool.submit(mesh_pieces, len(vertices), faces)
         band = np.abs(sdf) <= EXACT_BAND_VOXELS * float(spacing.max())
         points = (_voxels_of(band) + origin) * spacing
-        nearest, reach = candidate_triangles_and_reach(vertices, faces, points)
-        exact, closest = mesh_distances(vertices, faces, points, nearest)
+        nearest, centroid_distances = candidate_search(vertices, faces, points)
+        # Where the pieces move is decided by the points within a voxel of them (balanced_level leaves out the
+        # rest), so only the points the mesh may come that near are measured first (the margin: rounding).
+        deciding = np.flatnonzero(mesh_distance_floor(vertices, faces, centroid_distances[:, 0])
+                                  < voxel * (1.0 + 1e-9))
+        near_exact, closest = mesh_distances(vertices, faces, points[deciding], nearest[deciding])
         pieces = found.result()
-    moved = agree_with_labels(vertices, faces, points, _in_band(inside, band), exact, float(spacing.min()),
+    moved = agree_with_labels(vertices, faces, points[deciding], _in_band(inside, band)[deciding], near_exact, voxel,
                               faces[closest, 0], pieces)
     if not np.array_equal(moved, vertices):
         # One piece moves as a whole, keeping which triangles are near a point; pieces moved by different
         # amounts may change which piece is nearest, so the candidates of the points near two are searched again.
         if pieces.max() > 0:
-            nearest = candidates_after_move(vertices, moved, faces, points, nearest, reach, pieces)
+            nearest = candidates_after_move(vertices, moved, faces, points, nearest, centroid_distances[:, -1],
+                                            pieces)
         exact = mesh_distances(moved, faces, points, nearest)[0]
+    else:  # nothing moved: the other points are measured to the same mesh
+        exact = np.empty(len(points), np.float64)
+        exact[deciding] = near_exact
+        others = np.ones(len(points), bool)
+        others[deciding] = False
+        exact[others] = mesh_distances(vertices, faces, points[others], nearest[others])[0]
     # The smoothed surface stays within a voxel of the terraced one: a sign that disagrees with
     # the mask further in than that would be a fault of the sign test, never of the surface.
     voxel = _in_band(sdf, band)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The boundary maps' time on this machine, before (commit 37bd3a1) and after this branch's changes: preparing
+# The boundary maps' time on this machine, before (commit f0102c0) and after this branch's changes: preparing
 # the sample and a BraTS-sized (240×240×155) copy of it without the cache, step by step (tools/maps_timeline.py),
 # and the "boundary maps" phase of a `fit` of the sample whose prepared-study cache was emptied first (the
 # kernels stay compiled). Everything is written under $OUT (4 files):
@@ -12,7 +12,7 @@
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/maps.sh
 #
 # MAPS_FIT=0 leaves the fits out (a machine without a GPU: the two-core figure). The code before is taken from
-# this checkout's history (commit $BEFORE, default 37bd3a1), or from BEFORE_TREE, a folder holding NeuralRaycastLib/
+# this checkout's history (commit $BEFORE, default f0102c0), or from BEFORE_TREE, a folder holding NeuralRaycastLib/
 # and shaders/ of it; with neither, only the current code is measured.
 set -euo pipefail
 
@@ -21,7 +21,7 @@ cd "$repo"
 : "${OUT:?set OUT to the folder for the results}"
 N=${N:-python3 -m NeuralRaycastLib.app.entry}
 PY=${PYTHON:-python3}
-BEFORE=${BEFORE:-37bd3a1}
+BEFORE=${BEFORE:-f0102c0}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$OUT" "$work/logs" "$work/json"
@@ -31,6 +31,8 @@ say() { echo "$*" | tee -a "$summary"; }
 
 say "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), python $($PY -V 2>&1)"
 say "after: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"
+say "candidate search: $($PY -c 'import pykdtree.kdtree, importlib.metadata as m; print("pykdtree", m.version("pykdtree"))' 2>/dev/null \
+    || echo "scipy's cKDTree (pykdtree not installed)")"
 
 # The code before, beside this tree (its shaders too: the fit compiles nothing new, as they are the same).
 trees=("after:$repo")
