@@ -16,7 +16,7 @@ SH_C0, SH_C1 = 0.28209479177387814, 0.4886025119029199
 def unpack(values: np.ndarray, n: int):
     v = np.asarray(values, np.float64)
     return (v[: 3 * n].reshape(n, 3), v[3 * n : 6 * n].reshape(n, 3), v[6 * n : 10 * n].reshape(n, 4),
-            v[10 * n : 11 * n], v[11 * n : 23 * n].reshape(n, 4, 3))
+            v[10 * n : 11 * n], v[11 * n : 29 * n].reshape(n, 6, 3))
 
 
 def rotations(q: np.ndarray) -> np.ndarray:
@@ -36,9 +36,12 @@ def density_and_colour(values: np.ndarray, n: int, density_scale: float, x: np.n
     local = np.einsum("nab,na->nb", rotation, x - position) / np.exp(log_scale)
     m2 = (local**2).sum(axis=1)
     g = np.where(m2 < 9.0, np.maximum(np.exp(-0.5 * m2) - CUTOFF, 0.0), 0.0)
-    wg = density_scale / (1.0 + np.exp(-logit)) * g * np.abs(rotation[:, :, 2] @ np.asarray(d, np.float64))
-    basis = np.array([SH_C0, -SH_C1 * d[1], SH_C1 * d[2], -SH_C1 * d[0]])
-    colour = 1.0 / (1.0 + np.exp(-np.einsum("l,nlc->nc", basis, sh)))
+    facing = rotation[:, :, 2] @ np.asarray(d, np.float64)
+    wg = density_scale / (1.0 + np.exp(-logit)) * g * np.abs(facing)
+    basis = np.stack([np.full_like(facing, SH_C0), np.full_like(facing, -SH_C1 * d[1]),
+                      np.full_like(facing, SH_C1 * d[2]), np.full_like(facing, -SH_C1 * d[0]), np.abs(facing),
+                      np.where(facing < 0.0, -1.0, 1.0)], axis=1)
+    colour = 1.0 / (1.0 + np.exp(-np.einsum("nl,nlc->nc", basis, sh)))
     return wg.sum(), (wg[:, None] * colour).sum(axis=0)
 
 

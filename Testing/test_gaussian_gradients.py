@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from field_reference import central_difference
-from gaussian_reference import render, render_sums
+from gaussian_reference import render, render_sums, rotations, unpack
 
 from NeuralRaycastLib.gaussians.scene import OUTPUTS, GaussianScene, GaussianSet, GridShape, MarchSettings
 from NeuralRaycastLib.render.camera import Camera
@@ -30,7 +30,7 @@ def tiny_set() -> GaussianSet:
     positions[5] = (9.5, 4.0, 6.0)  # its box pokes out of the scene's
     positions[6] = (40.0, 40.0, 40.0)  # never seen
     return GaussianSet(positions, np.log(rng.uniform(0.6, 1.6, (n, 3))), rng.normal(size=(n, 4)),
-                       rng.normal(0.0, 1.0, n), rng.normal(0.0, 1.0, (n, 4, 3)))
+                       rng.normal(0.0, 1.0, n), rng.normal(0.0, 1.0, (n, 6, 3)))
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_backward_pass_matches_central_differences(scene, rays):
     n = scene.count
     scale = np.abs(gradient).max()
     for kind, (first, last) in {"position": (0, 3), "log-scale": (3, 6), "rotation": (6, 10), "density": (10, 11),
-                                "colour": (11, 23)}.items():
+                                "colour": (11, 29)}.items():
         assert np.abs(gradient[first * n : last * n]).max() > 1e-3 * scale, f"no {kind} gradient"
     rng = np.random.default_rng(3)
     directions = rng.normal(size=(3, params.size))
@@ -172,7 +172,7 @@ def test_backward_pass_matches_central_differences(scene, rays):
     np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)
     unseen = 6
     own = np.concatenate([3 * unseen + np.arange(3), 3 * n + 3 * unseen + np.arange(3),
-                          6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 12 * unseen + np.arange(12)])
+                          6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 18 * unseen + np.arange(18)])
     assert not gradient[own].any()
 
 
@@ -222,26 +222,87 @@ def test_training_step_on_the_device_matches_the_host_loss(gpu, scene):
     scene.zero_gradients()
 
 
+LAYER_BOX = np.array([[-14.0, -14.0, -4.0], [14.0, 14.0, 4.0]])
+
+
+def flat_layer(gpu, width: float, thickness: float, depth: float, half: int = 12) -> GaussianScene:
+    """A layer of flat Gaussians on z = 0, one per mm² (a lattice of 2 half + 1 a side), of optical depth
+    ``depth`` across."""
+    lattice = np.arange(-half, half + 1)
+    xy = np.stack(np.meshgrid(lattice, lattice), axis=-1).reshape(-1, 2).astype(np.float64)
+    n = len(xy)
+    w = depth / ((2 * np.pi) ** 1.5 * width**2 * thickness)
+    gaussians = GaussianSet(np.concatenate([xy, np.zeros((n, 1))], axis=1),
+                            np.log(np.tile([width, width, thickness], (n, 1))), np.tile([1.0, 0.0, 0.0, 0.0], (n, 1)),
+                            np.full(n, np.log(w / (1 - w))), np.zeros((n, 6, 3)))
+    return GaussianScene(gpu, gaussians, GridShape.for_box(LAYER_BOX, 2.0), density_scale=1.0,
+                         march=MarchSettings(STEP, 1e-4))
+
+
+def rays_through_the_origin(degrees: list[float]) -> np.ndarray:
+    angles = np.radians(degrees)
+    directions = np.stack([np.zeros(len(angles)), np.sin(angles), np.cos(angles)], axis=1)
+    return np.concatenate([-3.0 * directions, directions], axis=1).astype(np.float32).astype(np.float64)
+
+
 def test_a_layer_of_flat_gaussians_is_as_opaque_from_every_angle(gpu):
     """A layer of flat Gaussians stands for a surface, which the reference views give the same optical depth
     at every crossing: rays through it head-on, at 30° and at 60° see the same alpha (a plain volume density
     would double the optical depth at 60°, and a picture's silhouettes would glare), as the float64 reference."""
-    spacing, width, thickness, depth = 1.0, 1.0, 0.3, 0.4
-    xy = np.stack(np.meshgrid(np.arange(-12, 13), np.arange(-12, 13)), axis=-1).reshape(-1, 2) * spacing
-    n = len(xy)
-    w = depth * spacing**2 / ((2 * np.pi) ** 1.5 * width**2 * thickness)
-    gaussians = GaussianSet(np.concatenate([xy, np.zeros((n, 1))], axis=1),
-                            np.log(np.tile([width, width, thickness], (n, 1))), np.tile([1.0, 0.0, 0.0, 0.0], (n, 1)),
-                            np.full(n, np.log(w / (1 - w))), np.zeros((n, 4, 3)))
-    box = np.array([[-14.0, -14.0, -4.0], [14.0, 14.0, 4.0]])
-    scene = GaussianScene(gpu, gaussians, GridShape.for_box(box, 2.0), density_scale=1.0,
-                          march=MarchSettings(STEP, 1e-4))
-    angles = np.radians([0.0, 30.0, 60.0])
-    directions = np.stack([np.zeros(3), np.sin(angles), np.cos(angles)], axis=1)
-    rays = np.concatenate([-3.0 * directions, directions], axis=1).astype(np.float32).astype(np.float64)
+    depth = 0.4
+    scene = flat_layer(gpu, 1.0, 0.3, depth)
+    rays = rays_through_the_origin([0.0, 30.0, 60.0])
     _, _, values = device_render(scene, rays)
     np.testing.assert_allclose(values, reference(scene, scene.parameters().astype(np.float64), rays, 1e-4),
                                rtol=2e-5, atol=2e-6)
     # the intended optical depth, less the truncated Gaussians' share (about a tenth)
     assert 1.0 - np.exp(-0.85 * depth) < values[0, 3] < 1.0 - np.exp(-depth)
     np.testing.assert_allclose(values[:, 3], values[0, 3], rtol=2e-3)
+
+
+#: The Gaussians whose sums a ray keeps at once in the backward pass (shaders/gaussians.slang).
+RAY_SLOTS = 32
+
+
+def test_backward_pass_where_a_ray_is_inside_more_gaussians_than_it_keeps_sums_for(gpu):
+    """The backward pass sums each Gaussian's share of a ray's gradient along the ray before adding it to the
+    parameters' gradients, for as many Gaussians at once as it has slots; past that, a sample's share goes out
+    on its own (and a sample held by more Gaussians than that goes through its cell's list a second time). Rays
+    through a layer of wide, overlapping, differently coloured Gaussians (more of them around a sample than there
+    are slots) get the gradients of central differences all the same."""
+    scene = flat_layer(gpu, 1.6, 0.4, 1.5, half=8)
+    rng = np.random.default_rng(5)
+    gaussians = scene.gaussians()
+    n = gaussians.count
+    gaussians.positions[:, 2] += rng.normal(0.0, 0.1, n)
+    gaussians.rotations += rng.normal(0.0, 0.1, (n, 4))
+    gaussians.density += rng.normal(0.0, 0.5, n)
+    gaussians.colours[:] = rng.normal(0.0, 1.0, (n, 6, 3))
+    scene.set_gaussians(gaussians)
+    rays = rays_through_the_origin([0.0, 30.0, 60.0])
+    rays[:, :2] += rng.uniform(-0.5, 0.5, (3, 2))
+    params = scene.parameters().astype(np.float64)
+    # around some sample, the ray is inside more Gaussians than there are slots
+    position, log_scale, quaternion, _, _ = unpack(params, n)
+    rotation = rotations(quaternion)
+    points = rays[:, None, :3] + np.arange(-2.0, 2.0, STEP)[None, :, None] * rays[:, None, 3:]
+    local = np.einsum("nab,rsna->rsnb", rotation, points[:, :, None, :] - position) / np.exp(log_scale)
+    assert ((local**2).sum(axis=-1) < 9.0).sum(axis=-1).max() > RAY_SLOTS
+
+    uploaded, results, _ = device_render(scene, rays)
+    weights = rng.normal(size=(3, 4))
+    scene.zero_gradients()
+    scene.backward_rays(uploaded, 3, results, weights)
+    gradient = scene.gradients().astype(np.float64)
+
+    def loss(p: np.ndarray) -> float:
+        return float((reference(scene, p, rays, 1e-4) * weights).sum())
+
+    scale = np.abs(gradient).max()
+    directions = rng.normal(size=(3, params.size))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    numeric = central_difference(loss, params, directions, 1e-6)
+    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
+    largest = np.argsort(-np.abs(gradient))[:8]
+    numeric = central_difference(loss, params, np.eye(params.size)[largest], 1e-6)
+    np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)

@@ -18,7 +18,7 @@ from NeuralRaycastLib.gaussians.scene import GaussianSet, GridShape, MarchSettin
 def model(count: int = 5) -> GaussianModel:
     rng = np.random.default_rng(0)
     gaussians = GaussianSet(rng.normal(size=(count, 3)), rng.normal(size=(count, 3)), rng.normal(size=(count, 4)),
-                            rng.normal(size=count), rng.normal(size=(count, 4, 3)))
+                            rng.normal(size=count), rng.normal(size=(count, 6, 3)))
     geometry = StudyGeometry(np.eye(4), (10, 12, 8), np.array([[0.0, 0, 0], [9, 11, 7]]), ["t1"], ["brain"],
                              [(0.8, 0.7, 0.6)])
     grid = GridShape.for_box(geometry.bounds, 2.0)
@@ -92,6 +92,24 @@ def test_files_of_earlier_versions_are_refused_with_what_to_do(tmp_path, version
     with pytest.raises(ModelFileError, match=f"format version {version}.*fit the study again") as error:
         load_gaussians(path)
     assert str(path) in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+def test_a_file_of_version_3_is_read_with_colours_that_render_as_before(tmp_path):
+    """Version 3 had four colour coefficients a channel (the spherical harmonics); read now, its facing and side
+    coefficients are zero, which leaves every colour as it was. A version-3 file with version 4's colours is
+    refused."""
+    written = model()
+
+    def as_version_3(metadata, tensors):
+        metadata.update(format_version=3)
+        tensors["colours"] = np.ascontiguousarray(tensors["colours"][:, :4])
+
+    read = load_gaussians(rewritten(tmp_path, as_version_3))
+    np.testing.assert_array_equal(read.gaussians.colours[:, :4], written.gaussians.colours[:, :4])
+    assert read.gaussians.colours.shape == (5, 6, 3) and not read.gaussians.colours[:, 4:].any()
+    np.testing.assert_array_equal(read.gaussians.positions, written.gaussians.positions)
+    with pytest.raises(ModelFileError, match="tensor 'colours'"):
+        load_gaussians(rewritten(tmp_path, lambda m, t: m.update(format_version=3)))
 
 
 def test_structure_weights_of_the_wrong_shape_are_refused(tmp_path):

@@ -37,7 +37,7 @@ def phantom_views(gpu):
 
 def test_initial_gaussians_lie_on_the_structures_surfaces(phantom_views):
     prepared, views = phantom_views
-    gaussians = initial_gaussians(prepared, views, CONFIG, 1500)
+    gaussians = initial_gaussians(prepared, CONFIG, 1500)
     assert 1500 <= gaussians.count <= 1504
     ijk = np.round((gaussians.positions - prepared.affine[:3, 3]) @ np.linalg.inv(prepared.affine[:3, :3]).T)
     ijk = np.clip(ijk.astype(int), 0, np.array(prepared.boundary.shape[1:]) - 1)
@@ -52,17 +52,18 @@ def test_initial_gaussians_lie_on_the_structures_surfaces(phantom_views):
 
 def test_training_improves_the_held_out_picture(gpu, phantom_views):
     prepared, views = phantom_views
-    first = score_views(scene_for_study(gpu, prepared, initial_gaussians(prepared, views, CONFIG, 1500), CONFIG),
+    first = score_views(scene_for_study(gpu, prepared, initial_gaussians(prepared, CONFIG, 1500), CONFIG),
                         views, views.held_out)["heldout_psnr"]
     messages = []
     scene, log = train_gaussians(gpu, prepared, views, CONFIG, progress=lambda m, f: messages.append((m, f)))
     assert log.steps == 40 and not log.cancelled
-    assert np.mean([loss for _, loss in log.losses[-10:]]) < 0.7 * np.mean([loss for _, loss in log.losses[:3]])
+    assert np.mean([loss for _, loss in log.losses[-10:]]) < 0.9 * np.mean([loss for _, loss in log.losses[:3]])
     (step, last), = log.scores
     assert step == 40
-    # flat Gaussians spread evenly over the surfaces start near 23 dB (lower when they were round blobs at
-    # random); the first steps cost about a dB of the held-out view, won back after about 50 steps
-    assert last >= 22.0 and last > first - 1.0, (first, last)
+    # flat Gaussians spread evenly over the surfaces, coloured as the reference views draw their surfaces, start
+    # near 29 dB (23 dB coloured by the pixels they fall on, lower still as round blobs at random), and the
+    # steps take them further
+    assert first >= 27.0 and last > first + 0.2, (first, last)
     assert messages[-1][1] == 1.0 and "held-out PSNR" in messages[-1][0]
     assert [step for step, _ in log.counts] == [20]
 
@@ -79,7 +80,7 @@ def test_cancel_keeps_the_state_reached(gpu, phantom_views):
 def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_views):
     prepared, views = phantom_views
     config = GaussianTrainConfig(densify_fraction=0.5)
-    gaussians = initial_gaussians(prepared, views, config, 40)
+    gaussians = initial_gaussians(prepared, config, 40)
     n = gaussians.count
     gaussians.density[:5] = -8.0  # near transparent: dropped
     gaussians.log_scales[5] = np.log(100.0)  # far larger than any structure's detail: dropped
@@ -112,6 +113,16 @@ def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_vie
     assert not m.colours[n - 6 :].any()
     # the two with the largest gradients grew: copies of Gaussians 10 and 11
     np.testing.assert_array_equal(after.colours[n - 6 :], before.colours[[10, 11]])
+    # each pair keeps the original's mass (density times volume: a layer's optical depth) and thickness, split in
+    # the Gaussian's plane
+    def mass(gaussians, i):
+        return np.exp(gaussians.log_scales[i].astype(np.float64).sum()) / (1.0 + np.exp(-float(gaussians.density[i])))
+
+    for copy, source in enumerate([10, 11]):
+        assert mass(after, source - 6) + mass(after, n - 6 + copy) == pytest.approx(mass(before, source), rel=1e-4)
+        assert after.log_scales[n - 6 + copy, 2] == before.log_scales[source, 2]
+        offset = after.positions[n - 6 + copy] - before.positions[source]
+        assert abs(offset @ before.rotation_matrices()[source][:, 2]) < 1e-4 * np.linalg.norm(offset) + 1e-5
     assert np.isin(scene.cell_lists()[0], np.arange(scene.count)).all()
 
 
@@ -119,6 +130,6 @@ def test_the_cap_follows_the_memory_budget():
     config = GaussianTrainConfig(initial=50_000, max_gaussians=1_000_000)
     assert gaussian_cap(MemoryBudget(64 << 30, "--gpu-memory"), config) == 1_000_000
     small = gaussian_cap(MemoryBudget(64 * MIB, "--gpu-memory"), config)
-    assert 40_000 < small < 100_000  # 40 % of 64 MiB at a few hundred bytes a Gaussian
+    assert 30_000 < small < 100_000  # 40 % of 64 MiB at a few hundred bytes a Gaussian
     with pytest.raises(GpuMemoryError, match=r"budget of 4 MiB \(--gpu-memory\) holds"):
         gaussian_cap(MemoryBudget(4 * MIB, "--gpu-memory"), config)

@@ -114,3 +114,30 @@ def test_the_cuda_and_per_thread_field_modules_hold_no_cooperative_vector_code()
             assert COOPVEC_NAMES.findall(code) == [], variant.name
     fallback = shader_targets.field_module_code("cuda", shader_targets.COOPVEC_FALLBACK_VARIANT, kernels)
     assert COOPVEC_NAMES.search(fallback.decode(errors="replace"))
+
+
+#: Calls of CUDA's warp-synchronous intrinsics: votes, shuffles, matches, reductions and the warp barrier.
+WARP_SYNC_CALL = re.compile(r"\b__(?:ballot|any|all|uni|shfl(?:_up|_down|_xor)?|match_(?:any|all)|reduce_\w+)_sync\s*\("
+                            r"|\b__syncwarp\s*\(")
+
+#: A kernel that needs nothing of the Slang module beyond the CUDA prelude every module's code starts with.
+PRELUDE_ONLY = """
+void doubleIt(int i, float* values)
+{
+    values[i] = 2.0f * values[i];
+}
+"""
+
+
+def test_the_gaussian_kernels_make_no_warp_synchronous_call_on_cuda():
+    """The Gaussians' backward march loops over each ray's own samples and cell lists, with early exits. Where its
+    gradients took wave-aggregated atomics, Slang's CUDA code passed each thread's active mask down through
+    those loops into warp-synchronous votes that threads reached with masks naming threads elsewhere: on an H100
+    the gradient test hung and the fit stopped with an illegal instruction. Beyond the prelude's own helpers,
+    the code of the Gaussians' kernels holds no such call."""
+    prelude = shader_targets.source_code("prelude", PRELUDE_ONLY, ("doubleIt",), "cuda",
+                                         shader_targets.module_defines("cuda", 8)).decode(errors="replace")
+    code = shader_targets.named_module_code("cuda", "gaussians").decode(errors="replace")
+    assert "entry_renderRaysBackward" in code and "entry_occupancyLossBackward" in code
+    assert len(WARP_SYNC_CALL.findall(prelude)) > 0, "the pattern no longer matches the prelude's helpers"
+    assert len(WARP_SYNC_CALL.findall(code)) == len(WARP_SYNC_CALL.findall(prelude))

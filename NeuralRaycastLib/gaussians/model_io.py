@@ -8,7 +8,9 @@ refused with a ModelFileError naming it, never half-loaded.
 Version 2 added the Gaussians' structure weights (a tensor ``structures`` of one logit per Gaussian and
 structure of the study's geometry): the geometry of ``evaluate`` and ``mesh``. Version 3: a Gaussian's density
 along a ray follows its orientation (shaders/gaussians.slang's angle factor), so the same parameters render
-otherwise; files of earlier versions are refused in one line that says to fit the study again.
+otherwise; files of earlier versions are refused in one line that says to fit the study again. Version 4: a
+Gaussian's colour has two more coefficients per channel (the facing and the side of the ray against its plane);
+a version-3 file is read with those at zero, which renders it as before.
 """
 
 from __future__ import annotations
@@ -22,14 +24,18 @@ import numpy as np
 
 from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, read_checked
 from ..files import write_bytes
-from .scene import GaussianSet, GridShape, MarchSettings
+from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+#: The first version read (the earlier ones render otherwise than they were trained).
+OLDEST_READ = 3
 #: Versions recognised: the current one is read, the earlier ones refused with what to do.
-KNOWN_VERSIONS = (1, 2, 3)
+KNOWN_VERSIONS = (1, 2, 3, 4)
 #: The tensors and the shape of one Gaussian's part of each.
-TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (4, 3)}
+TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (COLOUR_TERMS, 3)}
+#: The colour coefficients of a version-3 file: the spherical harmonics alone.
+VERSION_3_COLOUR_TERMS = 4
 
 
 @dataclass
@@ -98,12 +104,14 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
     """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
     path = Path(path)
     tensors, metadata, version = read_checked(path, FORMAT, KNOWN_VERSIONS)
-    if version < FORMAT_VERSION:
+    if version < OLDEST_READ:
         raise ModelFileError(f"{path}: Gaussians of format version {version}, written before their density followed "
-                             f"their orientation (version {FORMAT_VERSION}): they would not render as trained; fit "
+                             f"their orientation (version {OLDEST_READ}): they would not render as trained; fit "
                              "the study again")
     count, grid, density, march, geometry = _settings(path, metadata)
     shapes = {**TENSORS, "structures": (len(geometry.structures),)}
+    if version == 3:
+        shapes["colours"] = (VERSION_3_COLOUR_TERMS, 3)
     if set(tensors) != set(shapes):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(shapes)}")
     for name, shape in shapes.items():
@@ -116,7 +124,11 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
         raise ModelFileError(f"{path}: the Gaussians contain NaN or infinity")
     if expected is not None:
         geometry.check_matches(expected, path)
-    gaussians = GaussianSet(**{name: tensors[name] for name in TENSORS})
+    parts = {name: tensors[name] for name in TENSORS}
+    if version == 3:  # the facing and side coefficients at zero: the colours of version 3
+        parts["colours"] = np.concatenate(
+            [parts["colours"], np.zeros((count, COLOUR_TERMS - VERSION_3_COLOUR_TERMS, 3), np.float32)], axis=1)
+    gaussians = GaussianSet(**parts)
     structures = tensors.get("structures")
     return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}),
                          structures)

@@ -17,17 +17,22 @@ from ..gpu.device import GpuContext, ReadBack, device_memory
 from ..render.camera import Camera
 from ..render.image import RenderedImage
 
-#: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 4 × 3.
-GAUSSIAN_FLOATS = 23
+#: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
+GAUSSIAN_FLOATS = 29
 #: Where each kind starts, in units of the Gaussian count N (shaders/gaussians.slang).
 KIND_STARTS = {"position": 0, "log_scale": 3, "rotation": 6, "density": 10, "colour": 11}
 SCAN_BLOCK = 256  # shaders/gaussians.slang
+#: Colour coefficients per RGB channel: degree-1 spherical harmonics (4), the facing |d · a| and the side
+#: sign(d · a) of the ray against the Gaussian's third axis a.
+COLOUR_TERMS = 6
 
 
 @dataclass
 class GaussianSet:
     """Gaussians on the host: positions (N, 3) mm, log_scales (N, 3), rotations (N, 4) quaternions (w, x, y, z),
-    density logits (N,), colours (N, 4, 3): degree-1 spherical-harmonic coefficients per RGB channel."""
+    density logits (N,), colours (N, 6, 3): per RGB channel, degree-1 spherical-harmonic coefficients (4), then
+    those of the facing |d · a| and the side sign(d · a) of a ray d against the third axis a
+    (shaders/gaussians.slang)."""
 
     positions: np.ndarray
     log_scales: np.ndarray
@@ -38,7 +43,7 @@ class GaussianSet:
     def __post_init__(self) -> None:
         n = len(self.positions)
         shapes = {"positions": (n, 3), "log_scales": (n, 3), "rotations": (n, 4), "density": (n,),
-                  "colours": (n, 4, 3)}
+                  "colours": (n, COLOUR_TERMS, 3)}
         for name, shape in shapes.items():
             value = np.asarray(getattr(self, name), np.float32)
             if value.shape != shape:
@@ -58,7 +63,7 @@ class GaussianSet:
     def from_flat(cls, values: np.ndarray, count: int) -> GaussianSet:
         n, v = count, np.asarray(values, np.float32)
         return cls(v[: 3 * n].reshape(n, 3), v[3 * n : 6 * n].reshape(n, 3), v[6 * n : 10 * n].reshape(n, 4),
-                   v[10 * n : 11 * n].copy(), v[11 * n : 23 * n].reshape(n, 4, 3))
+                   v[10 * n : 11 * n].copy(), v[11 * n : 29 * n].reshape(n, COLOUR_TERMS, 3))
 
     def subset(self, keep: np.ndarray) -> GaussianSet:
         return GaussianSet(self.positions[keep], self.log_scales[keep], self.rotations[keep], self.density[keep],

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from math import erf
 
 import numpy as np
+from scipy.spatial import cKDTree
 
 from ..gpu.device import GpuContext, GpuMemoryError, device_memory, memory_budget
 from ..gpu.memory_budget import MemoryBudget
@@ -26,7 +27,7 @@ from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
 from .geometry import JointStructures, StructureTrainConfig
-from .scene import GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
+from .scene import COLOUR_TERMS, GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
@@ -34,7 +35,7 @@ SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.5)
                        - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
-#: its 23), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
+#: its 29), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
 #: and its structure logits with their gradients and moments (4 floats each, for up to 8 structures).
 TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8
 
@@ -50,7 +51,7 @@ class GaussianTrainConfig:
     step_voxels: float = 0.35  # segment length, in voxels of the prepared study
     cell_voxels: float = 3.0  # grid cells, in voxels
     scale_voxels: float = 0.6  # standard deviation above which densification splits a Gaussian, in voxels
-    spread: float = 1.0  # initial width (standard deviation) along the surface, in spacings of the Gaussians
+    spread: float = 0.8  # initial width (standard deviation) along the surface, in spacings of the Gaussians
     thickness_voxels: float = 0.5  # initial standard deviation across the surface, in voxels
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
@@ -104,13 +105,14 @@ def gaussian_cap(budget: MemoryBudget, config: GaussianTrainConfig) -> int:
 @dataclass
 class SurfaceSamples:
     """Points on the structures' surfaces: RAS positions (N, 3), unit outward normals (N, 3), the surface area
-    each stands for (N,, mm²) and the optical depth one crossing of its structure's surface has in the reference
-    views (N,)."""
+    each stands for (N,, mm²), the optical depth one crossing of its structure's surface has in the reference
+    views (N,) and that structure's index (N,)."""
 
     positions: np.ndarray
     normals: np.ndarray
     areas: np.ndarray
     depths: np.ndarray
+    structures: np.ndarray
 
 
 def crossing_depths(prepared: PreparedStudy) -> list[float]:
@@ -172,10 +174,14 @@ def surface_points(prepared: PreparedStudy, count: int, rng: np.random.Generator
         positions = voxels @ linear.T + prepared.affine[:3, 3] - distance[:, None] * normals
         area = len(voxels) * voxel_volume / (2.0 * band)  # the band is two voxels thick
         chosen = spread_evenly(positions, int(share), area, rng)
-        parts.append(SurfaceSamples(positions[chosen], normals[chosen], np.full(len(chosen), area / len(chosen)),
-                                    np.full(len(chosen), depths[k])))
+        # each point stands for the part of the surface nearer to it than to the others (the band's points it is
+        # the nearest chosen one of): an even layer where the choice left the points unevenly spaced
+        nearest = cKDTree(positions[chosen]).query(positions)[1]
+        areas = area * np.bincount(nearest, minlength=len(chosen)) / len(positions)
+        parts.append(SurfaceSamples(positions[chosen], normals[chosen], areas, np.full(len(chosen), depths[k]),
+                                    np.full(len(chosen), k)))
     return SurfaceSamples(*(np.concatenate([getattr(p, name) for p in parts])
-                            for name in ("positions", "normals", "areas", "depths")))
+                            for name in ("positions", "normals", "areas", "depths", "structures")))
 
 
 def rotations_to(normals: np.ndarray) -> np.ndarray:
@@ -188,47 +194,62 @@ def rotations_to(normals: np.ndarray) -> np.ndarray:
     return q / np.where(flipped[:, None], 1.0, norm)
 
 
-def project(camera: Camera, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Pixel (x, y) of each point in the camera's picture and whether it lies in front of the camera."""
-    right, up, forward = camera.basis()
-    offset = points - np.asarray(camera.position)
-    depth = offset @ forward
-    tan_half = np.tan(np.radians(camera.view_angle) / 2)
-    safe = np.where(depth > 1e-6, depth, 1.0)
-    u = (offset @ right) / (safe * tan_half * camera.width / camera.height)
-    v = (offset @ up) / (safe * tan_half)
-    pixel = np.stack([(u + 1) / 2 * camera.width, (1 - v) / 2 * camera.height], axis=1)
-    return pixel, depth > 1e-6
+def colour_logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 0.02, 0.98)
+    return np.log(p / (1 - p))
 
 
-def view_colours(points: np.ndarray, views: ReferenceViews, indices: list[int]) -> np.ndarray:
-    """Each point's mean straight colour over the training views where its pixel shows something (grey where
-    none does): a first guess that the training corrects where the point is hidden."""
-    total, seen = np.zeros((len(points), 3)), np.zeros(len(points))
-    for index in indices:
-        camera, rgba = views.cameras[index], views.images[index].rgba
-        pixel, front = project(camera, points)
-        x, y = np.floor(pixel).astype(np.int64).T
-        inside = front & (x >= 0) & (x < camera.width) & (y >= 0) & (y < camera.height)
-        value = rgba[np.clip(y, 0, camera.height - 1), np.clip(x, 0, camera.width - 1)]
-        shown = inside & (value[:, 3] > 0.5)
-        total[shown] += value[shown, :3] / value[shown, 3:4]
-        seen += shown
-    return np.where(seen[:, None] > 0, total / np.maximum(seen, 1)[:, None], 0.5)
+def style_colours(prepared: PreparedStudy, samples: SurfaceSamples) -> np.ndarray:
+    """(N, COLOUR_TERMS, 3) colour coefficients of Gaussians on the surfaces ``samples``: the colour the reference
+    views give a crossing of their structure's surface there (docs/image-formation.md: the structure's albedo,
+    textured by its channel at the point, lit by the ambient light, the headlight |n · v| and the key light on
+    the side the viewer is on; the specular highlights left to the training), through the constant, facing
+    and side terms: the structures behind others start with their own colour, not the colour of the pixel in
+    front of them."""
+    style = RenderStyle.default(prepared.structures, prepared.channel_names)
+    light = style.lighting
+    key = np.asarray(light.key_direction, np.float64)
+    key = key / np.linalg.norm(key)
+    ijk = np.rint((samples.positions - prepared.affine[:3, 3]) @ np.linalg.inv(prepared.affine[:3, :3]).T)
+    ijk = np.clip(ijk.astype(np.int64), 0, np.array(prepared.boundary.shape[1:]) - 1)
+    albedo = np.zeros((len(samples.positions), 3))
+    for k, structure in enumerate(prepared.structures):
+        chosen = samples.structures == k
+        look = style.structures[structure.name]
+        colour = np.asarray(look.color or structure.color, np.float64)
+        texture = np.ones(int(chosen.sum()))
+        if look.channel is not None:
+            channel = prepared.channels[prepared.channel_names.index(look.channel)]
+            value = channel[tuple(ijk[chosen].T)].astype(np.float64)
+            low, high = look.window
+            texture = (1 - look.modulation) + look.modulation * np.clip((value - low) / (high - low), 0, 1)
+        albedo[chosen] = colour * texture[:, None]
+    lit = samples.normals @ key
+    # seen from outside (d · n < 0, side -1) the key light falls on n, from inside (side +1) on -n
+    outside, inside = (albedo * (light.ambient + light.key * np.maximum(s * lit, 0.0))[:, None] for s in (1, -1))
+    facing = {}
+    for name, base in (("outside", outside), ("inside", inside)):  # the facing term from u = 0.4 and u = 1
+        square, slanted = (colour_logit(base + light.headlight * albedo),
+                           colour_logit(base + 0.4 * light.headlight * albedo))
+        facing[name] = ((square - slanted) / 0.6, square)
+    slope = 0.5 * (facing["outside"][0] + facing["inside"][0])
+    constant = {name: square - slope for name, (_, square) in facing.items()}
+    sh = np.zeros((len(albedo), COLOUR_TERMS, 3))
+    sh[:, 0] = 0.5 * (constant["outside"] + constant["inside"]) / SH_C0
+    sh[:, 4] = slope
+    sh[:, 5] = 0.5 * (constant["inside"] - constant["outside"])
+    return sh
 
 
-def initial_gaussians(prepared: PreparedStudy, views: ReferenceViews, config: GaussianTrainConfig,
-                      count: int) -> GaussianSet:
+def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, count: int) -> GaussianSet:
     """Flat Gaussians on the structures' surfaces, their third axis along the normal, that together make a
     layer of even optical depth: each as wide as its share of the surface (``spread`` of the spacing, so that
     neighbours overlap), ``thickness_voxels`` thick, of the density that gives its structure's surface the
-    optical depth a crossing has in the reference views; coloured from the training views."""
+    optical depth a crossing has in the reference views, and of the colour those views give it
+    (:func:`style_colours`)."""
     rng = np.random.default_rng(config.seed)
     samples = surface_points(prepared, count, rng)
-    n = len(samples.positions)
-    colour = np.clip(view_colours(samples.positions, views, views.training), 0.02, 0.98)
-    sh = np.zeros((n, 4, 3))
-    sh[:, 0] = np.log(colour / (1 - colour)) / SH_C0
+    sh = style_colours(prepared, samples)
     voxel = voxel_mm(prepared)
     width = np.minimum(config.spread * np.sqrt(samples.areas), 0.5 * config.max_scale_voxels * voxel)
     thickness = np.minimum(config.thickness_voxels * voxel, width)
@@ -336,6 +357,11 @@ class GaussianStep:
         return stats[:, 0], stats[:, 1]
 
 
+#: How much narrower the two halves of a split Gaussian are than the original, in its plane: √2, so that each
+#: half has the original's density over half its area, and no density has to pass its cap to keep the mass.
+SPLIT_SHRINK = float(np.sqrt(2.0))
+
+
 def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, seen: np.ndarray,
           config: GaussianTrainConfig, voxel: float, cap: int, rng: np.random.Generator,
           densify: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -360,13 +386,21 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
         if len(grow):
             chosen = gaussians.subset(grow)
             big = np.exp(chosen.log_scales.max(axis=1)) > config.scale_voxels * voxel
-            offsets = rng.normal(size=(len(grow), 3)) * np.exp(chosen.log_scales)
+            # a large one splits in its plane (its first two axes; the third is the surface's normal) into two
+            # narrower halves; a small one is cloned, each copy of half the density. Either pair keeps the
+            # original's mass, so a layer's optical depth is what it was, and the training moves the pair apart.
+            offsets = rng.normal(size=(len(grow), 3)) * np.exp(chosen.log_scales) * np.array([1.0, 1.0, 0.0])
             offsets = np.einsum("nab,nb->na", chosen.rotation_matrices(), offsets) * big[:, None]
-            shrink = np.where(big, np.log(1.6), 0.0)[:, None]
-            parts[0].positions[np.searchsorted(np.flatnonzero(keep), grow)] -= offsets
-            parts[0].log_scales[np.searchsorted(np.flatnonzero(keep), grow)] -= shrink
+            shrink = np.where(big, np.log(SPLIT_SHRINK), 0.0)[:, None] * np.array([1.0, 1.0, 0.0])
+            share = np.where(big, SPLIT_SHRINK**2 / 2.0, 0.5)
+            opacity = np.clip(share / (1.0 + np.exp(-chosen.density.astype(np.float64))), 1e-4, 0.999)
+            density = np.log(opacity / (1.0 - opacity))
+            grown_in_kept = np.searchsorted(np.flatnonzero(keep), grow)
+            parts[0].positions[grown_in_kept] -= offsets
+            parts[0].log_scales[grown_in_kept] -= shrink
+            parts[0].density[grown_in_kept] = density
             parts.append(GaussianSet(chosen.positions + offsets, chosen.log_scales - shrink, chosen.rotations,
-                                     chosen.density, chosen.colours))
+                                     density, chosen.colours))
             zeros = GaussianSet.from_flat(np.zeros(GAUSSIAN_FLOATS * len(grow) + 4, np.float32), len(grow))
             m_parts.append(zeros)
             v_parts.append(zeros)
@@ -395,7 +429,7 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     report = progress or (lambda message, fraction: None)
     voxel, rng = voxel_mm(prepared), np.random.default_rng(config.seed + 1)
     cap = gaussian_cap(memory_budget(gpu), config)
-    scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, views, config, min(config.initial, cap)), config)
+    scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, config, min(config.initial, cap)), config)
     adam = GaussianAdam(gpu, scene, config, voxel)
     sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
     step_on_device = GaussianStep(gpu, scene, views, config)

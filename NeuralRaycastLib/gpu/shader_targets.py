@@ -367,16 +367,7 @@ def field_module_code(target: str, variant: FieldVariant, kernels: tuple[str, ..
     """The ``target`` code the compiler makes of the field module ``variant`` (``kernels``, by default every one
     Python calls), for reading what a device would run; a ShaderTargetError where it does not compile."""
     kernels = field_kernels(variant) if kernels is None else kernels
-    source = field_module_source(variant)
-    code: list[bytes] = []
-    with tempfile.TemporaryDirectory() as name:
-        path = Path(name) / f"{variant.name}_{target}.slang"
-        path.write_text(source + "\n" + entry_points(source, kernels))
-        ok, diagnostics = _compile(_library(), path, target, [entry_name(k) for k in kernels],
-                                   field_defines(target, variant), code)
-    if not ok:
-        raise ShaderTargetError(f"{variant.name} does not compile for {target}: {_first_error(diagnostics)}")
-    return code[0]
+    return source_code(variant.name, field_module_source(variant), kernels, target, field_defines(target, variant))
 
 
 def compile_latent_modules(target: str) -> list[TargetFailure]:
@@ -405,6 +396,28 @@ def compile_latent_modules(target: str) -> list[TargetFailure]:
 
 def named_module_source(name: str) -> str:
     return (shader_dir() / f"{name}.slang").read_text()
+
+
+def source_code(unit: str, source: str, kernels: tuple[str, ...], target: str, defines: dict[str, str],
+                signatures: str | None = None) -> bytes:
+    """The ``target`` code the compiler makes of the ``kernels`` of Slang ``source`` (declared in ``signatures``,
+    by default ``source`` itself), for reading what a device would run; a ShaderTargetError naming ``unit`` where
+    it does not compile."""
+    code: list[bytes] = []
+    with tempfile.TemporaryDirectory() as name:
+        path = Path(name) / f"{unit}_{target}.slang"
+        path.write_text(source + "\n" + entry_points(signatures or source, kernels))
+        ok, diagnostics = _compile(_library(), path, target, [entry_name(k) for k in kernels], defines, code)
+    if not ok:
+        raise ShaderTargetError(f"{unit} does not compile for {target}: {_first_error(diagnostics)}")
+    return code[0]
+
+
+def named_module_code(target: str, module: str, kernels: tuple[str, ...] | None = None) -> bytes:
+    """The ``target`` code of the named ``module`` (``kernels``, by default every one Python calls), with the
+    defines a device of ``target`` loads it with."""
+    return source_code(module, f"import {module};", MODULE_KERNELS[module] if kernels is None else kernels, target,
+                       module_defines(target, STRUCTURE_SLOTS), signatures=named_module_source(module))
 
 
 def field_module_source(variant: FieldVariant) -> str:

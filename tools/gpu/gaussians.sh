@@ -70,6 +70,8 @@ for key, pattern in (("fit wall", r"Elapsed \(wall clock\) time.*: (\S+)"),
     print(f"{key}: {found.group(1) if found else 'n/a'}")
 log = load("train_log.json") or {}
 print(f"train seconds (without held-out scoring): {log.get('seconds')}")
+if log.get("seconds") and log.get("steps"):
+    print(f"seconds per step: {log['seconds'] / log['steps']:.4f}")
 print(f"steps: {log.get('steps')}, cancelled: {log.get('cancelled')}, Gaussians: {log.get('gaussians')}, "
       f"cap: {log.get('cap')}")
 print(f"held-out PSNR during training: {log.get('scores')}")
