@@ -736,6 +736,33 @@ def _recorded_allocations(monkeypatch) -> list[str]:
     return made
 
 
+def _recorded_passes(renderer, monkeypatch) -> list:
+    """Each pass the renderer draws its next views in (its ``counted`` flag: False for a pass that reads no list
+    count first, True for one drawn again, counted)."""
+    passes: list = []
+    original = renderer._render_frame
+
+    def recorded(*args, **kwargs):
+        passes.append(kwargs.get("counted"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(renderer, "_render_frame", recorded)
+    return passes
+
+
+def _recorded_count_reads(renderer, monkeypatch) -> list[bool]:
+    """Whether each of the renderer's next bands read its slot count back before it was drawn."""
+    reads: list[bool] = []
+    original = renderer._reserve_tiles
+
+    def recorded(batch, read=True):
+        reads.append(read)
+        return original(batch, read)
+
+    monkeypatch.setattr(renderer, "_reserve_tiles", recorded)
+    return reads
+
+
 def test_views_turned_a_little_make_no_new_buffers_after_the_first(gpu, monkeypatch):
     """Once a view was rendered, the renderer holds the buffers a view of its size takes (at the most the views
     so far took, with room to spare): views turned a little from it, and it again, make no buffer and render
@@ -744,14 +771,7 @@ def test_views_turned_a_little_make_no_new_buffers_after_the_first(gpu, monkeypa
     renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
     renderer.render(_turned(0.0))
     made = _recorded_allocations(monkeypatch)
-    passes = []
-    original = renderer._render_frame
-
-    def recorded(*args, **kwargs):
-        passes.append(kwargs.get("counted"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(renderer, "_render_frame", recorded)
+    passes = _recorded_passes(renderer, monkeypatch)
     views = [_turned(degrees) for degrees in (6.0, 12.0, -6.0, 0.0)]
     pictures = [renderer.render(camera) for camera in views]
     assert made == [] and passes == [False] * len(views), (made, passes)
@@ -791,14 +811,7 @@ def test_a_view_of_a_size_drawn_before_is_drawn_without_waiting_for_its_count(gp
     first (the host waits once, for the frame), in one pass, to the picture a fresh renderer draws."""
     renderer, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
     renderer.render(_turned(0.0))
-    reads = []
-    original = renderer._reserve_tiles
-
-    def recorded(batch, read=True):
-        reads.append(read)
-        return original(batch, read)
-
-    monkeypatch.setattr(renderer, "_reserve_tiles", recorded)
+    reads = _recorded_count_reads(renderer, monkeypatch)
     picture = renderer.render(_turned(6.0))
     assert reads and not any(reads), reads
     assert all(slots is not None and slots > 0 for _rays, slots, _need in renderer.band_work)
@@ -814,14 +827,7 @@ def test_a_view_whose_samples_outgrow_the_kept_room_is_drawn_again_counted(gpu, 
     far = Camera((0.0, -90.0, 10.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
     near = Camera((0.0, -40.0, 5.0), (0.0, 0.0, 0.0), (0.0, 0.0, 1.0), 30.0, 32, 24)
     renderer.render(far)
-    passes = []
-    original = renderer._render_frame
-
-    def recorded(*args, **kwargs):
-        passes.append(kwargs.get("counted"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(renderer, "_render_frame", recorded)
+    passes = _recorded_passes(renderer, monkeypatch)
     picture = renderer.render(near)
     assert passes == [False, True], passes
     fresh, _scene = sphere_renderer(gpu, SPHERES, sphere_occupancy())
@@ -860,14 +866,7 @@ def test_view_sizes_forgotten_are_learned_again_from_the_next_view(gpu, monkeypa
     learned = (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot)
     renderer.forget_view_sizes()
     assert renderer._slots_per_ray is None and not renderer._sizes_by_view
-    reads = []
-    original = renderer._reserve_tiles
-
-    def recorded(batch, read=True):
-        reads.append(read)
-        return original(batch, read)
-
-    monkeypatch.setattr(renderer, "_reserve_tiles", recorded)
+    reads = _recorded_count_reads(renderer, monkeypatch)
     renderer.render(_turned(0.0))
     assert reads and all(reads), reads
     assert (renderer._ray_bytes, renderer._slots_per_ray, renderer._shaded_per_slot) == learned
