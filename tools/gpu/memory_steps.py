@@ -1,7 +1,8 @@
 """Where the GPU memory of `bench --suite train` goes: the memory in use after each of its steps (the standard
 preset's training, the learned meshes for shadows, the neural render at 512² and 1024², the reference
 renderer), and what is given back when the renderer's sample buffers, the reference renderer and the mesh
-shadows are let go. CUDA only (the device's total less free).
+shadows are let go. CUDA only (the device's total less free), with the bytes of the buffers the device's heaps
+hold and of the pages they sit in (docs/gpu-memory.md says why those differ).
 
     python3 tools/gpu/memory_steps.py [--gpu-memory 6G] [--preset standard]
 """
@@ -10,6 +11,31 @@ from __future__ import annotations
 
 import argparse
 import gc
+
+
+def held(renderer) -> None:
+    """The renderer's sample buffers (no reference kept: a held batch would stay on the device)."""
+    batch = renderer._batch
+    if batch is not None:
+        print(f"    batch: capacity {batch.capacity:,} rays, slots {batch.slot_capacity:,}, "
+              f"surfaces {batch.surface_capacity:,}; bands {renderer.band_work}")
+
+
+def freed(gpu, step) -> None:
+    """Whether a buffer let go gives its memory back to the device at once, after a wait for the device, or
+    after a submit."""
+    import slangpy as spy
+
+    tensor = spy.Tensor.zeros(gpu.device, shape=(1 << 28,), dtype="float")
+    step("a 1 GiB tensor made")
+    del tensor
+    step("  let go")
+    gpu.device.wait_for_idle()
+    step("  after wait_for_idle")
+    encoder = gpu.device.create_command_encoder()
+    gpu.device.submit_command_buffer(encoder.finish())
+    gpu.device.wait_for_idle()
+    step("  after a submit")
 
 
 def main() -> int:
@@ -34,10 +60,15 @@ def main() -> int:
     def step(name: str) -> None:
         gc.collect()
         used = device_memory_in_use(gpu) or 0
-        print(f"{used / 2**30:6.2f} GiB ({(used - last[0]) / 2**20:+8.0f} MiB)  {name}", flush=True)
+        heaps = gpu.device.report_heaps()  # (CUDA: the buffers held, and the pages they sit in)
+        held = sum(heap.total_allocated for heap in heaps) / 2**30
+        pages = sum(heap.total_mem_usage for heap in heaps) / 2**30
+        print(f"{used / 2**30:6.2f} GiB ({(used - last[0]) / 2**20:+8.0f} MiB; buffers {held:5.2f} GiB in pages of "
+              f"{pages:5.2f} GiB)  {name}", flush=True)
         last[0] = used
 
     step("device open")
+    freed(gpu, step)
     settings = RunSettings.for_device(gpu, args.preset)
     study = load_study(cached_sample("icbm"))
     prepared = prepare_for_run(study, settings)
@@ -49,10 +80,7 @@ def main() -> int:
     step("field and trainer made")
     log = trainer.run()
     step(f"training done ({log.seconds:.1f} s)")
-    batch = trainer.renderer._batch
-    if batch is not None:
-        print(f"    batch: capacity {batch.capacity:,} rays, slots {batch.slot_capacity:,}, "
-              f"surfaces {batch.surface_capacity:,}")
+    held(trainer.renderer)
     shadows = learned_mesh_shadows(gpu, prepared, field, trainer.style)
     step("learned meshes for shadows")
     trainer.use_picture_settings()
@@ -71,9 +99,7 @@ def main() -> int:
         for _ in range(3):
             renderer.render(camera)
         step(f"neural {width}², mesh shadows")
-        batch = renderer._batch
-        print(f"    batch: capacity {batch.capacity:,} rays, slots {batch.slot_capacity:,}, "
-              f"surfaces {batch.surface_capacity:,}; bands {renderer.band_work}")
+        held(renderer)
         reference.render(camera, shadows=True)
         step(f"reference {width}²")
     del reference
@@ -85,6 +111,7 @@ def main() -> int:
     step("renderer's batch let go")
     renderer._frame = renderer._planes = renderer._picture = None
     step("frame buffers let go")
+    freed(gpu, step)
     return 0
 
 
