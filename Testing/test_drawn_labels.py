@@ -275,3 +275,20 @@ def test_neighbouring_order_statistics_are_the_partitions():
     for values, rank in cases:
         expected = tuple(np.partition(values, (rank, rank + 1))[[rank, rank + 1]])
         assert neighbouring_order_statistics(values, rank) == expected
+
+
+def test_boundary_voxels_are_scipys_dilation_less_its_erosion():
+    """The raggedness's denominator counts what scipy's face-connected dilation has and its erosion has not,
+    on masks that touch the grid's faces, thin sheets, single voxels and empty or full grids."""
+    from scipy import ndimage
+
+    from NeuralRaycastLib.study.drawn_labels import boundary_voxel_count
+
+    rng = np.random.default_rng(8)
+    masks = [rng.random((9, 11, 7)) < share for share in (0.1, 0.5, 0.9)]
+    masks += [np.zeros((5, 6, 7), bool), np.ones((5, 6, 7), bool), np.ones((1, 4, 4), bool)]
+    sphere = np.linalg.norm(np.indices((20, 18, 16)).T - [7.5, 9.0, 10.0], axis=-1).T < 8.0  # cut by two faces
+    masks += [sphere, sphere[:, :, 8:9]]
+    for mask in masks:
+        expected = np.count_nonzero(ndimage.binary_dilation(mask) & ~ndimage.binary_erosion(mask))
+        assert boundary_voxel_count(mask) == expected

@@ -129,12 +129,28 @@ def disagreement(sdf: np.ndarray, inside: np.ndarray) -> float:
     """The voxels of the mask ``inside`` (``sdf``: its voxel signed distance) that its surface smoothed over
     :data:`PROBE_VOXELS` puts on the other side, as a fraction of its boundary voxels (those with a face
     neighbour on the other side): its raggedness, whatever the spacing."""
-    from scipy import ndimage
-
     smooth = smoothed_label(sdf, inside, np.full(3, PROBE_VOXELS))
-    edge = in_slabs(lambda slab: ndimage.binary_dilation(slab) & ~ndimage.binary_erosion(slab), inside, 1, bool)
-    boundary = int(np.count_nonzero(edge))
+    boundary = boundary_voxel_count(inside)
     return float(((smooth < 0) != inside).sum()) / boundary if boundary else 0.0
+
+
+def boundary_voxel_count(inside: np.ndarray) -> int:
+    """The voxels of ``inside``'s face-connected dilation that its erosion leaves out (scipy's, whose border
+    counts as outside): those with a face neighbour on the other side, and the inside ones on the grid's faces.
+    Counted from each axis's neighbour differences, without the two morphological passes."""
+    edge = np.zeros(inside.shape, bool)
+    for axis in range(inside.ndim):
+        before = [slice(None)] * inside.ndim
+        after = [slice(None)] * inside.ndim
+        before[axis], after[axis] = slice(None, -1), slice(1, None)
+        differs = inside[tuple(before)] != inside[tuple(after)]
+        edge[tuple(before)] |= differs
+        edge[tuple(after)] |= differs
+        for face in (0, -1):  # the grid's border counts as outside
+            side = [slice(None)] * inside.ndim
+            side[axis] = face
+            edge[tuple(side)] |= inside[tuple(side)]
+    return int(np.count_nonzero(edge))
 
 
 def is_drawn(share: float, spacing: np.ndarray) -> bool:

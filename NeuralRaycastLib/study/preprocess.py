@@ -480,10 +480,16 @@ def _far_field(out: np.ndarray, crop: tuple[slice, ...], low: np.ndarray, high: 
             (b[r][shape], c[r][shape])
             for (b, c, _), r, shape in zip(axes, region, (np.s_[:, None, None], np.s_[None, :, None],
                                                           np.s_[None, None, :]), strict=True))
-        to_box = np.sqrt(bx + by + bz)
+        # written in place: one temporary of the region's size instead of five
+        to_box = out[region]
+        np.add(bx + by, bz, out=to_box)
+        np.sqrt(to_box, out=to_box)
+        to_box -= half
         nearest = _nearest_crop_values(inner, [index[r] for (_, _, index), r in zip(axes, region, strict=True)])
-        through_crop = nearest - np.sqrt(cx + cy + cz)
-        out[region] = np.maximum(to_box - half, through_crop)
+        through_crop = cx + cy + cz
+        np.sqrt(through_crop, out=through_crop)
+        np.subtract(nearest, through_crop, out=through_crop)
+        np.maximum(to_box, through_crop, out=to_box)
 
 
 def _nearest_crop_values(inner: np.ndarray, indices: list[np.ndarray]) -> np.ndarray:
