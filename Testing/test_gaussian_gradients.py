@@ -144,6 +144,20 @@ def test_picture_has_the_expected_depth_and_the_density_normals(scene):
     assert not scene.render_sums(camera)[..., 4:7].any()
 
 
+def assert_central_differences(loss, params: np.ndarray, gradient: np.ndarray, rng: np.random.Generator,
+                               largest: int) -> None:
+    """``gradient`` of ``loss`` at ``params`` against central differences along three random directions and on
+    its ``largest`` coordinates."""
+    scale = np.abs(gradient).max()
+    directions = rng.normal(size=(3, params.size))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    numeric = central_difference(loss, params, directions, 1e-6)
+    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
+    coordinates = np.argsort(-np.abs(gradient))[:largest]
+    numeric = central_difference(loss, params, np.eye(params.size)[coordinates], 1e-6)
+    np.testing.assert_allclose(gradient[coordinates], numeric, rtol=2e-3, atol=2e-4 * scale)
+
+
 def test_backward_pass_matches_central_differences(scene, rays):
     """∂(Σ w·rgba)/∂parameters for every kind of parameter, along random directions and on the largest
     coordinates; the Gaussian no ray reaches gets none."""
@@ -162,14 +176,7 @@ def test_backward_pass_matches_central_differences(scene, rays):
     for kind, (first, last) in {"position": (0, 3), "log-scale": (3, 6), "rotation": (6, 10), "density": (10, 11),
                                 "colour": (11, 29)}.items():
         assert np.abs(gradient[first * n : last * n]).max() > 1e-3 * scale, f"no {kind} gradient"
-    rng = np.random.default_rng(3)
-    directions = rng.normal(size=(3, params.size))
-    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    numeric = central_difference(loss, params, directions, 1e-6)
-    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
-    largest = np.argsort(-np.abs(gradient))[:24]
-    numeric = central_difference(loss, params, np.eye(params.size)[largest], 1e-6)
-    np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)
+    assert_central_differences(loss, params, gradient, np.random.default_rng(3), largest=24)
     unseen = 6
     own = np.concatenate([3 * unseen + np.arange(3), 3 * n + 3 * unseen + np.arange(3),
                           6 * n + 4 * unseen + np.arange(4), [10 * n + unseen], 11 * n + 18 * unseen + np.arange(18)])
@@ -298,11 +305,4 @@ def test_backward_pass_where_a_ray_is_inside_more_gaussians_than_it_keeps_sums_f
     def loss(p: np.ndarray) -> float:
         return float((reference(scene, p, rays, 1e-4) * weights).sum())
 
-    scale = np.abs(gradient).max()
-    directions = rng.normal(size=(3, params.size))
-    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    numeric = central_difference(loss, params, directions, 1e-6)
-    np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
-    largest = np.argsort(-np.abs(gradient))[:8]
-    numeric = central_difference(loss, params, np.eye(params.size)[largest], 1e-6)
-    np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)
+    assert_central_differences(loss, params, gradient, rng, largest=8)
