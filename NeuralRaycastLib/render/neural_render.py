@@ -526,12 +526,10 @@ class DiffRenderer:
     def _room_kept(self, batch: RayBatch, rays: int) -> bool:
         """Whether ``batch`` has the room views of the current size took for a band of ``rays`` rays (made after
         the last of them: :meth:`_make_room_for_next_view`), so that the band may be drawn without its count."""
-        kept = self._sizes_by_view.get(self._view_size) if self._view_size is not None else None
-        if kept is None:
+        if self._view_size not in self._sizes_by_view:  # (where it is, _size_for_view took its sizes)
             return False
-        _ray_bytes, slots_per_ray, shaded_per_slot = kept
-        slots = math.ceil(slots_per_ray * rays)
-        return batch.slot_capacity >= slots and batch.surface_capacity >= math.ceil(slots * shaded_per_slot)
+        slots = math.ceil(self._slots_per_ray * rays)
+        return batch.slot_capacity >= slots and batch.surface_capacity >= self._shaded_room(slots)
 
     def render(self, camera: Camera, rays_per_pass: int | None = None,
                timings: dict[str, float] | None = None) -> RenderedImage:

@@ -239,14 +239,8 @@ class RayBatch:
             self.shaded_slots = zeros(self.device, shape=(capacity,), dtype="int")
             self.sampled_slots = zeros(self.device, shape=(capacity,), dtype="int")
             self.chunk_rays = zeros(self.device, shape=(capacity // RayTiles.PIXELS,), dtype="int")
-        self.slot_capacity = self.struct["slotCapacity"] = capacity
-        self.struct.update(samples=self.samples.storage.device_address,
-                           distances=self.distances.storage.device_address,
-                           surfaceEntry=self.surface_entry.storage.device_address,
-                           visibility=self.visibility.storage.device_address,
-                           shadedSlots=self.shaded_slots.storage.device_address,
-                           sampledSlots=self.sampled_slots.storage.device_address,
-                           chunkRays=self.chunk_rays.storage.device_address)
+        self.slot_capacity = capacity
+        self._point_at_room()
 
     def reserve_touched(self, slots: int) -> None:
         """Room in the touched list (a batch a backward pass follows) for ``slots`` entries."""
@@ -294,13 +288,20 @@ class RayBatch:
         """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
         return self.surface_planes(tensor)[:, :entries].T
 
-    #: What :meth:`take_room` moves from a batch to the one made for more rays: the buffers sized by slots or
-    #: shaded segments (not the gradients' and the backward's, which training alone needs), and their room.
-    ROOM = ("samples", "distances", "surface_entry", "visibility", "shaded_slots", "sampled_slots", "chunk_rays",
-            "slot_capacity", "surface", "surface_capacity")
+    #: The buffers sized by slots or shaded segments (not the gradients' and the backward's, which training alone
+    #: needs) and the shaders' fields that point at them; with their room, what :meth:`take_room` moves.
     ROOM_ADDRESSES = {"samples": "samples", "distances": "distances", "surface_entry": "surfaceEntry",
                       "visibility": "visibility", "shaded_slots": "shadedSlots", "sampled_slots": "sampledSlots",
                       "chunk_rays": "chunkRays", "surface": "surface"}
+    ROOM = (*ROOM_ADDRESSES, "slot_capacity", "surface_capacity")
+
+    def _point_at_room(self) -> None:
+        """The shaders' struct pointed at the buffers sized by slots and shaded segments, with their room."""
+        for name, field in self.ROOM_ADDRESSES.items():
+            tensor = getattr(self, name)
+            self.struct[field] = 0 if tensor is None else tensor.storage.device_address
+        self.struct["slotCapacity"] = self.slot_capacity
+        self.struct["surfaceCapacity"] = self.surface_capacity
 
     def take_room(self, other: RayBatch) -> None:
         """Take over ``other``'s buffers sized by slots and shaded segments (``other`` is left without them): a
@@ -308,10 +309,7 @@ class RayBatch:
         the device's allocator (slang-rhi's heap on CUDA) keeps the pages of buffers let go and would hold both."""
         for name in self.ROOM:
             setattr(self, name, getattr(other, name))
-        for name, field in self.ROOM_ADDRESSES.items():
-            self.struct[field] = getattr(self, name).storage.device_address
-        self.struct["slotCapacity"] = self.slot_capacity
-        self.struct["surfaceCapacity"] = self.surface_capacity
+        self._point_at_room()
         for name in self.ROOM:
             setattr(other, name, 0 if name.endswith("capacity") else None)
 
