@@ -541,14 +541,7 @@ def test_a_band_with_too_little_room_for_its_shaded_segments_renders_again(gpu, 
     expected = renderer.render(camera)
     monkeypatch.setattr(neural_render, "SHADED_PER_SLOT", 0.0)
     fresh, _scene = sphere_renderer(gpu, SPHERES)
-    retried = []
-    original = fresh._render_frame
-
-    def recorded(*args, **kwargs):
-        retried.append(kwargs.get("counted", args[3] if len(args) > 3 else None))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(fresh, "_render_frame", recorded)
+    retried = _recorded_passes(fresh, monkeypatch)
     image = fresh.render(camera)
     assert retried == [False, True]
     np.testing.assert_array_equal(image.rgba, expected.rgba)
