@@ -43,7 +43,7 @@ from ..gpu.device import (
 from .camera import Camera
 from .image import PLANE_FLOATS, RenderedImage, image_from_planes
 from .occupancy import Occupancy
-from .sample_buffers import OUTPUTS, RayBatch, RayTiles, grown
+from .sample_buffers import OUTPUTS, RayBatch, RayTiles, address, grown
 from .scene import TrainableScene, WorkLists, list_launch
 
 #: Device memory the rays of one band of a rendered view may take: on a GPU a tenth of its memory, at least
@@ -53,8 +53,8 @@ from .scene import TrainableScene, WorkLists, list_launch
 #: (BENCHMARKS.md); but a band's buffers stand beside all else the process holds (a trained field, its
 #: training's buffers), so a large view is drawn in bands of no more than the second figure.
 BAND_BYTES = (1 << 30, 3 << 30, 1 << 30)
-#: A band's largest buffer (the distances at every sample slot) stays below this: a 1024² view in one band,
-#: whose distances would take 4 GiB, cannot be created even on a GPU with most of its memory free.
+#: A band's largest buffer (its sample slots' arrays) stays below this: a 1024² view in one band at 256 samples
+#: a ray, whose slots would take 10 GiB, cannot be created even on a GPU with most of its memory free.
 MAX_BUFFER_BYTES = 4 << 30
 #: How much more than the views rendered so far took a band is sized for: its memory per ray (a band that counts
 #: more than its share is drawn again in fewer rows), and its room for shaded segments per sample slot (a band
@@ -307,7 +307,7 @@ class DiffRenderer:
         needs, in buffers sized for the trained rays."""
         if for_backward:
             batch.keep_gradients(self.ray_count)
-        batch.struct["kept"] = batch.kept.storage.device_address if for_backward else 0
+        batch.struct["kept"] = address(batch.kept) if for_backward else 0
         self.composite_module.compositeRay(self._tiles.launch(), batch.struct, self.shading, sums_at,
                                            self._tiles.struct())
         batch.kept_for_backward = for_backward
@@ -389,9 +389,11 @@ class DiffRenderer:
         return min(self._band_limit, self._creatable_rays(), max(1, fitting))
 
     def _creatable_rays(self) -> int:
-        """The most rays a batch may have with its largest buffer, the distances, under MAX_BUFFER_BYTES."""
+        """The most rays a batch may have with its largest buffer, its slots' (sample_buffers.py's slot_arrays),
+        under MAX_BUFFER_BYTES."""
         slots = self.max_samples if self._slots_per_ray is None else self._slots_per_ray * BAND_HEADROOM
-        return max(1, (MAX_BUFFER_BYTES - 1) // math.ceil(min(slots, self.max_samples) * self.scene.structures * 4))
+        slot_bytes = RayBatch.slot_bytes(self.scene.structures)
+        return max(1, (MAX_BUFFER_BYTES - 1) // math.ceil(min(slots, self.max_samples) * slot_bytes))
 
     def _learn_band_sizes(self, bands: list[tuple[int, int, int]]) -> None:
         """Size later views' bands and their room for shaded segments by a view's bands: (rays, slots reserved,
@@ -410,6 +412,10 @@ class DiffRenderer:
         kept = self._sizes_by_view.pop(self._view_size, sizes)
         self._ray_bytes, self._slots_per_ray, self._shaded_per_slot = (max(a, b) for a, b in zip(sizes, kept,
                                                                                                  strict=True))
+        # (the most of each may come from different views: a band holds the most slots, and the most shaded
+        # segments a slot, together)
+        rays = 1 << 16
+        self._ray_bytes = max(self._ray_bytes, self._band_need(rays, math.ceil(self._slots_per_ray * rays)) / rays)
         self._sizes_by_view[self._view_size] = (self._ray_bytes, self._slots_per_ray, self._shaded_per_slot)
         while len(self._sizes_by_view) > KEPT_VIEW_SIZES:
             del self._sizes_by_view[next(iter(self._sizes_by_view))]
@@ -439,7 +445,7 @@ class DiffRenderer:
         try:
             if self._batch is None or self._batch.capacity < rays:
                 self.batch(rays).reserve_tiles(rays, RayTiles(camera.width, rows), self.segment_words())
-            self._batch.reserve_surfaces(shaded, most_shaded)
+            self._batch.reserve_surfaces(shaded, most_shaded, halves=True)  # (a rendered band's)
             self._batch.reserve_slots(slots, most_slots)
         except GpuMemoryError:
             self._batch = None
@@ -485,7 +491,7 @@ class DiffRenderer:
         again, counted, where a band reserved more slots than the room: those rays placed no samples)."""
         rays_per_pass = min(rays_per_pass or self.band_rays(), self._creatable_rays())
         rows_per_pass = even_bands(camera.height, max(1, rays_per_pass // camera.width))
-        allowance, distance_bytes = self._band_bytes(), 4 * self.scene.structures
+        allowance, slot_bytes = self._band_bytes(), RayBatch.slot_bytes(self.scene.structures)
         self.band_work = []
         first = 0
         while first < camera.height:
@@ -503,11 +509,11 @@ class DiffRenderer:
                     continue
                 slots = self.count_samples(batch, timings)
                 need = self._band_need(rays, slots)
-                if rows > 1 and (need > allowance or slots * distance_bytes >= MAX_BUFFER_BYTES):
+                if rows > 1 and (need > allowance or slots * slot_bytes >= MAX_BUFFER_BYTES):
                     # more samples than a band's memory holds: fewer rows, for this band and the next ones
                     self._ray_bytes = max(self._ray_bytes or 0.0, need / rays)
                     rows_per_pass = whole_tiles(max(1, min(rows * allowance // need, rows - 1,
-                                                           rows * (MAX_BUFFER_BYTES - 1) // (slots * distance_bytes))))
+                                                           rows * (MAX_BUFFER_BYTES - 1) // (slots * slot_bytes))))
                     continue
                 self.make_room(batch, slots, self._shaded_room(slots), allowance)
                 self.forward(batch, timings, sums_at=at, counted=counted, backward_follows=False)

@@ -76,7 +76,9 @@ class RayBatch:
         self.tile_slots = spy.Tensor.zeros(device, shape=(1,), dtype="int")  # (per tile: made for a compact pass)
         self.segment_bits = spy.Tensor.zeros(device, shape=(1,), dtype="uint")  # (per ray: made for a compact pass)
         self.lists = WorkLists(0, 0, 0)
-        self.slot_capacity = self.touched_capacity = self.surface_capacity = 0
+        self.slot_capacity = self.touched_capacity = self.surface_words = 0
+        self._slot_room: Any = None  # the per-slot arrays' one buffer (slot_arrays)
+        self._gradient_room: Any = None  # the distances' gradients' and the backward's (keep_gradients)
         self.samples = self.distances = self.surface_entry = self.visibility = None
         self.shaded_slots = self.touched_slots = self.sampled_slots = self.chunk_rays = None
         self.surface = self.surface_grads = self.distance_grads = self.kept = None
@@ -88,6 +90,7 @@ class RayBatch:
             "surface": 0,
             "surfaceGrads": 0,
             "surfaceCapacity": 0,
+            "halfSurface": 0,
             "shadows": 0,
             "maxSamples": max_samples,
             "rayCount": capacity,
@@ -139,6 +142,7 @@ class RayBatch:
             self.reserve_tiles(rays, tiles, segment_words)
             self.struct.update(slotStride=RayTiles.PIXELS, compactSlots=1,
                                tileSlots=self.tile_slots.storage.device_address, rowWidth=tiles.width)
+        self.struct.update(halfSurface=int(self.half_surface), surfaceCapacity=self.surface_capacity)
 
     def reserve_tiles(self, rays: int, tiles: RayTiles, segment_words: int) -> None:
         """Room for a compact layout's tiles and ``segment_words`` words a ray of occupied segments, for ``rays``
@@ -197,8 +201,8 @@ class RayBatch:
 
     @staticmethod
     def shaded_bytes(structures: int) -> int:
-        """Device memory a shaded segment's surface values take."""
-        return 4 * SURFACE_VALUES_PER_STRUCTURE * structures
+        """Device memory a rendered band's shaded segment's surface values take (halves)."""
+        return 2 * SURFACE_VALUES_PER_STRUCTURE * structures
 
     @staticmethod
     def band_bytes(rays: int, slots: int, shaded: int, structures: int, segment_words: int) -> int:
@@ -216,31 +220,46 @@ class RayBatch:
         gradients = per_sample + SHADED_PER_RAY * SURFACE_VALUES_PER_STRUCTURE * structures
         return RayBatch.bytes_per_ray(max_samples, structures) + 4 * gradients
 
+    def slot_arrays(self, capacity: int) -> list[tuple[str, int, str]]:
+        """The arrays of a room of ``capacity`` slots, in the order they lie in it: name, entries and type. They
+        share one buffer: the device's heap (slang-rhi's, on CUDA) gives each buffer over 64 MiB a page of its
+        own, rounded up to 256 MiB, so separate buffers of a large band would each round up."""
+        return [("samples", 2 * capacity, "float"), ("distances", self.structures * capacity, "float"),
+                ("surface_entry", capacity, "int"), ("visibility", capacity, "float"),
+                ("shaded_slots", capacity, "int"), ("sampled_slots", capacity, "int"),
+                ("chunk_rays", capacity // RayTiles.PIXELS, "int")]
+
     def reserve_slots(self, slots: int, most: int | None = None) -> None:
         """Room for ``slots`` sample slots (the touched list's apart: :meth:`reserve_touched`): grown where
         smaller, by a quarter at least (but to no more than ``most`` slots, where given and more than ``slots``),
         and never shrunk (a batch keeps the room its largest pass took). The values in them are not kept: a
         forward pass writes every slot it reads."""
-        import slangpy as spy
 
         if slots <= self.slot_capacity:
             return
         capacity = grown(slots, self.slot_capacity, most)
         capacity = -(-capacity // RayTiles.PIXELS) * RayTiles.PIXELS  # whole rows of a tile
-        self.samples = self.distances = self.surface_entry = self.visibility = None  # free the smaller ones first
-        self.shaded_slots = self.sampled_slots = self.chunk_rays = None
+        self._slot_room = None  # free the smaller room first
+        for name, _length, _dtype in self.slot_arrays(0):
+            setattr(self, name, None)
         self.slot_capacity = self.struct["slotCapacity"] = 0
         with device_memory(f"the samples of {capacity:,} slots"):
-            zeros = spy.Tensor.zeros
-            self.samples = zeros(self.device, shape=(capacity * 2,), dtype="float")
-            self.distances = zeros(self.device, shape=(capacity * self.structures,), dtype="float")
-            self.surface_entry = zeros(self.device, shape=(capacity,), dtype="int")
-            self.visibility = zeros(self.device, shape=(capacity,), dtype="float")
-            self.shaded_slots = zeros(self.device, shape=(capacity,), dtype="int")
-            self.sampled_slots = zeros(self.device, shape=(capacity,), dtype="int")
-            self.chunk_rays = zeros(self.device, shape=(capacity // RayTiles.PIXELS,), dtype="int")
+            self._slot_room = self._arrays_in_one_buffer(self.slot_arrays(capacity))
         self.slot_capacity = capacity
         self._point_at_room()
+
+    def _arrays_in_one_buffer(self, arrays: list[tuple[str, int, str]]) -> Any:
+        """One buffer holding ``arrays`` (name, entries, type: 4-byte words each), each a tensor viewing its own
+        128-byte aligned range of it, set as this batch's attribute of that name; the buffer is returned."""
+        import slangpy as spy
+
+        room = spy.Tensor.zeros(self.device, shape=(sum(aligned_words(n) for _, n, _ in arrays),), dtype="int")
+        types = {"float": self.rays.dtype, "int": self.counts.dtype}
+        offset = 0
+        for name, length, dtype in arrays:
+            setattr(self, name, spy.Tensor(room.storage, types[dtype], (length,), (1,), offset))
+            offset += aligned_words(length)
+        return room
 
     def reserve_touched(self, slots: int) -> None:
         """Room in the touched list (a batch a backward pass follows) for ``slots`` entries."""
@@ -258,31 +277,60 @@ class RayBatch:
     def surface_width(self) -> int:
         return SURFACE_VALUES_PER_STRUCTURE * self.structures
 
-    def reserve_surfaces(self, entries: int, most: int | None = None) -> None:
+    @property
+    def half_surface(self) -> bool:
+        """Whether the surface values are kept as halves: in a rendered band's (compact) layout, not in training's
+        (shaders/sample_buffers.slang's halfSurface)."""
+        return self.compact
+
+    @property
+    def surface_capacity(self) -> int:
+        """Shaded segments the surface values' buffer (``surface_words`` 4-byte words) has room for in the
+        current layout (twice as many as halves)."""
+        return self._surface_room(self.half_surface)
+
+    def _surface_room(self, halves: bool) -> int:
+        return self.surface_words * (2 if halves else 1) // self.surface_width
+
+    def reserve_surfaces(self, entries: int, most: int | None = None, halves: bool | None = None) -> None:
         """Room for the surface values (and their gradients, once kept) of ``entries`` shaded segments, grown as
         :meth:`reserve_slots` grows its room. The values are stored value by value (shaders/sample_buffers.slang):
         see :meth:`surface_values`; they are not kept (the room grows before a pass writes them), so the smaller
-        buffers are freed first."""
+        buffers are freed first. ``halves``: room for a rendered band's values (halves) or a training batch's
+        (floats), where the batch is not yet laid out as it will be (None: as it is laid out now)."""
         import slangpy as spy
 
-        if entries <= self.surface_capacity:
+        halves = self.half_surface if halves is None else halves
+        if entries <= self._surface_room(halves):
             return
-        capacity = grown(entries, self.surface_capacity, most)
-        shape = (capacity * self.surface_width,)
+        capacity = grown(entries, self._surface_room(halves), most)
+        words = -(-capacity * self.surface_width // (2 if halves else 1))
         keeps_gradients = self.surface_grads is not None
         self.surface = self.surface_grads = None
-        self.surface_capacity = self.struct["surfaceCapacity"] = 0
+        self.surface_words = self.struct["surfaceCapacity"] = 0
         with device_memory(f"the surface values of {capacity:,} shaded segments"):
-            self.surface = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
+            self.surface = spy.Tensor.zeros(self.device, shape=(words,), dtype="float")
             self.struct["surface"] = self.surface.storage.device_address
+            self.surface_words = words
             if keeps_gradients:
-                self.surface_grads = spy.Tensor.zeros(self.device, shape=shape, dtype="float")
-                self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
-        self.surface_capacity = self.struct["surfaceCapacity"] = capacity
+                self._make_surface_gradients()
+        self.struct["surfaceCapacity"] = self.surface_capacity
+
+    def _make_surface_gradients(self) -> None:
+        """∂L/∂(surface values), floats for every shaded segment the surface values have room for as floats (a
+        backward pass follows a training batch's strided layout, never a rendered band)."""
+        import slangpy as spy
+
+        self.surface_grads = spy.Tensor.zeros(self.device, shape=(self._surface_room(False) * self.surface_width,),
+                                              dtype="float")
+        self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
 
     def surface_planes(self, tensor: Any) -> np.ndarray:
         """The surface values (or gradients) in ``tensor`` as one row per value, a column per shaded-list entry."""
-        return np.asarray(tensor.to_numpy()).reshape(self.surface_width, -1)
+        values = np.asarray(tensor.to_numpy())
+        if tensor is self.surface and self.half_surface:
+            values = values.view(np.float16)[: self.surface_capacity * self.surface_width].astype(np.float32)
+        return values.reshape(self.surface_width, -1)
 
     def surface_values(self, tensor: Any, entries: int) -> np.ndarray:
         """The first ``entries`` shaded segments' surface values (or gradients) in ``tensor``, a row each."""
@@ -293,15 +341,15 @@ class RayBatch:
     ROOM_ADDRESSES = {"samples": "samples", "distances": "distances", "surface_entry": "surfaceEntry",
                       "visibility": "visibility", "shaded_slots": "shadedSlots", "sampled_slots": "sampledSlots",
                       "chunk_rays": "chunkRays", "surface": "surface"}
-    ROOM = (*ROOM_ADDRESSES, "slot_capacity", "surface_capacity")
+    ROOM = (*ROOM_ADDRESSES, "_slot_room", "slot_capacity", "surface_words")
 
     def _point_at_room(self) -> None:
         """The shaders' struct pointed at the buffers sized by slots and shaded segments, with their room."""
         for name, field in self.ROOM_ADDRESSES.items():
             tensor = getattr(self, name)
-            self.struct[field] = 0 if tensor is None else tensor.storage.device_address
+            self.struct[field] = 0 if tensor is None else address(tensor)
         self.struct["slotCapacity"] = self.slot_capacity
-        self.struct["surfaceCapacity"] = self.surface_capacity
+        self.struct.update(surfaceCapacity=self.surface_capacity, halfSurface=int(self.half_surface))
 
     def take_room(self, other: RayBatch) -> None:
         """Take over ``other``'s buffers sized by slots and shaded segments (``other`` is left without them): a
@@ -311,26 +359,34 @@ class RayBatch:
             setattr(self, name, getattr(other, name))
         self._point_at_room()
         for name in self.ROOM:
-            setattr(other, name, 0 if name.endswith("capacity") else None)
+            setattr(other, name, 0 if name in ("slot_capacity", "surface_words") else None)
 
     def keep_gradients(self, rays: int) -> None:
         """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
         ``rays`` rays: a rendering-only batch does without them, and a batch made for a rendered band (far more
         rays) holds them only for the rays trained on it."""
-        import slangpy as spy
 
         slots = rays * self.max_samples  # (the strided layout of a training batch)
         self.reserve_slots(slots)
         self.reserve_touched(slots)
         if self.kept is None or self.kept.shape[0] < slots * KEPT_FLOATS:
-            self.distance_grads = self.kept = None  # free the smaller ones first
+            self._gradient_room = self.distance_grads = self.kept = None  # free the smaller ones first
             with device_memory(f"the gradient buffers of {rays:,} rays"):
-                self.distance_grads = spy.Tensor.zeros(self.device, shape=(slots * self.structures,), dtype="float")
-                self.kept = spy.Tensor.zeros(self.device, shape=(slots * KEPT_FLOATS,), dtype="float")
-            self.struct["distanceGrads"] = self.distance_grads.storage.device_address
+                self._gradient_room = self._arrays_in_one_buffer([
+                    ("distance_grads", slots * self.structures, "float"), ("kept", slots * KEPT_FLOATS, "float")])
+            self.struct["distanceGrads"] = address(self.distance_grads)
         if self.surface_grads is None:
-            self.surface_grads = spy.Tensor.zeros_like(self.surface)
-            self.struct["surfaceGrads"] = self.surface_grads.storage.device_address
+            self._make_surface_gradients()
+
+
+def aligned_words(words: int) -> int:
+    """``words`` rounded up to whole 128-byte lines: where the next array of a shared buffer starts."""
+    return -(-words // 32) * 32
+
+
+def address(tensor: Any) -> int:
+    """The device address of a tensor of 4-byte words (a view into a shared buffer starts past the buffer's)."""
+    return tensor.storage.device_address + 4 * tensor.offset
 
 
 def grown(needed: int, capacity: int, most: int | None = None) -> int:

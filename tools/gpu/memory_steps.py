@@ -4,7 +4,7 @@ renderer), and what is given back when the renderer's sample buffers, the refere
 shadows are let go. CUDA only (the device's total less free), with the bytes of the buffers the device's heaps
 hold and of the pages they sit in (docs/gpu-memory.md says why those differ).
 
-    python3 tools/gpu/memory_steps.py [--gpu-memory 6G] [--preset standard]
+    python3 tools/gpu/memory_steps.py [--gpu-memory 6G] [--preset standard] [--allocations]
 """
 
 from __future__ import annotations
@@ -38,10 +38,38 @@ def freed(gpu, step) -> None:
     step("  after a submit")
 
 
+def trace_allocations(gpu, least: int = 32 << 20) -> None:
+    """Print every tensor of ``least`` bytes or more made from here on, with the heaps' pages it added (0: it
+    took room in a page made before) and where in the project it was made."""
+    import traceback
+
+    import slangpy as spy
+
+    def traced(make):
+        def made(*args, **kwargs):
+            before = sum(heap.total_mem_usage for heap in gpu.device.report_heaps())
+            tensor = make(*args, **kwargs)
+            size = tensor.storage.size
+            if size >= least:
+                added = sum(heap.total_mem_usage for heap in gpu.device.report_heaps()) - before
+                caller = next((f"{frame.filename.split('NeuralRaycastLib/')[-1]}:{frame.lineno} {frame.name}"
+                               for frame in reversed(traceback.extract_stack()[:-1])
+                               if "NeuralRaycastLib" in frame.filename), "?")
+                print(f"      made {size / 2**20:8.0f} MiB, pages {added / 2**20:+6.0f} MiB  {caller}", flush=True)
+            return tensor
+        return staticmethod(made)
+
+    spy.Tensor.zeros = traced(spy.Tensor.zeros)
+    spy.Tensor.zeros_like = traced(spy.Tensor.zeros_like)
+    spy.Tensor.empty = traced(spy.Tensor.empty)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-memory", default=None)
     parser.add_argument("--preset", default="standard")
+    parser.add_argument("--allocations", action="store_true",
+                        help="print every tensor of 32 MiB or more made, with the heap pages it added")
     args = parser.parse_args()
 
     from NeuralRaycastLib.field.field import NeuralField
@@ -69,6 +97,8 @@ def main() -> int:
 
     step("device open")
     freed(gpu, step)
+    if args.allocations:
+        trace_allocations(gpu)
     settings = RunSettings.for_device(gpu, args.preset)
     study = load_study(cached_sample("icbm"))
     prepared = prepare_for_run(study, settings)
