@@ -153,7 +153,7 @@ def test_read_back_arrays_stay_as_read_when_the_buffer_is_used_again(gpu):
     import slangpy as spy
 
     reader = gpu_module.ReadBack(gpu)
-    reader.kept = True  # (what a software device does; a GPU, large reads on CUDA aside, reads the tensor)
+    reader.kept = True  # (what every device but CUDA does; CUDA reads large ones into pinned memory)
     rng = np.random.default_rng(0)
     first, second, third = (rng.random(n, dtype=np.float32) for n in (1000, 1000, 24))
     tensor = spy.Tensor.from_numpy(gpu.device, first)

@@ -667,9 +667,10 @@ class _PinnedBuffer:
 class ReadBack:
     """Reads float32 device tensors into numpy. An array one read returns never changes with a later read.
 
-    - Software devices: through a host-readable buffer kept between reads (made again when the size
-      changes), then its ``to_numpy``; a large G-buffer takes markedly less time so on lavapipe than through
-      the tensor's own ``to_numpy`` (BENCHMARKS.md).
+    - Every device but CUDA (Vulkan, Metal, D3D12, software devices): through a host-readable buffer kept
+      between reads (made again when the size changes), then its ``to_numpy``; a large G-buffer takes markedly
+      less time so than through the tensor's own ``to_numpy``, which makes a staging buffer each read, on
+      lavapipe as on a GPU's Vulkan driver (BENCHMARKS.md).
     - CUDA, reads of :data:`PINNED_READ_BYTES` or more: into pinned host memory that the returned array is a
       view of (no copy on the host), one of up to :data:`PINNED_FRAMES` buffers, each read into again once no
       array of its last read is left; while all are held, into a buffer kept for that and copied from there
@@ -680,7 +681,7 @@ class ReadBack:
 
     def __init__(self, gpu: GpuContext) -> None:
         self.gpu = gpu
-        self.kept = gpu.report.software
+        self.kept = gpu.backend != "cuda"
         self._kept: Any = None  # the buffer that is copied from (software devices; CUDA with every lease held)
         self._lent: list[_PinnedBuffer] = []  # CUDA: pinned buffers whose memory arrays are views of
         self._unmapped = False  # CUDA gave a pinned buffer no host address: the tensor's own read
