@@ -2,7 +2,9 @@
 the same frames with each band's count read first, alternating twice, 30 frames each (`render()` and
 `render_picture()`).
 
-    python3 tools/gpu/kept_room_frames.py RUN_FOLDER
+    python3 tools/gpu/kept_room_frames.py RUN_FOLDER [DEVICE]
+
+DEVICE: cuda, vulkan or metal (default: the best the machine has).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import time
 import numpy as np
 
 
-def main(folder: str) -> int:
+def main(folder: str, device: str | None = None) -> int:
     from NeuralRaycastLib.gpu.device import open_device
     from NeuralRaycastLib.render.camera import orbit_cameras
     from NeuralRaycastLib.render.neural_render import DiffRenderer
     from NeuralRaycastLib.train.run_folder import open_run
 
-    gpu = open_device(None, None)
+    gpu = open_device(device, None)
     run = open_run(gpu, folder)
     renderer = run.renderer
     kept = DiffRenderer._room_kept
@@ -47,4 +49,4 @@ def main(folder: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1]))
+    raise SystemExit(main(*sys.argv[1:3]))
