@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -133,6 +134,10 @@ class GpuContext:
     #: (free, total) bytes of the GPU when the device opened (CUDA), the device's own budget's basis; None
     #: where the device cannot say.
     memory_at_open: tuple[int, int] | None = None
+    #: Held by work that calls the device from a thread other than the run's own while the run goes on (the
+    #: boundary maps' transforms, a field built beside them): a device's calls and its Slang sessions are not
+    #: made from two threads at once. Reentrant: such work may call helpers that take it too.
+    lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def use_on_this_thread(self) -> bool:
         """Ready the device for calls from the calling thread, and say whether it may take them.
