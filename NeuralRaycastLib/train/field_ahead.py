@@ -2,7 +2,8 @@
 
 The field is sized by the study's box, which the brain mask gives long before the maps are done
 (``prepare``'s ``with_outline``), not by the maps themselves; the kernels the run loads next (the SDF fit's, the
-pretrained appearance's) need nothing of the study but its counts, and each takes a good part of a second to load.
+renderer's, the pretrained appearance's) need nothing of the study but its counts, and their modules take up to a
+good part of a second each to load (once per process: the run's own loads then find them).
 So the run's memory check (train/memory.py), its field and those kernels are made on a thread of their own beside
 the maps: a phase beside "boundary maps" (train/phases.py). What the run still waits for once the maps are done is
 a phase of its own, "field".
@@ -19,7 +20,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ..field.field import NeuralField
+from ..field.field import FieldLayout, NeuralField
 from ..gpu.device import GpuContext, device_memory
 from .memory import check_run_fits
 from .phases import PhaseClock
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 BESIDE_PHASE, FIELD_PHASE = "field and kernels", "field"
 #: The run's phase the field is made beside.
 MAPS_PHASE = "boundary maps"
+#: The modules of the differentiable renderer, which every run makes once its field is fitted (render/neural_render.py's
+#: DiffRenderer loads them, for the field's structures, as it is made).
+RENDERER_MODULES = ("ray_samples", "composite", "segment_lists")
 
 
 class FieldAhead:
@@ -65,15 +69,20 @@ class FieldAhead:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _beside(self, outline: StudyOutline) -> NeuralField | None:
-        """The field, and the kernels the run loads next (their modules are loaded once per process: the run's
-        own loads find them), made beside the maps."""
+        """The field and the kernels the run loads next, made beside the maps (the device's lock taken for each
+        step, so the maps' transforms wait for one at most)."""
         with self.clock.phase(BESIDE_PHASE, beside=MAPS_PHASE):
             if not self.gpu.use_on_this_thread():
                 return None
-            with self.gpu.lock:
-                field = self._make(outline)
+            layout = self._checked_layout(outline)
+            parameters = layout.initial_parameters(self.settings.seed)  # the host's part: the maps' calls go on
+            with self.gpu.lock, device_memory(self._what):
+                field = NeuralField(self.gpu, layout, parameters)
             with self.gpu.lock:
                 _ = field.sdf_fit_module
+            with self.gpu.lock:
+                for name in RENDERER_MODULES:
+                    self.gpu.load_module(name, field.structures)
             if self.appearance is not None:
                 with self.gpu.lock:
                     self.appearance.load_kernels(self.gpu, field)
@@ -81,7 +90,18 @@ class FieldAhead:
 
     def _make(self, outline: StudyOutline) -> NeuralField:
         """The run's memory check, then its field."""
-        layout = self.settings.field_layout(self.gpu, outline)
-        check_run_fits(self.budget, layout, outline, self.schedule)  # before the run's own work on the device
-        with device_memory(f"this run ({self.budget.describe()})"):  # a field the device refuses: GpuMemoryError
+        layout = self._checked_layout(outline)
+        with device_memory(self._what):
             return NeuralField(self.gpu, layout, seed=self.settings.seed)
+
+    def _checked_layout(self, outline: StudyOutline) -> FieldLayout:
+        """The field's layout, the run refused (GpuMemoryError) before its own work on the device where the budget
+        cannot hold it."""
+        layout = self.settings.field_layout(self.gpu, outline)
+        check_run_fits(self.budget, layout, outline, self.schedule)
+        return layout
+
+    @property
+    def _what(self) -> str:
+        """What a buffer the device refuses was for (a GpuMemoryError's words)."""
+        return f"this run ({self.budget.describe()})"
