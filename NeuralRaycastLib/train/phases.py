@@ -42,7 +42,7 @@ class PhaseClock:
 
     def __init__(self, memory_in_use: Callable[[], int | None] | None = None, interval: float = 0.02):
         self.phases: list[Phase] = []  # in the order they began
-        self._lock = threading.Lock()  # phases beside the run's end on threads of their own
+        self._lock = threading.Lock()  # a phase beside the run's ends on a thread of its own
         self._memory_in_use = memory_in_use
         self._interval = interval
         # A device that does not tell its memory is not asked again in every phase.

@@ -3,15 +3,16 @@
 # compiled), phase by phase, with what it reaches. On the icbm sample (`sample`, seed 0), with the kernels
 # compiled beforehand (`warmup`):
 #
+#   0. one untimed fit, whose process loads the modules once and keeps those of generated source as files for Slang's
+#      module cache (a `warmup` that finds its stamp compiles nothing, and leaves that to the first fit);
 #   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh),
 #      twice (afresh-1, afresh-2: the spread of one figure);
 #   2. the same fit again, the maps from the cache;
 #   3. for comparison, the same fit with the standard preset's whole geometry schedule (`--iterations 825`: the
 #      600 steps of 65,536 points the route fitted before it took its own, shorter one), maps from the cache;
 #   4. evaluate of the runs of 2 and 3 (held-out PSNR and SSIM, Dice), and frame-rate --size 1024 1024 of 2;
-#   5. with BEFORE=<git revision> set, the fits of 1 and 2 again in that revision's tree (exported with git archive,
-#      after one untimed fit there that loads its modules once: their parsed-module cache is kept per tree), so a
-#      change's before and after are measured on one host in one go (fits named before-...).
+#   5. with BEFORE=<git revision> set, the fits of 0, 1 and 2 again in that revision's tree (exported with git
+#      archive), so a change's before and after are measured on one host in one go (fits named before-...).
 #
 # The field is made beside the boundary maps (train/field_ahead.py): the "time:" line lists it as "field and kernels
 # ... beside boundary maps", left out of every sum, and the run's wait for it once the maps are done as "field".
@@ -25,7 +26,7 @@
 #
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out [BEFORE=main] tools/gpu/pretrained_fast.sh
 #
-# About a minute and a half on an H100 host after `warmup` of this tree, two and a half with BEFORE (without the
+# About two minutes on an H100 host after `warmup` of this tree, three with BEFORE (without the
 # warm-up the first fit compiles the kernels first: its "compile" phase, left out of the route's sum but not out of
 # the wall clock).
 set -u
@@ -75,6 +76,7 @@ evaluate() {
     cp "$work/run-$1/metrics.json" "$work/logs/metrics-$1.json" 2>/dev/null
 }
 
+fit untimed "its modules loaded once, the generated ones kept for the module cache (not a measurement)"
 for take in 1 2; do
     $N cache --clear prepared > /dev/null 2>&1
     fit "afresh-$take" "boundary maps computed afresh"
