@@ -12,11 +12,13 @@ The thread holds the device's lock (``GpuContext.lock``) for each of its calls o
 transforms do for theirs. Where the device takes no calls from that thread (a CUDA context that cannot be made
 current there), or the preparation gave no outline, the field is made on the run's thread once the maps are done.
 The field is the one the prepared study's layout asks for: one made ahead for another layout is made again, so
-what the run trains never depends on what was made ahead.
+what the run trains never depends on what was made ahead. ``NEURALRAYCAST_FIELD_BESIDE_MAPS=0`` makes it once the
+maps are done, as a run did before (to measure what making it beside them gains on a machine).
 """
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
 BESIDE_PHASE, FIELD_PHASE = "field and kernels", "field"
 #: The run's phase the field is made beside.
 MAPS_PHASE = "boundary maps"
+#: 0: the field is made once the maps are done; anything else (or unset): beside them.
+BESIDE_MAPS_VARIABLE = "NEURALRAYCAST_FIELD_BESIDE_MAPS"
 #: The modules of the differentiable renderer, which every run makes once its field is fitted (render/neural_render.py's
 #: DiffRenderer loads them, for the field's structures, as it is made).
 RENDERER_MODULES = ("ray_samples", "composite", "segment_lists")
@@ -50,10 +54,11 @@ class FieldAhead:
         self.clock, self.appearance = clock, appearance
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="field-ahead")
         self._made: Future | None = None
+        self._beside_maps = os.environ.get(BESIDE_MAPS_VARIABLE, "").strip() != "0"
 
     def start(self, outline: StudyOutline) -> None:
         """Make the field for ``outline`` on the thread (``prepare``'s ``with_outline``: it returns at once)."""
-        if self._made is None:
+        if self._made is None and self._beside_maps:
             self._made = self._pool.submit(self._beside, outline)
 
     def field(self, prepared) -> NeuralField:

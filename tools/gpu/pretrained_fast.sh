@@ -6,13 +6,16 @@
 #   0. one untimed fit, whose process loads the modules once and keeps those of generated source as files for Slang's
 #      module cache (a `warmup` that finds its stamp compiles nothing, and leaves that to the first fit);
 #   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh),
-#      twice (afresh-1, afresh-2: the spread of one figure);
+#      twice (afresh-1, afresh-2: the spread of one figure); then once more with NEURALRAYCAST_FIELD_BESIDE_MAPS=0
+#      (serial: the field made once the maps are done), which parts what making it beside the maps gains from the
+#      rest of the change;
 #   2. the same fit again, the maps from the cache;
 #   3. for comparison, the same fit with the standard preset's whole geometry schedule (`--iterations 825`: the
 #      600 steps of 65,536 points the route fitted before it took its own, shorter one), maps from the cache;
 #   4. evaluate of the runs of 2 and 3 (held-out PSNR and SSIM, Dice), and frame-rate --size 1024 1024 of 2;
-#   5. with BEFORE=<git revision> set, the fits of 0, 1 and 2 again in that revision's tree (exported with git
-#      archive), so a change's before and after are measured on one host in one go (fits named before-...).
+#   5. with BEFORE=<git revision> set, the untimed fit, one maps-afresh fit and the cached one again in that
+#      revision's tree (exported with git archive), so a change's before and after are measured on one host in one
+#      go (fits named before-...).
 #
 # The field is made beside the boundary maps (train/field_ahead.py): the "time:" line lists it as "field and kernels
 # ... beside boundary maps", left out of every sum, and the run's wait for it once the maps are done as "field".
@@ -26,9 +29,9 @@
 #
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out [BEFORE=main] tools/gpu/pretrained_fast.sh
 #
-# About two minutes on an H100 host after `warmup` of this tree, three with BEFORE (without the
-# warm-up the first fit compiles the kernels first: its "compile" phase, left out of the route's sum but not out of
-# the wall clock).
+# About two minutes on an H100 host after `warmup` of this tree, under three with BEFORE (without the warm-up the
+# first fit compiles the kernels first: its "compile" phase, left out of the route's sum but not out of the wall
+# clock).
 set -u
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
@@ -81,6 +84,10 @@ for take in 1 2; do
     $N cache --clear prepared > /dev/null 2>&1
     fit "afresh-$take" "boundary maps computed afresh"
 done
+export NEURALRAYCAST_FIELD_BESIDE_MAPS=0  # the field made once the maps are done, as before (train/field_ahead.py)
+$N cache --clear prepared > /dev/null 2>&1
+fit serial "boundary maps computed afresh, the field made after them"
+unset NEURALRAYCAST_FIELD_BESIDE_MAPS
 fit cached "boundary maps from the cache"
 fit whole-geometry "the whole 600-step geometry, maps from the cache" --iterations 825
 evaluate cached
@@ -95,10 +102,8 @@ if [ -n "${BEFORE:-}" ]; then
         # N must take the package from the folder it runs in (python3 -m, no PYTHONPATH naming this tree)
         say "package run there: $(cd "$tree" && ${N%% -m *} -c 'import NeuralRaycastLib; print(NeuralRaycastLib.__file__)' 2>&1)"
         fit before-untimed "before: its modules loaded once (not a measurement)"
-        for take in 1 2; do
-            $N cache --clear prepared > /dev/null 2>&1
-            fit "before-afresh-$take" "before: boundary maps computed afresh"
-        done
+        $N cache --clear prepared > /dev/null 2>&1
+        fit before-afresh "before: boundary maps computed afresh"
         fit before-cached "before: boundary maps from the cache"
     else
         say "before: git archive $BEFORE failed"
