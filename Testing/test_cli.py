@@ -100,7 +100,7 @@ def test_fit_and_evaluate_a_run(tmp_path, capsys):
     assert (run / "reference" / "cameras.json").is_file() and not (run / "reference" / "reference.npz").exists()
     # Where the run's time went, phase by phase: printed at the end, kept in the log (its save excepted).
     timing = next(line for line in printed.splitlines() if line.startswith("time: "))
-    for phase in ("load", "boundary maps", "reference views", "field and trainer", "train", "save"):
+    for phase in ("load", "boundary maps", "field", "reference views", "trainer", "train", "save"):
         assert f" {phase} " in f" {timing} ", timing
     phases = json.loads((run / "train_log.json").read_text())["phases"]
     assert [p["name"] for p in phases][:2] == ["load", "boundary maps"] and phases[-1]["name"] == "picture settings"

@@ -6,6 +6,7 @@ keep the processor's accuracy bounds, and their cache entries are kept apart fro
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -197,7 +198,7 @@ def test_a_device_that_fails_the_transform_leaves_it_to_the_processor_and_is_sai
         raise RuntimeError("a driver's error\nand its details")
 
     failing = SimpleNamespace(memory=MemoryBudget(GIB, "a test"), device=None, load_module=load_module,
-                              use_on_this_thread=lambda: True)
+                              use_on_this_thread=lambda: True, lock=threading.RLock())
     outside = np.ones((9, 8, 7), bool)
     outside[2, 3, 4] = False
     spacing = np.array(ANISOTROPIC)
@@ -245,7 +246,7 @@ def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, mon
 
     given = []
 
-    def prepare_for_run(study, settings, progress, gpu=None):
+    def prepare_for_run(study, settings, progress, gpu=None, with_outline=None):
         given.append(gpu)
         raise Prepared
 

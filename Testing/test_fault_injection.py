@@ -299,17 +299,18 @@ class FakeTrainer:
 @pytest.fixture
 def fake_training(monkeypatch, prepared, tmp_path):
     """train_study with everything but its writing replaced: (train, the field it trains, the steps run)."""
-    from NeuralRaycastLib.train import run
+    from NeuralRaycastLib.train import field_ahead, run
 
     field = FakeField(prepared, seed=7)
     steps: list[str] = []
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setattr(run, "prepare_for_run",
-                        lambda study, settings, progress, gpu=None: steps.append("prepare") or prepared)
+                        lambda study, settings, progress, gpu=None, with_outline=None: steps.append("prepare")
+                        or prepared)
     monkeypatch.setattr(run, "study_within_budget", lambda study, settings, budget, progress: (study, settings))
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: synthetic_views(prepared, 4))
-    monkeypatch.setattr(run, "NeuralField", lambda gpu, layout, seed: field)
+    monkeypatch.setattr(field_ahead, "NeuralField", lambda gpu, layout, seed: field)
     monkeypatch.setattr(run, "Trainer", FakeTrainer)
     monkeypatch.setattr(FakeTrainer, "failure", None)
 

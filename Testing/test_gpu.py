@@ -94,6 +94,33 @@ def test_modules_load_where_parsed_modules_are_cached(gpu):
     assert any(path.is_file() for path in cache.rglob("*"))
 
 
+def test_a_module_of_generated_source_is_kept_for_the_next_process_or_parsed_where_it_cannot_be(gpu, monkeypatch):
+    """A module made from generated source (the field's kernels for its sizes) is kept as a file named by its
+    source's digest, which Slang's module cache then serves to later processes; where that file cannot be written
+    (a full or read-only cache), the module is parsed from its source and works the same."""
+    import hashlib
+
+    def generated(offset: float) -> tuple[str, str]:
+        source = f"float shifted(float x) {{ return x + {offset:.1f}; }}\n"
+        return "check_" + hashlib.sha256(source.encode()).hexdigest()[:16], source
+
+    values = np.linspace(-3, 3, 64).astype(np.float32)
+    name, source = generated(1.5)
+    module = gpu.load_module_from_source(name, source)
+    np.testing.assert_allclose(module.shifted(values, _result="numpy"), values + 1.5, rtol=1e-6)
+    kept = gpu_module.generated_module_path() / f"{name}.slang"
+    assert kept.read_text() == source
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gpu_module, "write_text", full_disk)
+    name, source = generated(2.5)
+    module = gpu.load_module_from_source(name, source)
+    np.testing.assert_allclose(module.shifted(values, _result="numpy"), values + 2.5, rtol=1e-6)
+    assert not (gpu_module.generated_module_path() / f"{name}.slang").exists()
+
+
 FAKE_TORCH = "FAKE = True\n\nclass Tensor:\n    pass\n"
 PROBE = """
 import json, sys

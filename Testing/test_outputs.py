@@ -324,16 +324,18 @@ def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback():
 
 def test_a_fit_cancelled_before_training_exits_130_with_nothing_written(tmp_path, phantom_study_dir, monkeypatch,
                                                                          capsys):
-    from NeuralRaycastLib.train import run
+    from NeuralRaycastLib.train import field_ahead, run
 
     def views_then_ctrl_c(*args):
         interrupt_me()
         return "views"
 
     monkeypatch.setattr(cli, "open_device", lambda device: fake_gpu())
-    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None: "prepared")
+    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None, with_outline=None:
+                        "prepared")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
-    monkeypatch.setattr(run, "check_run_fits", lambda budget, layout, prepared, config: None)
+    monkeypatch.setattr(field_ahead, "check_run_fits", lambda budget, layout, prepared, config: None)
+    monkeypatch.setattr(field_ahead, "NeuralField", lambda gpu, layout, seed: "field")
     monkeypatch.setattr(run, "reference_views_for_run", views_then_ctrl_c)
     out = tmp_path / "run"
     assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--no-warmup"]) == 130

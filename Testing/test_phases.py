@@ -65,3 +65,39 @@ def test_the_workstation_bench_tabulates_a_fits_phases_its_start_peak_memory_and
                          "quick")
     assert not any(row.metric.endswith("peak GPU memory") for row in no_memory)
     assert math.isnan(next(row for row in no_memory if row.metric.endswith("held-out PSNR")).value)
+
+
+def test_work_beside_a_phase_is_listed_with_it_and_counted_once():
+    """The field made on a thread of its own while the boundary maps are computed: listed beside them, in the order
+    the phases began, and left out of the total, which stays the run's own wall clock."""
+    import threading
+
+    clock = PhaseClock()
+    started = threading.Event()
+
+    def field() -> None:
+        with clock.phase("field and kernels", beside="boundary maps"):
+            started.set()
+            time.sleep(0.05)
+
+    with clock.phase("boundary maps"):
+        time.sleep(0.01)
+        thread = threading.Thread(target=field)
+        thread.start()
+        started.wait(5)
+        thread.join()
+    with clock.phase("field"):
+        pass
+    maps, beside, field_wait = clock.phases
+    assert [p.name for p in clock.phases] == ["boundary maps", "field and kernels", "field"]
+    assert beside.beside == "boundary maps" and maps.seconds > beside.seconds
+    assert clock.seconds == pytest.approx(maps.seconds + field_wait.seconds)
+    assert f" · field and kernels {beside.seconds:.1f} s beside boundary maps · field " in clock.summary()
+    listed = clock.as_list()
+    assert listed[1]["beside"] == "boundary maps" and "beside" not in listed[0]
+    # the workstation bench's start is the wall less the run's own phases, not less the work beside them
+    printed = f"time: {clock.summary()}\n"
+    assert printed_phases(printed)["field and kernels"] == round(beside.seconds, 1)
+    rows = {row.metric: row for row in fit_rows("x", {"wall": 5.0, "log": {"phases": listed}, "printed": printed},
+                                                "quick")}
+    assert rows["fit, x: start and the rest"].value == pytest.approx(5.0 - clock.seconds, abs=1e-3)

@@ -54,6 +54,11 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     summary, phases = line.split("): ", 1)
     assert all(f"{phase} " in phases for phase in ("boundary maps", "SDF fit", "encode", "save")), line
     assert "reference views" not in phases and "compile" not in phases and "no appearance training" in summary
+    # The total is the phases' sum: the field made beside the boundary maps is listed with them, not counted again.
+    parts = [part.split() for part in phases.split("; ")[0].split(" · ")]
+    own = [float(part[part.index("s") - 1]) for part in parts if "beside" not in part]
+    assert float(summary.split(": ")[1].split(" s")[0]) == pytest.approx(sum(own), abs=0.005 * len(own))
+    assert any(part[-3:] == ["beside", "boundary", "maps"] for part in parts), line
     log = json.loads((out / "train_log.json").read_text())
     assert log["rays"] == 0  # no appearance training: not one ray rendered for a training step
     psnr = [row["heldout_psnr"] for row in log["rows"] if "heldout_psnr" in row]
@@ -143,3 +148,35 @@ def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gp
                           config=training_schedule("quick", settings.seed).with_total_steps(3))
     assert compiled == {"modules": [], "pipelines": []}
     assert (run.folder / "appearance.safetensors").is_file() and run.log.last("heldout_psnr") is not None
+
+
+def test_maps_that_fail_while_the_field_is_made_beside_them_give_one_error_and_write_nothing(
+        phantom_study_dir, tmp_path, capsys, monkeypatch):
+    """The field is made on a thread of its own as soon as the study's box is known, while the boundary maps are
+    still computed: where the maps then fail, the fit says that failure in one line, writes no run folder, and
+    leaves no thread of its own working on the device."""
+    import threading
+
+    from NeuralRaycastLib.study.study import StudyError
+    from NeuralRaycastLib.train import run
+
+    prepare, outlines = run.prepare_for_run, []
+
+    def maps_that_fail(study, settings, progress, gpu=None, with_outline=None):
+        def field_started_then_maps_fail(outline) -> None:
+            with_outline(outline)
+            outlines.append(outline)
+            raise StudyError("structure 'brain' (the brain mask): no voxels inside it")
+
+        return prepare(study, settings, progress, gpu, with_outline=field_started_then_maps_fail)
+
+    monkeypatch.setattr(run, "prepare_for_run", maps_that_fail)
+    out = tmp_path / "runs" / "run"
+    assert main(["fit", str(phantom_study_dir), "--out", str(out), "--preset", "quick", "--appearance",
+                 "pretrained", "--no-warmup"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(outlines) == 1
+    assert err.replace("\r", "\n").strip().splitlines()[-1] == (
+        "neuralraycast fit: error: structure 'brain' (the brain mask): no voxels inside it")
+    assert not out.exists() and not [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert not [thread for thread in threading.enumerate() if thread.name.startswith("field-ahead")]

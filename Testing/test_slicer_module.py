@@ -328,7 +328,7 @@ def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_fo
 
     import NeuralRaycastLib.gpu.device as gpu
     from NeuralRaycastLib.outputs import OutputError
-    from NeuralRaycastLib.train import run
+    from NeuralRaycastLib.train import field_ahead, run
 
     class Trained(Exception):
         pass
@@ -338,12 +338,13 @@ def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_fo
 
     monkeypatch.setattr(gpu, "open_device", lambda choice=None: SimpleNamespace(
         backend="vulkan", report=SimpleNamespace(software=True)))
-    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None: "prepared")
+    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None, with_outline=None:
+                        "prepared")
     monkeypatch.setattr(run, "ensure_warm", lambda *args: None)
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: "views")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
-    monkeypatch.setattr(run, "check_run_fits", lambda budget, layout, prepared, config: None)
-    monkeypatch.setattr(run, "NeuralField", stop_at_the_field)
+    monkeypatch.setattr(field_ahead, "check_run_fits", lambda budget, layout, prepared, config: None)
+    monkeypatch.setattr(field_ahead, "NeuralField", stop_at_the_field)
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path))
     logic = module.NeuralRaycastLogic()
     last = tmp_path / "last-run"

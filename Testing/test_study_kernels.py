@@ -30,26 +30,33 @@ SPACING = 2.5  # as test_train's phantom: in one test session the two share thei
 
 @contextmanager
 def counted_compiles() -> Iterator[dict[str, list]]:
-    """What this process compiles while open: Slang modules from source (the field's, and the code slangpy
-    generates for a call of a new signature), by name, and compute pipelines (a kernel each), by label."""
+    """What this process compiles while open: Slang modules (the field's, kept as files of generated source, and
+    the code slangpy generates for a call of a new signature), by name, and compute pipelines (a kernel each), by
+    label."""
     import slangpy as spy
 
     counts: dict[str, list] = {"modules": [], "pipelines": []}
-    load, build = spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline
+    load, load_file = spy.SlangSession.load_module_from_source, spy.SlangSession.load_module
+    build = spy.Device.create_compute_pipeline
 
-    def counted_load(self, *args, **kwargs):
-        counts["modules"].append(str(args[0] if args else kwargs.get("module_name")))
-        return load(self, *args, **kwargs)
+    def counted(loader):
+        def counted_load(self, *args, **kwargs):
+            counts["modules"].append(str(args[0] if args else kwargs.get("module_name")))
+            return loader(self, *args, **kwargs)
+
+        return counted_load
 
     def counted_build(self, *args, **kwargs):
         counts["pipelines"].append(str(kwargs.get("label")))
         return build(self, *args, **kwargs)
 
-    spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline = counted_load, counted_build
+    spy.SlangSession.load_module_from_source, spy.SlangSession.load_module = counted(load), counted(load_file)
+    spy.Device.create_compute_pipeline = counted_build
     try:
         yield counts
     finally:
-        spy.SlangSession.load_module_from_source, spy.Device.create_compute_pipeline = load, build
+        spy.SlangSession.load_module_from_source, spy.SlangSession.load_module = load, load_file
+        spy.Device.create_compute_pipeline = build
 
 
 def phantom_study(names: tuple[str, ...], channels: int, spacing: float = SPACING, margin: float = 6.0):

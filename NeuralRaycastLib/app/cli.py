@@ -281,13 +281,14 @@ def _print_time_to_renderable(run, appearance) -> None:
     steps = int(run.log.last("fine_tune_steps") or 0)
     trained = (f"{steps} fine-tune step{'' if steps == 1 else 's'}" if appearance.fine_tunes
                else "no appearance training")
-    breakdown = " · ".join(f"{phase.name} {phase.seconds:.2f} s" for phase in phases)
+    breakdown = " · ".join(phase.describe(digits=2) for phase in phases)
     log = run.log
     fitted = max((row["step"] for row in log.rows if row.get("stage") == 1), default=0)
     first = log.sdf_first_step_seconds
     geometry = (f"; the SDF fit {fitted} steps of {log.memory.get('sdf_points', 0):,} points"
                 + (f", the first {first:.2f} s" if first is not None else "")) if fitted else ""
-    print(f"study to renderable model: {sum(phase.seconds for phase in phases):.2f} s (kernels compiled; "
+    wall = sum(phase.seconds for phase in phases if phase.beside is None)  # a phase beside another is in its time
+    print(f"study to renderable model: {wall:.2f} s (kernels compiled; "
           f"pretrained appearance, {trained}): {breakdown}{geometry}")
 
 

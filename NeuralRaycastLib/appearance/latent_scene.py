@@ -225,6 +225,14 @@ class PretrainedAppearance:
     def fine_tunes(self) -> bool:
         return bool(self.fine_tune_steps or self.fine_tune_seconds)
 
+    def load_kernels(self, gpu: GpuContext, field: NeuralField) -> None:
+        """Load the modules of the kernels the encoder and the field's pictures with this appearance run (once per
+        process: a run loads them while its study's boundary maps are still being computed). A field of more
+        structures than the weights hold loads none: it is refused where it is encoded."""
+        if field.structures <= self.config.structures:
+            latent_module(gpu, self.config)
+            latent_scene_module(gpu, field, self.config, bool(field.cooperative), field.coop_vectors)
+
     def encode_study(self, gpu: GpuContext, prepared, field: NeuralField, scene=None) -> LatentAppearance:
         """The encoder over the study into a latent grid over the field's box: a renderable appearance, with no
         training. ``scene``: the trainer's (a FieldScene's local inputs, already on the device, are the encoder's

@@ -103,7 +103,8 @@ def fit_rows(name: str, result: dict, preset: str, before: int = 0) -> list[Benc
         rows.append(BenchRow("workstation", f"fit, {name}: {phase['name']}", phase["seconds"], "s",
                              "GPU memory not read" if peak is None
                              else f"peak GPU memory of the fit's process {peak / 2**30:.2f} GiB (sampled)"))
-    start = result["wall"] - sum(phase["seconds"] for phase in phases)
+    # a phase beside another (train/phases.py) is in that one's seconds already
+    start = result["wall"] - sum(phase["seconds"] for phase in phases if not phase.get("beside"))
     rows.append(BenchRow("workstation", f"fit, {name}: start and the rest", start, "s",
                          "imports, the device's open, reading the options, printing"))
     peaks = [phase["peak_bytes"] for phase in phases if phase.get("peak_bytes") is not None]

@@ -674,7 +674,8 @@ class NeuralField:
         self.weights_changed()
 
     def zero_gradients(self) -> None:
-        self.grads.copy_from_numpy(np.zeros(self.kernels.gradient_count, np.float32))
+        """Cleared on the device: no buffer of zeros made on the host and uploaded (hundreds of MB for a full field)."""
+        self.grads.clear()
 
     def shader_struct(self, cooperative: bool = False, geometry_network_gradients: bool = True,
                       coop_vectors: bool = False) -> dict[str, Any]:

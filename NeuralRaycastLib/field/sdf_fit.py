@@ -19,6 +19,7 @@ from ..gpu.device import GpuContext, PassClock
 from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy
+from ..study.study import map_in_threads
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField, coop_gradient_scale
 
 WAVE = 32  # points per wave
@@ -123,14 +124,17 @@ class Adam:
 
 def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
     """Voxel indices (n, 3) with |B_k| < band_mm, grouped by structure: (voxels, offsets, counts). The same as
-    ``np.argwhere(np.abs(b) < band_mm)``, in the same order, without making |B_k| or argwhere's int64 indices."""
+    ``np.argwhere(np.abs(b) < band_mm)``, in the same order, without making |B_k| or argwhere's int64 indices; the
+    structures in threads at once (each a few passes over the grid)."""
     _, rows, columns = prepared.boundary.shape[1:]
-    lists = []
-    for b in prepared.boundary:
+
+    def near(b: np.ndarray) -> np.ndarray:
         flat = np.flatnonzero((b > -band_mm) & (b < band_mm))
         i, rest = np.divmod(flat, rows * columns)
         j, k = np.divmod(rest, columns)
-        lists.append(np.stack([i, j, k], axis=1).astype(np.int32))
+        return np.stack([i, j, k], axis=1).astype(np.int32)
+
+    lists = map_in_threads(near, list(prepared.boundary))
     counts = [len(v) for v in lists]
     offsets = [int(o) for o in np.concatenate([[0], np.cumsum(counts)[:-1]])]
     voxels = np.concatenate(lists) if sum(counts) else np.zeros((1, 3), np.int32)

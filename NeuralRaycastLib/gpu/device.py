@@ -10,9 +10,11 @@ parsed modules (module_cache_path), so a new process does not parse them again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import write_text
 from ..paths import SHADER_CACHE_BYTES, cache_folder, shader_dir
 from .compiler_log import route_slangpy_messages
 from .memory_budget import MemoryBudget, resolve_budget
@@ -133,6 +136,10 @@ class GpuContext:
     #: (free, total) bytes of the GPU when the device opened (CUDA), the device's own budget's basis; None
     #: where the device cannot say.
     memory_at_open: tuple[int, int] | None = None
+    #: Held by work that calls the device from a thread other than the run's own while the run goes on (the
+    #: boundary maps' transforms, a field built beside them): a device's calls and its Slang sessions are not
+    #: made from two threads at once. Reentrant: such work may call helpers that take it too.
+    lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def use_on_this_thread(self) -> bool:
         """Ready the device for calls from the calling thread, and say whether it may take them.
@@ -159,11 +166,26 @@ class GpuContext:
 
     def load_module_from_source(self, name: str, source: str, structures: int | None = None,
                                 defines: dict[str, str] | None = None) -> Any:
-        """A module of generated source (``name`` unique to it), as :meth:`load_module`; ``defines`` for every
-        module of its session (the imported ones too), as :meth:`session`."""
+        """A module of generated source (``name`` unique to it: a digest of ``source``), as :meth:`load_module`;
+        ``defines`` for every module of its session (the imported ones too), as :meth:`session`.
+
+        The source is kept as a file among the generated modules (:func:`generated_module_path`, on the include
+        path of a device with a module cache), and loaded from there by name: Slang's module cache then serves a
+        later process its parsed module, as it does the shader folder's, instead of parsing the source again.
+        Where that folder cannot be written, the source is parsed as it is."""
         import slangpy as spy
 
         session = self.session(structures, defines)
+        folder = generated_module_path()
+        if folder in map(Path, self.device.desc.compiler_options.include_paths):
+            path = folder / f"{name}.slang"
+            try:
+                if not path.is_file():
+                    path.parent.mkdir(parents=True, exist_ok=True)  # (a cleared cache)
+                    write_text(path, source)
+                return spy.Module.load_from_module(self.device, session.load_module(path.name))
+            except OSError:
+                pass
         return spy.Module.load_from_module(self.device, session.load_module_from_source(name, source))
 
     def session(self, structures: int | None = None, defines: dict[str, str] | None = None) -> Any:
@@ -258,6 +280,12 @@ def shader_cache_path(backend: str) -> Path:
 # (`import slang.neural`) fails to resolve; a slangpy without that folder gets no module cache.
 def module_cache_path(backend: str) -> Path:
     return cache_folder("modules") / backend
+
+
+def generated_module_path() -> Path:
+    """Where the modules of generated source (the field's, the latent appearance's) are kept as files, each named
+    by a digest of its source (GpuContext.load_module_from_source): for every backend's module cache."""
+    return cache_folder("modules") / "generated"
 
 
 def _standard_module_dirs() -> list[str]:
@@ -470,6 +498,9 @@ def _open(backend: str) -> tuple[Any, int | None]:
         include_paths += standard
         module_cache_path(backend).mkdir(parents=True, exist_ok=True)
         modules["module_cache_path"] = str(module_cache_path(backend))
+        with contextlib.suppress(OSError):  # without it, generated modules are parsed from their source each time
+            generated_module_path().mkdir(parents=True, exist_ok=True)
+            include_paths.append(str(generated_module_path()))
     device = spy.Device(
         type=getattr(spy.DeviceType, backend),
         compiler_options={

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -21,10 +20,6 @@ PASS_AXES = (2, 1, 0)
 #: Device memory a voxel of the transform takes: its squared distance, its byte of the mask and three words of
 #: the lines' scratch.
 BYTES_PER_VOXEL = 17
-#: Threads of the device share it one transform at a time (a device's calls are not made from two threads).
-_LOCK = threading.Lock()
-
-
 #: 1: ``fit`` (and what opens a run) takes the boundary maps' transforms on its device; 0: on the processor. Unset:
 #: on a hardware GPU, where they shorten the maps (their longest steps, and they no longer hold the processor's
 #: cores from the other structures' maps), not on a software device (lavapipe is the processor itself). The
@@ -81,7 +76,7 @@ def squared_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray
     if size == 0:
         return np.zeros(shape, np.float32)
     spacing = np.asarray(spacing, np.float64)
-    with _LOCK:
+    with gpu.lock:  # one thread at a time on the device (GpuContext.lock)
         device = gpu.device
         module = gpu.load_module("distance_transform")
         values = spy.Tensor.empty(device, shape=(size,), dtype=float)
@@ -127,7 +122,7 @@ def mesh_distances(gpu: Any, vertices: np.ndarray, faces: np.ndarray, points: np
     def upload(values: np.ndarray, dtype: type) -> Any:
         return spy.Tensor.from_numpy(gpu.device, np.ascontiguousarray(values, dtype).reshape(-1))
 
-    with _LOCK:
+    with gpu.lock:  # one thread at a time on the device (GpuContext.lock)
         module = gpu.load_module("mesh_distance")
         inputs = {"vertices": upload(vertices - origin, np.float32), "faces": upload(faces, np.int32),
                   "points": upload(points - origin, np.float32), "candidates": upload(nearest, np.int32)}

@@ -64,6 +64,25 @@ CLOSING_ITERATIONS = 2
 
 
 
+@dataclass(frozen=True)
+class StudyOutline:
+    """What a prepared study's field is sized by, known long before its boundary maps: the study (as prepared:
+    downsampled where asked), its structures and the box around its mask. :class:`PreparedStudy` answers the same
+    names, so whatever takes an outline takes a prepared study too."""
+
+    study: Study
+    structures: list[Structure]
+    bounds: np.ndarray  # (2, 3) RAS mm box around the mask
+
+    @property
+    def spacing(self) -> np.ndarray:
+        return self.study.spacing
+
+    @property
+    def channel_names(self) -> list[str]:
+        return self.study.channel_names
+
+
 @dataclass
 class PreparedStudy:
     """Everything derived from a study; arrays indexed ``[i, j, k]`` like the study's."""
@@ -655,10 +674,15 @@ def prepare(
     min_piece_ml: float = MIN_PIECE_ML,
     keep_small_pieces: bool = False,
     gpu: Any = None,
+    with_outline: Callable[[StudyOutline], object] | None = None,
 ) -> PreparedStudy:
     """Derive everything the field needs from a study (see the module docstring). Pieces of a label smaller
     than ``min_piece_ml`` are left out of its surface (``keep_small_pieces``: kept as surfaces of their own);
     either way they are listed in ``label_notes``.
+
+    ``with_outline`` is called with the study's :class:`StudyOutline` as soon as its mask's box is known (from
+    a worker thread where the maps are computed), so a caller can size its work while the maps are still made;
+    it should only hand that work on, and return at once.
 
     ``gpu``: an open device to take the distance transforms on (the boundary maps' longest part), else the
     processor. A cache entry made either way is used by both (they agree within float32 rounding), the one made
@@ -682,6 +706,8 @@ def prepare(
     if entry is not None:
         cached, meta = entry
         report("boundary maps loaded from cache", 1.0)
+        if with_outline is not None:
+            with_outline(StudyOutline(study, structures, cached["bounds"]))
         notes = {name: LabelNote.from_dict(note) for name, note in meta.get("label_notes", {}).items()}
         boundary = _float32_in_threads(cached["boundary"])
         mask = cached["mask"].astype(bool)
@@ -693,6 +719,8 @@ def prepare(
 
         def with_mask(brain: np.ndarray) -> None:  # the channels are normalised while the maps are made
             derived.update(_derived_from_mask(study, brain))
+            if with_outline is not None:
+                with_outline(StudyOutline(study, structures, derived["bounds"]))
             _normalise_channels(study, brain, derived["ranges"], channels)
 
         mask, boundary, notes = mask_and_boundary_maps(

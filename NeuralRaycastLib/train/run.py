@@ -1,7 +1,7 @@
 """The one way to train: :func:`train_study`, which the command line (``fit``), the demo and the Slicer
 module all call.
 
-    study (a file or in memory) -> prepare (downsample, brain mask, boundary maps)
+    study (a file or in memory) -> prepare (downsample, brain mask, boundary maps; the field made beside them)
         -> warm-up (compile the kernels once per machine, on a GPU) -> reference views
         -> Trainer (geometry, appearance, joint) -> run folder
 
@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..field.field import NeuralField
 from ..files import StagedFolder
 from ..gpu.device import GpuContext, device_memory, device_memory_in_use, memory_budget
 from ..outputs import check_output
@@ -23,7 +22,7 @@ from ..progress import Progress, ShouldStop
 from ..render.camera import check_view_size
 from ..render.reference_views import save_reference_views
 from ..study.study import Study
-from .memory import check_run_fits
+from .field_ahead import FIELD_PHASE, MAPS_PHASE, FieldAhead
 from .phases import PhaseClock
 from .presets import RunSettings
 from .pretrained import pretrained_appearance
@@ -110,15 +109,20 @@ def train_study(
     try:
         with clock.phase("load"):
             loaded, settings = study_within_budget(study, settings, budget, progress)
-        with clock.phase("boundary maps"):
-            prepared = prepare_for_run(loaded, settings, progress, gpu)
-        layout = settings.field_layout(gpu, prepared)
         schedule = settings.schedule(config, pretrained=appearance is not None)  # the geometry alone if pretrained
-        check_run_fits(budget, layout, prepared, schedule)  # before any work on the device
+        # The field (and the kernels the run loads next) made while the maps are computed (train/field_ahead.py).
+        ahead = FieldAhead(gpu, settings, budget, schedule, clock, appearance)
+        try:
+            with clock.phase(MAPS_PHASE):
+                prepared = prepare_for_run(loaded, settings, progress, gpu, with_outline=ahead.start)
+            with clock.phase(FIELD_PHASE):  # a run the budget cannot hold is refused here, before the field
+                field = ahead.field(prepared)
+        finally:
+            ahead.close()
         if warm_up:
             with clock.phase("compile"):
                 ensure_warm(gpu, study, prepared, settings, progress, should_stop, worker_python)
-        # An allocation the device refuses outside the sized work (the volumes, the field) is a GpuMemoryError too.
+        # An allocation the device refuses outside the sized work (the volumes) is a GpuMemoryError too.
         with device_memory(f"this run ({budget.describe()})"):
             with clock.phase("reference views"):
                 views = reference_views_for_run(gpu, prepared, settings, progress)
@@ -126,8 +130,7 @@ def train_study(
                 raise CancelledBeforeTraining("cancelled before training began; nothing was written")
             # The view pictures are written while training runs: encoding them would otherwise delay its start.
             saved = writer.submit(save_reference_views, views, staged.path / "reference", arrays=False)
-            with clock.phase("field and trainer"):
-                field = NeuralField(gpu, layout, seed=settings.seed)
+            with clock.phase("trainer"):
                 trainer = Trainer(gpu, prepared, field, views, schedule)
             if appearance is None:
                 with clock.phase("train"):

@@ -32,7 +32,7 @@ from ..render.neural_render import DiffRenderer
 from ..render.reference_views import ReferenceViews, render_reference_views
 from ..study.cache import load_study_cached
 from ..study.device_distance import maps_device
-from ..study.preprocess import PreparedStudy, prepare
+from ..study.preprocess import PreparedStudy, StudyOutline, prepare
 from ..study.study import Study, downsample_study, downsampling_note
 from .phases import PhaseClock
 from .presets import RunSettings, training_schedule
@@ -45,11 +45,13 @@ RUN_FOLDER_REFUSAL = ("a run is written into a new or empty folder, or over an e
 
 
 def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None,
-                    gpu: GpuContext | None = None) -> PreparedStudy:
+                    gpu: GpuContext | None = None,
+                    with_outline: Callable[[StudyOutline], object] | None = None) -> PreparedStudy:
     """A study (in memory, e.g. read from a Slicer scene, or its file) downsampled as the settings ask (the
     quick preset; ``progress`` is told the grids before and after) and prepared: brain mask, boundary maps,
     tumour probability (their distance transforms on ``gpu`` where it is a hardware GPU or
-    $NEURALRAYCAST_DEVICE_MAPS is 1: study/device_distance.py)."""
+    $NEURALRAYCAST_DEVICE_MAPS is 1: study/device_distance.py). ``with_outline``: see
+    :func:`~NeuralRaycastLib.study.preprocess.prepare`."""
     if not isinstance(study, Study):
         study = load_study_cached(study)
     if settings.max_voxels:
@@ -57,7 +59,7 @@ def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: 
         if study is not full and progress is not None:
             progress(Note(downsampling_note(full, study)), 0.0)
     return prepare(study, progress=progress, min_piece_ml=settings.min_piece_ml,
-                   keep_small_pieces=settings.keep_small_pieces, gpu=maps_device(gpu))
+                   keep_small_pieces=settings.keep_small_pieces, gpu=maps_device(gpu), with_outline=with_outline)
 
 
 def study_within_budget(study: Study | str | Path, settings: RunSettings, budget: MemoryBudget,

@@ -3,11 +3,22 @@
 # compiled), phase by phase, with what it reaches. On the icbm sample (`sample`, seed 0), with the kernels
 # compiled beforehand (`warmup`):
 #
-#   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh);
+#   0. one untimed fit, whose process loads the modules once and keeps those of generated source as files for Slang's
+#      module cache (a `warmup` that finds its stamp compiles nothing, and leaves that to the first fit);
+#   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh),
+#      twice (afresh-1, afresh-2: the spread of one figure); then once more with NEURALRAYCAST_FIELD_BESIDE_MAPS=0
+#      (serial: the field made once the maps are done), which parts what making it beside the maps gains from the
+#      rest of the change;
 #   2. the same fit again, the maps from the cache;
 #   3. for comparison, the same fit with the standard preset's whole geometry schedule (`--iterations 825`: the
 #      600 steps of 65,536 points the route fitted before it took its own, shorter one), maps from the cache;
-#   4. evaluate of the runs of 2 and 3 (held-out PSNR and SSIM, Dice), and frame-rate --size 1024 1024 of 2.
+#   4. evaluate of the runs of 2 and 3 (held-out PSNR and SSIM, Dice), and frame-rate --size 1024 1024 of 2;
+#   5. with BEFORE=<git revision> set, the untimed fit, one maps-afresh fit and the cached one again in that
+#      revision's tree (exported with git archive), so a change's before and after are measured on one host in one
+#      go (fits named before-...).
+#
+# The field is made beside the boundary maps (train/field_ahead.py): the "time:" line lists it as "field and kernels
+# ... beside boundary maps", left out of every sum, and the run's wait for it once the maps are done as "field".
 #
 # Prints each fit's "study to renderable model" and "time:" lines, the held-out PSNR and the 1024² frame time, and
 # writes under $OUT (3 files):
@@ -16,10 +27,11 @@
 #   frame-rate.json        frame-rate's output for the run of 2
 #   logs.tar.gz            every command's output, the runs' train_log.json and metrics.json
 #
-#   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/pretrained_fast.sh
+#   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out [BEFORE=main] tools/gpu/pretrained_fast.sh
 #
-# About a minute and a half on an H100 host after `warmup` of this tree (without it the first fit compiles the
-# kernels first: its "compile" phase, left out of the route's sum but not out of the wall clock).
+# About two minutes on an H100 host after `warmup` of this tree, under three with BEFORE (without the warm-up the
+# first fit compiles the kernels first: its "compile" phase, left out of the route's sum but not out of the wall
+# clock).
 set -u
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
@@ -36,12 +48,15 @@ say "host: $(nproc) cores; gpu: $(nvidia-smi --query-gpu=name,driver_version --f
 say "commit: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"
 $N sample "$work/icbm" > "$work/logs/sample.txt" 2>&1 || { say "sample failed:"; tail -n 5 "$work/logs/sample.txt" | tee -a "$summary"; exit 1; }
 
-# fit NAME WHAT OPTIONS...: a pretrained fit of the sample into run-NAME; its time lines and held-out PSNR said.
+# fit NAME WHAT OPTIONS...: a pretrained fit of the sample into run-NAME (in the tree $tree); its time lines and
+# held-out PSNR said.
+tree=$repo
 fit() {
     local name=$1 what=$2 start wall
     shift 2
     start=$(date +%s%N)
-    if ! $N fit "$work/icbm" --out "$work/run-$name" --appearance pretrained "$@" > "$work/logs/fit-$name.txt" 2>&1; then
+    if ! (cd "$tree" && $N fit "$work/icbm" --out "$work/run-$name" --appearance pretrained "$@") \
+            > "$work/logs/fit-$name.txt" 2>&1; then
         say "fit $name failed:"; tail -n 5 "$work/logs/fit-$name.txt" | tr '\r' '\n' | tail -n 5 | tee -a "$summary"
         return 1
     fi
@@ -64,12 +79,37 @@ evaluate() {
     cp "$work/run-$1/metrics.json" "$work/logs/metrics-$1.json" 2>/dev/null
 }
 
+fit untimed "its modules loaded once, the generated ones kept for the module cache (not a measurement)"
+for take in 1 2; do
+    $N cache --clear prepared > /dev/null 2>&1
+    fit "afresh-$take" "boundary maps computed afresh"
+done
+export NEURALRAYCAST_FIELD_BESIDE_MAPS=0  # the field made once the maps are done, as before (train/field_ahead.py)
 $N cache --clear prepared > /dev/null 2>&1
-fit afresh "boundary maps computed afresh"
+fit serial "boundary maps computed afresh, the field made after them"
+unset NEURALRAYCAST_FIELD_BESIDE_MAPS
 fit cached "boundary maps from the cache"
 fit whole-geometry "the whole 600-step geometry, maps from the cache" --iterations 825
 evaluate cached
 evaluate whole-geometry
+
+if [ -n "${BEFORE:-}" ]; then
+    tree="$work/before"
+    mkdir -p "$tree"
+    if git archive "$BEFORE" | tar -x -C "$tree"; then
+        say ""
+        say "== before: $BEFORE ($(git rev-parse --short "$BEFORE")) =="
+        # N must take the package from the folder it runs in (python3 -m, no PYTHONPATH naming this tree)
+        say "package run there: $(cd "$tree" && ${N%% -m *} -c 'import NeuralRaycastLib; print(NeuralRaycastLib.__file__)' 2>&1)"
+        fit before-untimed "before: its modules loaded once (not a measurement)"
+        $N cache --clear prepared > /dev/null 2>&1
+        fit before-afresh "before: boundary maps computed afresh"
+        fit before-cached "before: boundary maps from the cache"
+    else
+        say "before: git archive $BEFORE failed"
+    fi
+    tree=$repo
+fi
 
 if $N frame-rate "$work/run-cached" --size 1024 1024 --frames 30 --json > "$OUT/frame-rate.json" \
         2> "$work/logs/frame-rate.err"; then

@@ -1,0 +1,112 @@
+"""A run's field made while its study's boundary maps are still being computed.
+
+The field is sized by the study's box, which the brain mask gives long before the maps are done
+(``prepare``'s ``with_outline``), not by the maps themselves; the kernels the run loads next (the SDF fit's, the
+renderer's, the pretrained appearance's) need nothing of the study but its counts, and their modules take up to a
+good part of a second each to load (once per process: the run's own loads then find them).
+So the run's memory check (train/memory.py), its field and those kernels are made on a thread of their own beside
+the maps: a phase beside "boundary maps" (train/phases.py). What the run still waits for once the maps are done is
+a phase of its own, "field".
+
+The thread holds the device's lock (``GpuContext.lock``) for each of its calls on the device, as the maps'
+transforms do for theirs. Where the device takes no calls from that thread (a CUDA context that cannot be made
+current there), or the preparation gave no outline, the field is made on the run's thread once the maps are done.
+The field is the one the prepared study's layout asks for: one made ahead for another layout is made again, so
+what the run trains never depends on what was made ahead. ``NEURALRAYCAST_FIELD_BESIDE_MAPS=0`` makes it once the
+maps are done, as a run did before (to measure what making it beside them gains on a machine).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ..field.field import FieldLayout, NeuralField
+from ..gpu.device import GpuContext, device_memory
+from .memory import check_run_fits
+from .phases import PhaseClock
+from .presets import RunSettings
+
+if TYPE_CHECKING:
+    from ..appearance.latent_scene import PretrainedAppearance
+    from ..gpu.memory_budget import MemoryBudget
+    from ..study.preprocess import StudyOutline
+
+#: The phase of the field made beside the maps, and the run's own phase that takes what is left of it.
+BESIDE_PHASE, FIELD_PHASE = "field and kernels", "field"
+#: The run's phase the field is made beside.
+MAPS_PHASE = "boundary maps"
+#: 0: the field is made once the maps are done; anything else (or unset): beside them.
+BESIDE_MAPS_VARIABLE = "NEURALRAYCAST_FIELD_BESIDE_MAPS"
+#: The modules of the differentiable renderer, which every run makes once its field is fitted (render/neural_render.py's
+#: DiffRenderer loads them, for the field's structures, as it is made).
+RENDERER_MODULES = ("ray_samples", "composite", "segment_lists")
+
+
+class FieldAhead:
+    """The run's field, made from the study's outline on a thread of its own (:meth:`start`), or on the run's
+    thread where that could not be (:meth:`field`)."""
+
+    def __init__(self, gpu: GpuContext, settings: RunSettings, budget: MemoryBudget, schedule: Any,
+                 clock: PhaseClock, appearance: PretrainedAppearance | None = None) -> None:
+        self.gpu, self.settings, self.budget, self.schedule = gpu, settings, budget, schedule
+        self.clock, self.appearance = clock, appearance
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="field-ahead")
+        self._made: Future | None = None
+        self._beside_maps = os.environ.get(BESIDE_MAPS_VARIABLE, "").strip() != "0"
+
+    def start(self, outline: StudyOutline) -> None:
+        """Make the field for ``outline`` on the thread (``prepare``'s ``with_outline``: it returns at once)."""
+        if self._made is None and self._beside_maps:
+            self._made = self._pool.submit(self._beside, outline)
+
+    def field(self, prepared) -> NeuralField:
+        """The field of the prepared study: the one made beside its maps (waited for; its error raised here), or
+        made now."""
+        made = self._made.result() if self._made is not None else None
+        if made is None or made.layout != self.settings.field_layout(self.gpu, prepared):
+            made = self._make(prepared)
+        return made
+
+    def close(self) -> None:
+        """Wait for the thread: a run that stops leaves nothing of its own working on the device."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _beside(self, outline: StudyOutline) -> NeuralField | None:
+        """The field and the kernels the run loads next, made beside the maps (the device's lock taken for each
+        step, so the maps' transforms wait for one at most)."""
+        with self.clock.phase(BESIDE_PHASE, beside=MAPS_PHASE):
+            if not self.gpu.use_on_this_thread():
+                return None
+            layout = self._checked_layout(outline)
+            parameters = layout.initial_parameters(self.settings.seed)  # the host's part: the maps' calls go on
+            with self.gpu.lock, device_memory(self._what):
+                field = NeuralField(self.gpu, layout, parameters)
+            with self.gpu.lock:
+                _ = field.sdf_fit_module
+            with self.gpu.lock:
+                for name in RENDERER_MODULES:
+                    self.gpu.load_module(name, field.structures)
+            if self.appearance is not None:
+                with self.gpu.lock:
+                    self.appearance.load_kernels(self.gpu, field)
+            return field
+
+    def _make(self, outline: StudyOutline) -> NeuralField:
+        """The run's memory check, then its field."""
+        layout = self._checked_layout(outline)
+        with device_memory(self._what):
+            return NeuralField(self.gpu, layout, seed=self.settings.seed)
+
+    def _checked_layout(self, outline: StudyOutline) -> FieldLayout:
+        """The field's layout, the run refused (GpuMemoryError) before its own work on the device where the budget
+        cannot hold it."""
+        layout = self.settings.field_layout(self.gpu, outline)
+        check_run_fits(self.budget, layout, outline, self.schedule)
+        return layout
+
+    @property
+    def _what(self) -> str:
+        """What a buffer the device refuses was for (a GpuMemoryError's words)."""
+        return f"this run ({self.budget.describe()})"
