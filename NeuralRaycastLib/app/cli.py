@@ -225,6 +225,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
     from ..progress import CancelOnInterrupt
     from ..study.cache import load_study_cached
+    from ..study.device_distance import start_loading_kernels
     from ..study.preprocess import import_map_libraries
     from ..train.presets import RunSettings
     from ..train.run import train_study
@@ -239,6 +240,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     # The boundary maps' libraries load while the device opens, rather than after it.
     threading.Thread(target=import_map_libraries, name="import-map-libraries", daemon=True).start()
     gpu = _device(args)
+    start_loading_kernels(gpu)  # the maps' device kernels, while the study is read again and checked
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                               views=args.views, size=args.size, shadows=args.shadows,
                                               max_voxels=args.max_voxels),

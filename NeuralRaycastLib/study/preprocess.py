@@ -98,12 +98,14 @@ class PreparedStudy:
 def import_map_libraries() -> None:
     """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, pykdtree, the
     surface distances): a second or more on a first run, which a caller can spend while it does something else
-    (``fit`` imports them in a thread while the device opens)."""
+    (``fit`` imports them in a thread while the device opens). scikit-image loads a submodule when one of its
+    names is first read, so the names are read here: the brain mask's threshold would otherwise import its
+    module on the maps' longest way."""
     import scipy.ndimage  # noqa: F401
-    import skimage.filters  # noqa: F401
-    import skimage.measure  # noqa: F401
+    from skimage.filters import threshold_otsu  # noqa: F401
+    from skimage.measure import marching_cubes  # noqa: F401
 
-    from ..mesh import surface_distance  # noqa: F401
+    from ..mesh import mesh, surface_distance  # noqa: F401
 
     with contextlib.suppress(ImportError):  # scipy's transform is the fallback (_distance_transform)
         import edt  # noqa: F401
