@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..array_cache import read_entry, write_entry
+from ..array_cache import read_entry, write_entry_behind
 from ..grid import voxel_box
 from ..paths import cache_folder
 from ..progress import Progress
@@ -615,10 +615,9 @@ def _cached_ranges(meta: dict, channels: int) -> list[tuple[float, float]] | Non
     return pairs if len(pairs) == channels and all(high > low for low, high in pairs) else None
 
 
-def _float32_in_threads(stack: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-    """A float32 (or ``dtype``) copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the
-    cache)."""
-    out = np.empty(stack.shape, dtype)
+def _float32_in_threads(stack: np.ndarray) -> np.ndarray:
+    """A float32 copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the cache)."""
+    out = np.empty(stack.shape, np.float32)
 
     def convert(index: int) -> None:
         out[index] = stack[index]
@@ -702,13 +701,15 @@ def prepare(
             with_label_maps=lambda maps: derived.update(probability=_rounded_probability(study, structures, maps)))
         probability, occupancy, bounds = derived["probability"], derived["occupancy"], derived["bounds"]
         if use_cache:
-            # float16 halves the entry; the copy is made in threads (one pass over the maps each)
-            write_entry(path, {"boundary": _float32_in_threads(boundary, np.float16), "mask": mask,
-                               "probability": as_float16(probability), "occupancy": occupancy,
-                               "bounds": bounds},
-                        {"channel_ranges": derived["ranges"],
-                         "label_notes": {name: note.as_dict() for name, note in notes.items()}},
-                        keep=CACHE_ENTRIES)
+            # Written behind, while the run goes on (nothing changes the maps once prepared): float16 halves the
+            # entry, its copies made there, in that thread alone (a process ending at once finishes the entry
+            # when no new threads may be asked for).
+            write_entry_behind(path, lambda: {"boundary": boundary.astype(np.float16), "mask": mask,
+                                              "probability": as_float16(probability), "occupancy": occupancy,
+                                              "bounds": bounds},
+                               {"channel_ranges": derived["ranges"],
+                                "label_notes": {name: note.as_dict() for name, note in notes.items()}},
+                               keep=CACHE_ENTRIES)
         report("boundary maps ready", 1.0)
 
     return PreparedStudy(
