@@ -240,7 +240,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
     # The boundary maps' libraries load while the device opens, rather than after it.
     threading.Thread(target=import_map_libraries, name="import-map-libraries", daemon=True).start()
     gpu = _device(args)
-    start_loading_kernels(gpu)  # the maps' device kernels, while the study is read again and checked
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                               views=args.views, size=args.size, shadows=args.shadows,
                                               max_voxels=args.max_voxels),
@@ -250,6 +249,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
     if args.representation == "gaussians":
         return _fit_gaussians(gpu, args, settings)
+    start_loading_kernels(gpu)  # the boundary maps' device kernels, while the study is read again and checked
     stream = JsonLines() if args.progress_json else None
     stdin_stop = StopOnStdin() if args.progress_json else None
     with CancelOnInterrupt() as cancel:

@@ -119,13 +119,18 @@ def load_kernels(gpu: Any) -> None:
     mesh_distances(gpu, np.eye(3), np.array([[0, 1, 2]]), np.zeros((1, 3)), np.zeros((1, 1), np.int64))
 
 
-def start_loading_kernels(gpu: Any) -> threading.Thread | None:
+#: The threads :func:`start_loading_kernels` started, by device, until :func:`wait_for_kernels` joins them.
+_LOADING: dict[int, threading.Thread] = {}
+
+
+def start_loading_kernels(gpu: Any) -> None:
     """:func:`load_kernels` on a thread of its own, where a run's preparation takes its maps' distances on ``gpu``
     (:func:`maps_device`): ``fit`` starts it as soon as the device is open, so that the modules load while the
-    study is read again and checked rather than while the first structures' maps wait for them. A device that
-    cannot take them from that thread is left to the maps themselves, which then say so."""
+    study is read again and checked rather than while the first structures' maps wait for them (and hold the
+    device from the brain's). A device that cannot take them from that thread is left to the maps themselves,
+    which then say so. Preparing the study waits for it (:func:`wait_for_kernels`)."""
     if maps_device(gpu) is None:
-        return None
+        return
 
     def load() -> None:
         if id(gpu) in _REFUSED or not gpu.use_on_this_thread():
@@ -134,8 +139,16 @@ def start_loading_kernels(gpu: Any) -> threading.Thread | None:
             load_kernels(gpu)
 
     thread = threading.Thread(target=load, name="maps-kernels", daemon=True)
+    _LOADING[id(gpu)] = thread
     thread.start()
-    return thread
+
+
+def wait_for_kernels(gpu: Any) -> None:
+    """Wait until the kernels :func:`start_loading_kernels` loads on ``gpu`` are loaded: the device then takes
+    calls from the caller's thread alone again."""
+    thread = _LOADING.pop(id(gpu), None)
+    if thread is not None:
+        thread.join()
 
 
 #: Devices that refused a transform (by id): said once, then not asked again.
