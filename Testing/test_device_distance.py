@@ -281,33 +281,3 @@ def test_a_runs_preparation_takes_the_device_where_it_is_a_gpu_or_asked(phantom_
     run_folder.prepare_for_run(phantom_study_dir, RunSettings("quick"), None, device)
     assert given == [device if on_device else None]
 
-
-def test_kernels_loaded_ahead_are_loaded_when_the_study_is_prepared(tmp_path, monkeypatch):
-    """``fit`` loads the maps' kernels on a thread of its own while it reads the study (start_loading_kernels);
-    preparing the study waits for that thread, so that the device takes the run's calls from its thread alone
-    afterwards, also where the maps come from the cache and the device was not used for them."""
-    import threading
-    import time
-    from types import SimpleNamespace
-
-    from NeuralRaycastLib.study import device_distance
-    from NeuralRaycastLib.study.study import Study
-
-    inside = np.zeros((14, 12, 10), bool)
-    inside[3:11, 3:9, 2:8] = True
-    study = Study.from_arrays({"t1": inside.astype(np.float32)}, np.eye(4), brain_mask=inside)
-    cached = prepare(study, cache_root=tmp_path)
-    loaded: list[str] = []
-
-    def load_kernels(gpu) -> None:  # slower than reading the cached maps
-        time.sleep(0.5)
-        loaded.append(threading.current_thread().name)
-
-    monkeypatch.setattr(device_distance, "load_kernels", load_kernels)
-    monkeypatch.setenv("NEURALRAYCAST_DEVICE_MAPS", "1")
-    device = SimpleNamespace(report=SimpleNamespace(software=True), use_on_this_thread=lambda: True)
-    device_distance.start_loading_kernels(device)
-    again = prepare(study, cache_root=tmp_path, gpu=device)
-    assert loaded == ["maps-kernels"]
-    assert again.key == cached.key
-    np.testing.assert_array_equal(again.boundary, cached.boundary)

@@ -225,7 +225,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
     """All stages: geometry from the boundary maps, then appearance and joint training through the renderer."""
     from ..progress import CancelOnInterrupt
     from ..study.cache import load_study_cached
-    from ..study.device_distance import start_loading_kernels
     from ..study.preprocess import import_map_libraries
     from ..train.presets import RunSettings
     from ..train.run import train_study
@@ -252,7 +251,6 @@ def cmd_fit(args: argparse.Namespace) -> int:
         print(f"{where}: preset {get_preset(settings.preset).describe()}", file=sys.stderr)
     if args.representation == "gaussians":
         return _fit_gaussians(gpu, args, settings)
-    start_loading_kernels(gpu)  # the boundary maps' device kernels, while the study is read again and checked
     stream = JsonLines() if args.progress_json else None
     stdin_stop = StopOnStdin() if args.progress_json else None
     with CancelOnInterrupt() as cancel:

@@ -9,7 +9,6 @@ float32 rounding.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -107,48 +106,6 @@ def squared_distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray
 def distance_transform(gpu: Any, inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     """Distance in mm (float32) from each voxel of ``inside`` to the nearest voxel not in it, on the device."""
     return squared_distance_transform(gpu, inside, spacing, root=True)
-
-
-def load_kernels(gpu: Any) -> None:
-    """Load the maps' two modules on ``gpu`` and build their kernels, by a tiny transform and the distance to a
-    one-triangle mesh: what a process's first maps would otherwise do while their structures wait (the warm-up
-    compiles them the same way)."""
-    inside = np.zeros((4, 4, 4), bool)
-    inside[1:3, 1:3, 1:3] = True
-    distance_transform(gpu, inside, np.ones(3))
-    mesh_distances(gpu, np.eye(3), np.array([[0, 1, 2]]), np.zeros((1, 3)), np.zeros((1, 1), np.int64))
-
-
-#: The threads :func:`start_loading_kernels` started, by device, until :func:`wait_for_kernels` joins them.
-_LOADING: dict[int, threading.Thread] = {}
-
-
-def start_loading_kernels(gpu: Any) -> None:
-    """:func:`load_kernels` on a thread of its own, where a run's preparation takes its maps' distances on ``gpu``
-    (:func:`maps_device`): ``fit`` starts it as soon as the device is open, so that the modules load while the
-    study is read again and checked rather than while the first structures' maps wait for them (and hold the
-    device from the brain's). A device that cannot take them from that thread is left to the maps themselves,
-    which then say so. Preparing the study waits for it (:func:`wait_for_kernels`)."""
-    if maps_device(gpu) is None:
-        return
-
-    def load() -> None:
-        if id(gpu) in _REFUSED or not gpu.use_on_this_thread():
-            return
-        with contextlib.suppress(RuntimeError):
-            load_kernels(gpu)
-
-    thread = threading.Thread(target=load, name="maps-kernels", daemon=True)
-    _LOADING[id(gpu)] = thread
-    thread.start()
-
-
-def wait_for_kernels(gpu: Any) -> None:
-    """Wait until the kernels :func:`start_loading_kernels` loads on ``gpu`` are loaded: the device then takes
-    calls from the caller's thread alone again."""
-    thread = _LOADING.pop(id(gpu), None)
-    if thread is not None:
-        thread.join()
 
 
 #: Devices that refused a transform (by id): said once, then not asked again.

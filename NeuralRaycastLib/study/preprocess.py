@@ -711,10 +711,6 @@ def prepare(
                                 "label_notes": {name: note.as_dict() for name, note in notes.items()}},
                                keep=CACHE_ENTRIES)
         report("boundary maps ready", 1.0)
-    if gpu is not None:  # the device is the caller's alone from here
-        from .device_distance import wait_for_kernels
-
-        wait_for_kernels(gpu)
 
     return PreparedStudy(
         study=study,

@@ -39,6 +39,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO
 
+import numpy as np
+
 from .. import __version__
 from ..field.field import COOPERATIVE_ENV, COOPVEC_ENV, FieldLayout, NeuralField
 from ..field.sdf_fit import SdfFitter
@@ -123,10 +125,14 @@ def warm_up_part(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews
 def warm_up_maps(gpu: GpuContext) -> None:
     """The boundary maps' device kernels (study/device_distance.py), where a run's preparation takes its maps'
     distances on this device: a tiny transform and a one-triangle mesh."""
-    from ..study.device_distance import load_kernels, maps_device
+    from ..study.device_distance import distance_transform, maps_device, mesh_distances
 
-    if maps_device(gpu) is not None:
-        load_kernels(gpu)
+    if maps_device(gpu) is None:
+        return
+    inside = np.zeros((4, 4, 4), bool)
+    inside[1:3, 1:3, 1:3] = True
+    distance_transform(gpu, inside, np.ones(3))
+    mesh_distances(gpu, np.eye(3), np.array([[0, 1, 2]]), np.zeros((1, 3)), np.zeros((1, 1), np.int64))
 
 
 def warm_up_pretrained(trainer: Trainer) -> None:
