@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # The boundary maps of a fresh process on this machine, before (commit $BEFORE, default e590435) and after this
-# branch's changes (the map libraries' names imported ahead, the maps' device kernels loaded while fit reads the
-# study, the prepared study written to the cache behind): the "boundary maps" phase of three `fit`s of the sample,
-# each in a fresh process from empty prepared-study and view caches (as `bench --suite workstation` runs them; the
-# kernels stay compiled), the two trees taking turns; and `tools/maps_timeline.py --runs 2 --device` of the sample
-# (run 1 in a fresh process against run 2 in the same one: where the first run's time goes). Takes about two
-# minutes. Writes under $OUT (4 files):
+# branch's changes (the map libraries imported whole before the device opens, the prepared study written to the
+# cache behind, the surface filter's coefficients found without a Python loop): the "boundary maps" phase of three
+# `fit`s of the sample, each in a fresh process from empty prepared-study and view caches (as `bench --suite
+# workstation` runs them; the kernels stay compiled), the two trees taking turns; and `tools/maps_timeline.py --runs
+# 2 --device` of the sample (run 1 in a fresh process against run 2 in the same one: where a first run's time goes).
+# Takes about two minutes. Writes under $OUT (4 files):
 #
-#   summary.txt                 the host, each fit's phases (load, boundary maps, wall), each timeline's runs
+#   summary.txt                 the host, each fit's phases (load, boundary maps), its start (the wall clock less
+#                               its phases: imports, the device's open) and wall, each timeline's runs
 #   timeline-{before,after}.txt tools/maps_timeline.py's output (the last run's steps)
 #   fresh.tar.gz                the fits' logs and train_log.json files, the timelines' steps of every run as JSON
 #
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out tools/gpu/maps_fresh.sh
 #
-# FITS (default 3) sets the fits per tree, FIT_OPTIONS adds options to each fit (a quick try on a machine without a
-# GPU: FIT_OPTIONS="--iterations 2 --views 4 --size 32"). Where commit $BEFORE is not in this checkout, only the current code is
-# measured.
+# FITS (default 3) sets the fits per tree; FIT_OPTIONS adds options to each fit (a quick try on a machine without a
+# GPU: FIT_OPTIONS="--iterations 2 --views 4 --size 32"). Where commit $BEFORE is not in this checkout, only the
+# current code is measured.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -59,12 +60,15 @@ for round in $(seq 1 "$FITS"); do
         fi
         wall=$(( ($(date +%s%N) - start) / 1000000 ))
         cp "$out/train_log.json" "$work/json/fit-$name-$round-train_log.json"
-        $PY - "$out/train_log.json" "$name #$round" "$wall" <<'EOF' | tee -a "$summary"
-import json, sys
+        $PY - "$out/train_log.json" "$name #$round" "$wall" "$work/logs/fit-$name-$round.txt" <<'EOF' | tee -a "$summary"
+import json, re, sys
 phases = {phase["name"]: phase["seconds"] for phase in json.load(open(sys.argv[1])).get("phases") or []}
+wall = int(sys.argv[3]) / 1000
+in_all = [float(found) for found in re.findall(r"([0-9.]+) s in all", open(sys.argv[4]).read())]
+start = f"{wall - in_all[-1]:.2f} s" if in_all else "not printed"
 print(f"fit {sys.argv[2]}: boundary maps {phases.get('boundary maps', float('nan')):.2f} s (load "
       f"{phases.get('load', float('nan')):.2f} s, compile {phases.get('compile', float('nan')):.2f} s; "
-      f"wall {int(sys.argv[3]) / 1000:.1f} s)")
+      f"start and the rest {start}; wall {wall:.1f} s)")
 EOF
         rm -rf "$out"
     done
