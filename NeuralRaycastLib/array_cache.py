@@ -38,6 +38,7 @@ ABANDONED_SECONDS = 3600.0
 _WRITER = ThreadPoolExecutor(1, thread_name_prefix="cache-writer")
 _WRITING: dict[Path, Future] = {}
 _WRITING_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_WRITING.clear)  # a forked child has no writer: it waits for none
 
 
 def read_entry(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:

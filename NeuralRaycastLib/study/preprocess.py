@@ -98,7 +98,7 @@ class PreparedStudy:
 def import_map_libraries() -> None:
     """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, pykdtree, the
     surface distances): a second or more on a first run, which a caller can spend while it does something else
-    (``fit`` imports them in a thread while the device opens). scikit-image loads a submodule when one of its
+    (``fit`` imports them in a thread while it reads the study). scikit-image loads a submodule when one of its
     names is first read, so the names are read here: the brain mask's threshold would otherwise import its
     module on the maps' longest way."""
     import scipy.ndimage  # noqa: F401
