@@ -63,9 +63,13 @@ def folder_bytes(folder: Path) -> tuple[int, int]:
 
 
 def clear_cache(names: list[str]) -> int:
-    """Remove the named cache folders; the bytes freed."""
+    """Remove the named cache folders (after the entries this process is writing: none lands after); the bytes
+    freed."""
     import shutil
 
+    from .array_cache import finish_writes
+
+    finish_writes()
     freed = 0
     for name in names:
         folder = cache_folder(name)

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from NeuralRaycastLib.array_cache import finish_writes
 from NeuralRaycastLib.study import preprocess
 from NeuralRaycastLib.study.device_distance import distance_transform, squared_distance_transform
 from NeuralRaycastLib.study.preprocess import EXACT_REACH_MM, prepare, signed_distance
@@ -145,6 +146,7 @@ def test_a_study_prepared_on_the_device_is_cached_apart_and_reused_without_it(gp
     on_device = prepare(study, cache_root=tmp_path / "device", gpu=gpu)
     on_cpu = prepare(study, cache_root=tmp_path / "cpu")
     assert on_device.key != on_cpu.key
+    finish_writes()  # the entries are written behind
     assert [entry.name for entry in (tmp_path / "device").iterdir()] == [on_device.key]
     np.testing.assert_allclose(on_device.boundary, on_cpu.boundary, rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(on_device.mask, on_cpu.mask)
@@ -279,3 +281,4 @@ def test_a_runs_preparation_takes_the_device_where_it_is_a_gpu_or_asked(phantom_
     device = SimpleNamespace(backend="vulkan", report=SimpleNamespace(software=software))
     run_folder.prepare_for_run(phantom_study_dir, RunSettings("quick"), None, device)
     assert given == [device if on_device else None]
+

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
+from NeuralRaycastLib.array_cache import finish_writes
 from NeuralRaycastLib.study import preprocess
 from NeuralRaycastLib.study.preprocess import (
     EXACT_BAND_VOXELS,
@@ -398,6 +399,7 @@ def test_occupancy_and_bounds_on_the_masks_box_are_the_whole_grids():
 def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_dir, tmp_path):
     study = load_study(phantom_study_dir)
     first = prepare(study, cache_root=tmp_path)
+    finish_writes()  # the entry is written behind
     (cached,) = tmp_path.iterdir()
     second = prepare(study, cache_root=tmp_path)
     np.testing.assert_array_equal(first.boundary, second.boundary)

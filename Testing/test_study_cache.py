@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
 from conftest import save_nifti
 
-from NeuralRaycastLib.array_cache import read_entry, write_entry
+from NeuralRaycastLib.array_cache import finish_writes, read_entry, write_entry, write_entry_behind
+from NeuralRaycastLib.paths import CACHE_ENV, cache_folder, clear_cache
 from NeuralRaycastLib.study import cache as study_cache
 from NeuralRaycastLib.study.cache import load_study_cached
 from NeuralRaycastLib.study.study import StudyError, load_study
@@ -97,3 +99,29 @@ def test_entries_are_replaced_atomically_and_only_the_newest_kept(tmp_path):
     np.testing.assert_array_equal(arrays["a"], np.arange(4))
     assert meta == {"arrays": ["a"]}
     assert read_entry(tmp_path / "entry0") is None
+
+
+def test_an_entry_written_behind_is_read_whole_and_none_lands_after_a_clear(tmp_path, monkeypatch):
+    """write_entry_behind returns before its entry is written (a fresh study's maps do not wait for the disk); a
+    read of the entry in this process waits for it, and clearing the cache waits for what is being written, so
+    that nothing lands in a cleared folder."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    for clear in (False, True):
+        entry = cache_folder("prepared") / f"entry-{clear}"
+        release = threading.Event()
+
+        def arrays(release: threading.Event = release) -> dict[str, np.ndarray]:
+            assert release.wait(60), "the entry was never let go"
+            return {"a": np.arange(3)}
+
+        write_entry_behind(entry, arrays, {"index": 1})
+        assert not entry.exists()  # the caller went on while the entry waits
+        threading.Timer(0.2, release.set).start()
+        if clear:
+            clear_cache(["prepared"])
+            finish_writes()
+            assert not cache_folder("prepared").exists()
+        else:
+            arrays_read, meta = read_entry(entry)
+            np.testing.assert_array_equal(arrays_read["a"], np.arange(3))
+            assert meta == {"index": 1, "arrays": ["a"]}

@@ -234,10 +234,13 @@ def cmd_fit(args: argparse.Namespace) -> int:
     check_run_values(seed=args.seed, views=args.views, iterations=args.iterations)
     check_output(args.out, args.study, overwrite=args.overwrite,
                  run_of=str(Path(args.study).expanduser().resolve()))
+    # The boundary maps' libraries load while the study is read, and are loaded before the device opens: its open
+    # holds the interpreter, so beside it they would make no way and run on into the maps.
+    map_libraries = threading.Thread(target=import_map_libraries, name="import-map-libraries", daemon=True)
+    map_libraries.start()
     load_study_cached(args.study)
     appearance = _pretrained_appearance(args)
-    # The boundary maps' libraries load while the device opens, rather than after it.
-    threading.Thread(target=import_map_libraries, name="import-map-libraries", daemon=True).start()
+    map_libraries.join()
     gpu = _device(args)
     settings = replace(RunSettings.for_device(gpu, args.preset, seed=args.seed, iterations=args.iterations,
                                               views=args.views, size=args.size, shadows=args.shadows,

@@ -48,8 +48,11 @@ def _sinc_coefficients(iterations: int, passband: float) -> np.ndarray:
     def gain(offset: float) -> float:
         return float((coefficients(offset) * np.cos(index * theta)).sum())
 
+    # The scan's gains all at once: one at a time, in Python, they held the interpreter from the other maps' threads.
     scan = np.linspace(0.0, np.pi - theta, 2001)
-    first = int(np.argmax([gain(offset) >= 1.0 for offset in scan]))
+    shifted = theta + scan[:, None]
+    scanned = np.concatenate([shifted / np.pi, 2.0 * np.sin(index[1:] * shifted) / (index[1:] * np.pi)], axis=1)
+    first = int(np.argmax((scanned * window * np.cos(index * theta)).sum(axis=1) >= 1.0))
     low, high = scan[max(first - 1, 0)], scan[first]
     for _ in range(60):
         middle = 0.5 * (low + high)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..array_cache import read_entry, write_entry
+from ..array_cache import read_entry, write_entry_behind
 from ..grid import voxel_box
 from ..paths import cache_folder
 from ..progress import Progress
@@ -117,12 +117,14 @@ class PreparedStudy:
 def import_map_libraries() -> None:
     """Import what the brain mask and the boundary maps compute with (scipy, scikit-image, edt, pykdtree, the
     surface distances): a second or more on a first run, which a caller can spend while it does something else
-    (``fit`` imports them in a thread while the device opens)."""
+    (``fit`` imports them in a thread while it reads the study). scikit-image loads a submodule when one of its
+    names is first read, so the names are read here: the brain mask's threshold would otherwise import its
+    module on the maps' longest way."""
     import scipy.ndimage  # noqa: F401
-    import skimage.filters  # noqa: F401
-    import skimage.measure  # noqa: F401
+    from skimage.filters import threshold_otsu  # noqa: F401
+    from skimage.measure import marching_cubes  # noqa: F401
 
-    from ..mesh import surface_distance  # noqa: F401
+    from ..mesh import mesh, surface_distance  # noqa: F401
 
     with contextlib.suppress(ImportError):  # scipy's transform is the fallback (_distance_transform)
         import edt  # noqa: F401
@@ -632,10 +634,9 @@ def _cached_ranges(meta: dict, channels: int) -> list[tuple[float, float]] | Non
     return pairs if len(pairs) == channels and all(high > low for low, high in pairs) else None
 
 
-def _float32_in_threads(stack: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-    """A float32 (or ``dtype``) copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the
-    cache)."""
-    out = np.empty(stack.shape, dtype)
+def _float32_in_threads(stack: np.ndarray) -> np.ndarray:
+    """A float32 copy of a (S, ...) stack, one slice per thread (the float16 boundary maps of the cache)."""
+    out = np.empty(stack.shape, np.float32)
 
     def convert(index: int) -> None:
         out[index] = stack[index]
@@ -728,13 +729,15 @@ def prepare(
             with_label_maps=lambda maps: derived.update(probability=_rounded_probability(study, structures, maps)))
         probability, occupancy, bounds = derived["probability"], derived["occupancy"], derived["bounds"]
         if use_cache:
-            # float16 halves the entry; the copy is made in threads (one pass over the maps each)
-            write_entry(path, {"boundary": _float32_in_threads(boundary, np.float16), "mask": mask,
-                               "probability": as_float16(probability), "occupancy": occupancy,
-                               "bounds": bounds},
-                        {"channel_ranges": derived["ranges"],
-                         "label_notes": {name: note.as_dict() for name, note in notes.items()}},
-                        keep=CACHE_ENTRIES)
+            # Written behind, while the run goes on (nothing changes the maps once prepared): float16 halves the
+            # entry, its copies made there, in that thread alone (a process ending at once finishes the entry
+            # when no new threads may be asked for).
+            write_entry_behind(path, lambda: {"boundary": boundary.astype(np.float16), "mask": mask,
+                                              "probability": as_float16(probability), "occupancy": occupancy,
+                                              "bounds": bounds},
+                               {"channel_ranges": derived["ranges"],
+                                "label_notes": {name: note.as_dict() for name, note in notes.items()}},
+                               keep=CACHE_ENTRIES)
         report("boundary maps ready", 1.0)
 
     return PreparedStudy(
