@@ -91,6 +91,7 @@ class RayBatch:
             "surfaceGrads": 0,
             "surfaceCapacity": 0,
             "halfSurface": 0,
+            "surfaceHalves": 0,
             "shadows": 0,
             "maxSamples": max_samples,
             "rayCount": capacity,
@@ -310,7 +311,7 @@ class RayBatch:
         self.surface_words = self.struct["surfaceCapacity"] = 0
         with device_memory(f"the surface values of {capacity:,} shaded segments"):
             self.surface = spy.Tensor.zeros(self.device, shape=(words,), dtype="float")
-            self.struct["surface"] = self.surface.storage.device_address
+            self.struct["surface"] = self.struct["surfaceHalves"] = self.surface.storage.device_address
             self.surface_words = words
             if keeps_gradients:
                 self._make_surface_gradients()
@@ -348,6 +349,7 @@ class RayBatch:
         for name, field in self.ROOM_ADDRESSES.items():
             tensor = getattr(self, name)
             self.struct[field] = 0 if tensor is None else address(tensor)
+        self.struct["surfaceHalves"] = self.struct["surface"]
         self.struct["slotCapacity"] = self.slot_capacity
         self.struct.update(surfaceCapacity=self.surface_capacity, halfSurface=int(self.half_surface))
 
