@@ -29,6 +29,8 @@
 #
 #   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out [BEFORE=main] tools/gpu/pretrained_fast.sh
 #
+# BEFORE_TREE: a folder holding that revision's files, taken instead of `git archive` (a host without the history).
+#
 # About two minutes on an H100 host after `warmup` of this tree, under three with BEFORE (without the warm-up the
 # first fit compiles the kernels first: its "compile" phase, left out of the route's sum but not out of the wall
 # clock).
@@ -96,9 +98,9 @@ evaluate whole-geometry
 if [ -n "${BEFORE:-}" ]; then
     tree="$work/before"
     mkdir -p "$tree"
-    if git archive "$BEFORE" | tar -x -C "$tree"; then
+    if { [ -n "${BEFORE_TREE:-}" ] && cp -r "$BEFORE_TREE"/. "$tree"; } || git archive "$BEFORE" | tar -x -C "$tree"; then
         say ""
-        say "== before: $BEFORE ($(git rev-parse --short "$BEFORE")) =="
+        say "== before: $BEFORE ($(git rev-parse --short "$BEFORE" 2>/dev/null || echo "from $BEFORE_TREE")) =="
         # N must take the package from the folder it runs in (python3 -m, no PYTHONPATH naming this tree)
         say "package run there: $(cd "$tree" && ${N%% -m *} -c 'import NeuralRaycastLib; print(NeuralRaycastLib.__file__)' 2>&1)"
         fit before-untimed "before: its modules loaded once (not a measurement)"
