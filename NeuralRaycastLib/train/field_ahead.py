@@ -68,13 +68,14 @@ class FieldAhead:
         self.clock, self.appearance = clock, appearance
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="field-ahead")
         self._made: Future | None = None
+        self._maps_kernels_set_up: Future | None = None
         self._beside_maps = os.environ.get(BESIDE_MAPS_VARIABLE, "").strip() != "0"
 
     def set_up_maps_kernels(self) -> None:
         """Give the boundary maps' device kernels their first calls on the thread (it returns at once), where the
         maps take their transforms on the device; only once the study's size is checked."""
         if self._beside_maps and maps_device(self.gpu) is not None:
-            self._pool.submit(self._maps_kernels)
+            self._maps_kernels_set_up = self._pool.submit(self._maps_kernels)
 
     def start(self, outline: StudyOutline) -> None:
         """Make the field for ``outline`` on the thread (``prepare``'s ``with_outline``: it returns at once)."""
@@ -84,6 +85,8 @@ class FieldAhead:
     def field(self, prepared) -> NeuralField:
         """The field of the prepared study: the one made beside its maps (waited for; its error raised here), or
         made now."""
+        if self._maps_kernels_set_up is not None:
+            self._maps_kernels_set_up.result()  # an error of its own (not the device's refusal) raised here
         made = self._made.result() if self._made is not None else None
         if made is None or made.layout != self.settings.field_layout(self.gpu, prepared):
             made = self._make(prepared)

@@ -117,8 +117,8 @@ def train_study(
         # computed (train/field_ahead.py).
         ahead = FieldAhead(gpu, settings, budget, schedule, clock, appearance)
         try:
-            ahead.set_up_maps_kernels()
             with clock.phase(MAPS_PHASE):
+                ahead.set_up_maps_kernels()
                 prepared = prepare_for_run(loaded, settings, progress, gpu, with_outline=ahead.start)
             with clock.phase(FIELD_PHASE):  # a run the budget cannot hold is refused here, before the field
                 field = ahead.field(prepared)
