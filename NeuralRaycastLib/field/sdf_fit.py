@@ -18,7 +18,7 @@ import numpy as np
 from ..gpu.device import GpuContext, PassClock
 from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
-from ..study.preprocess import PreparedStudy
+from ..study.preprocess import PreparedStudy, StudyOutline
 from ..study.study import map_in_threads
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField, coop_gradient_scale
 
@@ -225,7 +225,6 @@ class SdfFitter:
 
     def accumulate(self, step: int, weight: float = 1.0, timings: dict[str, float] | None = None) -> None:
         """Add ``weight`` × the gradient of one batch's SDF + Eikonal loss to the field's gradient buffer."""
-
         clock = PassClock(self.gpu, timings)
         settings = self.settings(step)
         settings["dataScale"] *= weight
@@ -297,7 +296,6 @@ class SdfFitter:
 
     def loss(self) -> float:
         """The loss of the next step's batch, with the current parameters."""
-
         values = self._call(self.field.sdf_fit_module.fitLoss.return_type("numpy"), self.batch, self._field_struct(),
                             self.boundary, self.band, self.settings(self.step_index))
         return math.nan if values is None else float(np.sum(values, dtype=np.float64))
@@ -353,9 +351,9 @@ class _MapsToCome:
     bounds: np.ndarray
 
 
-def set_up_fit_calls(gpu: GpuContext, field: NeuralField, config: FitConfig, outline) -> None:
+def set_up_fit_calls(gpu: GpuContext, field: NeuralField, config: FitConfig, outline: StudyOutline) -> None:
     """The SDF fit's calls set up (:meth:`SdfFitter.set_up_calls`) for ``field`` fitted as ``config`` says to the
-    study of ``outline`` (preprocess.StudyOutline), whose maps are not made yet (train/field_ahead.py): the first
+    study of ``outline``, whose maps are not made yet (train/field_ahead.py): the first
     step of the run's fit then takes no longer than the others. The field is as it was."""
     maps = _MapsToCome(np.zeros((field.structures, 1, 1, 1), np.float32), outline.study.affine, outline.bounds)
     SdfFitter(gpu, maps, field, config).set_up_calls()  # type: ignore[arg-type]

@@ -4,8 +4,8 @@ The field is sized by the study's box, which the brain mask gives long before th
 (``prepare``'s ``with_outline``), not by the maps themselves; the kernels the run loads next (the SDF fit's, the
 renderer's, the pretrained appearance's) need nothing of the study but its counts, and their modules take up to a
 good part of a second each to load (once per process: the run's own loads then find them). The SDF fit's calls are
-set up there too, over no points (field/sdf_fit.py's set_up_fit_calls: slangpy sets up a function's call on its first
-call, which would otherwise hold up the fit's first step); the field is left as it was.
+set up there too, its kernels built but not launched (field/sdf_fit.py's set_up_fit_calls: slangpy sets up a
+function's call on its first call, which would otherwise hold up the fit's first step); the field is left as it was.
 So the run's memory check (train/memory.py), its field and those kernels are made on a thread of their own beside
 the maps: a phase beside "boundary maps" (train/phases.py). What the run still waits for once the maps are done is
 a phase of its own, "field".
