@@ -13,8 +13,9 @@ a phase of its own, "field".
 Before the field, the thread gives the boundary maps' device kernels (study/device_distance.py) their first calls,
 where the maps take their transforms on the device: slangpy sets up a kernel's call on its first call in a process,
 which the maps' first transform would otherwise wait for. The run asks for that only once its study's size is checked
-(the study downsampled, or refused before the device takes any work: train/run.py), and before the maps start, so
-it overlaps the brain mask, which the maps' longest way waits for. It is a phase beside the maps of its own.
+(the study downsampled, or refused before the device takes any work: train/run.py), and only where the maps are to be
+computed (``prepare``'s ``before_maps``; not where the cache holds them), just before they start, so it overlaps the
+brain mask, which the maps' longest way waits for. It is a phase beside the maps of its own.
 
 The thread holds the device's lock (``GpuContext.lock``) for each of its calls on the device, as the maps'
 transforms do for theirs. Where the device takes no calls from that thread (a CUDA context that cannot be made
@@ -73,7 +74,7 @@ class FieldAhead:
 
     def set_up_maps_kernels(self) -> None:
         """Give the boundary maps' device kernels their first calls on the thread (it returns at once), where the
-        maps take their transforms on the device; only once the study's size is checked."""
+        maps take their transforms on the device (``prepare``'s ``before_maps``: the study's size is checked)."""
         if self._beside_maps and maps_device(self.gpu) is not None:
             self._maps_kernels_set_up = self._pool.submit(self._maps_kernels)
 

@@ -118,8 +118,8 @@ def train_study(
         ahead = FieldAhead(gpu, settings, budget, schedule, clock, appearance)
         try:
             with clock.phase(MAPS_PHASE):
-                ahead.set_up_maps_kernels()
-                prepared = prepare_for_run(loaded, settings, progress, gpu, with_outline=ahead.start)
+                prepared = prepare_for_run(loaded, settings, progress, gpu, with_outline=ahead.start,
+                                           before_maps=ahead.set_up_maps_kernels)
             with clock.phase(FIELD_PHASE):  # a run the budget cannot hold is refused here, before the field
                 field = ahead.field(prepared)
         finally:
