@@ -248,7 +248,7 @@ def test_fit_prepares_its_study_with_its_device(phantom_study_dir, tmp_path, mon
 
     given = []
 
-    def prepare_for_run(study, settings, progress, gpu=None, with_outline=None):
+    def prepare_for_run(study, settings, progress, gpu=None, with_outline=None, before_maps=None):
         given.append(gpu)
         raise Prepared
 

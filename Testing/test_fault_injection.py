@@ -306,9 +306,10 @@ def fake_training(monkeypatch, prepared, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setattr(run, "prepare_for_run",
-                        lambda study, settings, progress, gpu=None, with_outline=None: steps.append("prepare")
-                        or prepared)
+                        lambda study, settings, progress, gpu=None, with_outline=None, before_maps=None:
+                        steps.append("prepare") or prepared)
     monkeypatch.setattr(run, "study_within_budget", lambda study, settings, budget, progress: (study, settings))
+    monkeypatch.setattr(run, "downsampled_for_run", lambda study, settings, progress: study)
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: synthetic_views(prepared, 4))
     monkeypatch.setattr(field_ahead, "NeuralField", lambda gpu, layout, seed: field)
     monkeypatch.setattr(run, "Trainer", FakeTrainer)

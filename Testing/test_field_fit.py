@@ -8,7 +8,8 @@ from conftest import phantom_prepared
 from field_reference import tiny_config
 
 from NeuralRaycastLib.field.field import FieldLayout, NeuralField
-from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors, fit_sdf
+from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors, fit_sdf, set_up_fit_calls
+from NeuralRaycastLib.study.preprocess import StudyOutline
 from NeuralRaycastLib.study.sample.phantom import Phantom, voxel_centres
 
 pytestmark = pytest.mark.gpu
@@ -74,6 +75,24 @@ def test_fit_can_be_cancelled_and_is_reproducible(gpu, phantom_setup):
         runs.append(result.losses)
     # Same seed, same points: the losses agree up to the order of the atomic additions.
     np.testing.assert_allclose([loss for _, loss in runs[0]], [loss for _, loss in runs[1]], rtol=1e-4)
+
+
+def test_the_fits_calls_set_up_beside_the_maps_leave_the_field_as_it_was(gpu, phantom_setup):
+    """A run sets up its SDF fit's calls while the boundary maps are still made, from the study's outline alone
+    (train/field_ahead.py): the field's parameters and gradients are then bit for bit as they were, so the fit that
+    follows is the one a run without it makes."""
+    prepared = phantom_setup[0]
+    config = FitConfig(steps=4, batch=512, monitor_every=1, seed=5)
+    plain, set_up = make_field(gpu, prepared), make_field(gpu, prepared)
+    values, gradients = set_up.values.to_numpy().copy(), set_up.grads.to_numpy().copy()
+    set_up_fit_calls(gpu, set_up, config, StudyOutline(prepared.study, prepared.structures, prepared.bounds))
+    np.testing.assert_array_equal(set_up.values.to_numpy().view(np.uint32), values.view(np.uint32))
+    np.testing.assert_array_equal(set_up.grads.to_numpy().view(np.uint32), gradients.view(np.uint32))
+    assert set_up.active_levels == plain.active_levels
+    losses = [SdfFitter(gpu, prepared, field, config).run().losses for field in (plain, set_up)]
+    assert losses[0][0] == losses[1][0]  # before any step: the same sum of the same values
+    # Later ones agree up to the order of the atomic additions (as two plain fits do).
+    np.testing.assert_allclose([loss for _, loss in losses[0]], [loss for _, loss in losses[1]], rtol=1e-4)
 
 
 def test_fit_step_profile_names_every_phase_and_keeps_training(gpu, phantom_setup):

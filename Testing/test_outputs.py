@@ -331,8 +331,8 @@ def test_a_fit_cancelled_before_training_exits_130_with_nothing_written(tmp_path
         return "views"
 
     monkeypatch.setattr(cli, "open_device", lambda device: fake_gpu())
-    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None, with_outline=None:
-                        "prepared")
+    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None, with_outline=None,
+                        before_maps=None: "prepared")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
     monkeypatch.setattr(field_ahead, "check_run_fits", lambda budget, layout, prepared, config: None)
     monkeypatch.setattr(field_ahead, "NeuralField", lambda gpu, layout, seed: "field")

@@ -398,10 +398,12 @@ def test_occupancy_and_bounds_on_the_masks_box_are_the_whole_grids():
 
 def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_dir, tmp_path):
     study = load_study(phantom_study_dir)
-    first = prepare(study, cache_root=tmp_path)
+    computed = []  # before_maps: where the maps are computed, not where the cache gives them (a run readies for them)
+    first = prepare(study, cache_root=tmp_path, before_maps=lambda: computed.append("first"))
     finish_writes()  # the entry is written behind
     (cached,) = tmp_path.iterdir()
-    second = prepare(study, cache_root=tmp_path)
+    second = prepare(study, cache_root=tmp_path, before_maps=lambda: computed.append("second"))
+    assert computed == ["first"]
     np.testing.assert_array_equal(first.boundary, second.boundary)
     np.testing.assert_array_equal(first.probability, second.probability)
     for name in ("channels", "mask", "occupancy", "bounds"):  # the cached grid and box are those derived anew
@@ -414,6 +416,7 @@ def test_cache_gives_identical_maps_and_survives_a_damaged_file(phantom_study_di
     np.testing.assert_array_equal(prepare(study, cache_root=tmp_path).channels, first.channels)
     (cached / "boundary.npy").write_bytes(b"damaged")
     third = prepare(study, cache_root=tmp_path)
+    finish_writes()  # its entry, written again behind, lands before the next damage
     np.testing.assert_array_equal(first.boundary, third.boundary)
     (cached / "occupancy.npy").unlink()  # an entry missing an array is derived again
     fourth = prepare(study, cache_root=tmp_path)

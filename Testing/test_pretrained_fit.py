@@ -162,13 +162,14 @@ def test_maps_that_fail_while_the_field_is_made_beside_them_give_one_error_and_w
 
     prepare, outlines = run.prepare_for_run, []
 
-    def maps_that_fail(study, settings, progress, gpu=None, with_outline=None):
+    def maps_that_fail(study, settings, progress, gpu=None, with_outline=None, before_maps=None):
         def field_started_then_maps_fail(outline) -> None:
             with_outline(outline)
             outlines.append(outline)
             raise StudyError("structure 'brain' (the brain mask): no voxels inside it")
 
-        return prepare(study, settings, progress, gpu, with_outline=field_started_then_maps_fail)
+        return prepare(study, settings, progress, gpu, with_outline=field_started_then_maps_fail,
+                       before_maps=before_maps)
 
     monkeypatch.setattr(run, "prepare_for_run", maps_that_fail)
     out = tmp_path / "runs" / "run"

@@ -195,7 +195,11 @@ class _UnusedDevice:
     backend = "stand-in"
     memory = MemoryBudget(4 << 30, "a stand-in")  # the budget is read as work is sized, not device work
 
+    def __init__(self) -> None:
+        self.uses: list[str] = []  # also what a thread of the run asked for, where its error is not raised
+
     def __getattr__(self, name):
+        self.uses.append(name)
         raise AssertionError(f"the device was used ({name}) before the size was checked")
 
 
@@ -308,11 +312,14 @@ def test_a_structure_that_would_vanish_is_named_with_its_size_and_what_to_do(tmp
     assert "no voxel of it would be left" in message
     assert "larger voxel limit" in message and "standard preset" in message
 
-    monkeypatch.setattr(cli, "open_device", lambda device=None: _UnusedDevice())
+    unused = _UnusedDevice()
+    monkeypatch.setattr(cli, "open_device", lambda device=None: unused)
+    # With the maps' transforms on the device, their kernels are set up as soon as the study's size is checked.
+    monkeypatch.setenv("NEURALRAYCAST_DEVICE_MAPS", "1")
     out = tmp_path / "run"
     status, err = _cli(capsys, "fit", str(folder), "--out", str(out), "--preset", "quick")
     assert status == 2 and _one_line(err) == f"neuralraycast fit: error: {message}"
-    assert not out.exists()
+    assert not out.exists() and unused.uses == []
 
 
 def test_a_structure_without_voxels_is_named_by_preparing():

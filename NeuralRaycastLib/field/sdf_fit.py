@@ -18,7 +18,7 @@ import numpy as np
 from ..gpu.device import GpuContext, PassClock
 from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
-from ..study.preprocess import PreparedStudy
+from ..study.preprocess import PreparedStudy, StudyOutline
 from ..study.study import map_in_threads
 from .field import GROUP_APPEARANCE, GROUP_GEOMETRY, GROUP_TABLE, NeuralField, coop_gradient_scale
 
@@ -72,13 +72,14 @@ def active_levels(step: int, config: FitConfig, levels: int) -> int:
 class Adam:
     """Adam state on the device for one field (moments, group ids) and its step kernel."""
 
-    def __init__(self, gpu: GpuContext, field: NeuralField, config: FitConfig) -> None:
+    def __init__(self, gpu: GpuContext, field: NeuralField, config: FitConfig, moments: bool = True) -> None:
         import slangpy as spy
 
         self.field, self.config = field, config
         self.module = gpu.load_module("adam")
-        self.m = spy.Tensor.zeros_like(field.values)
-        self.v = spy.Tensor.zeros_like(field.values)
+        # Without ``moments`` (an Adam whose step is only set up: set_up_call) no buffer is made for them.
+        self.m = spy.Tensor.zeros_like(field.values) if moments else field.values
+        self.v = spy.Tensor.zeros_like(field.values) if moments else field.values
         # The device's layout: the kernels' unused places get no gradient, so Adam leaves them at zero.
         layout = field.kernels
         self.buffers = {  # shaders/adam.slang's AdamBuffers: the groups are contiguous in the field's buffer
@@ -94,10 +95,12 @@ class Adam:
         self.threads = -(-layout.count // int(self.module.adamWidth()))  # a thread per few parameters
         self.step_count = 0
 
-    def settings(self, factor: float, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> dict:
+    def settings(self, factor: float, group_scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                 step: int | None = None) -> dict:
+        """The step's settings: of the ``step``-th update (default: the one made last)."""
         import slangpy as spy
 
-        c, t = self.config, self.step_count
+        c, t = self.config, self.step_count if step is None else step
         rates = [0.0] * 4
         rates[GROUP_TABLE] = c.rate_table * factor * group_scales[GROUP_TABLE]
         rates[GROUP_GEOMETRY] = c.rate_geometry * factor * group_scales[GROUP_GEOMETRY]
@@ -120,6 +123,12 @@ class Adam:
         self.step_count += 1
         self.field.weights_changed()
         self.module.adamStep(spy.grid((self.threads,)), self.buffers, self.settings(factor, group_scales))
+
+    def set_up_call(self) -> None:
+        """The step's call set up, not made (see SdfFitter.set_up_calls): nothing changes."""
+        import slangpy as spy
+
+        self.module.adamStep.debug_build_call_data(spy.grid((self.threads,)), self.buffers, self.settings(1.0, step=1))
 
 
 def band_voxels(prepared: PreparedStudy, band_mm: float) -> tuple[np.ndarray, list[int], list[int]]:
@@ -170,6 +179,7 @@ class SdfFitter:
         self.band = {"voxels": self._voxels.storage.device_address, "offset": offsets + unused,
                      "count": counts + unused}
         self.step_index = 0
+        self._calls_only = False  # set_up_calls: the fit's kernels' calls set up, not made
         # Whole waves of 32 points: the tensor-core network needs every lane, and the Eikonal term is
         # carried by whole waves.
         self.batch = -(-config.batch // WAVE) * WAVE
@@ -215,8 +225,6 @@ class SdfFitter:
 
     def accumulate(self, step: int, weight: float = 1.0, timings: dict[str, float] | None = None) -> None:
         """Add ``weight`` × the gradient of one batch's SDF + Eikonal loss to the field's gradient buffer."""
-        import slangpy as spy
-
         clock = PassClock(self.gpu, timings)
         settings = self.settings(step)
         settings["dataScale"] *= weight
@@ -232,7 +240,7 @@ class SdfFitter:
         for kernel, points in ((module.fitEikonalWaves, self.eikonal_points),
                                (module.fitPlainWaves, self.batch - self.eikonal_points)):
             if points:
-                kernel(spy.grid((points,)), struct, self.boundary, self.band, settings)
+                self._call(kernel, points, struct, self.boundary, self.band, settings)
         clock.lap("fit kernel (forward + backward)")
         if field.cooperative:
             field.add_tiled_gradients()
@@ -240,6 +248,31 @@ class SdfFitter:
         if field.coop_vectors is not None:
             field.add_coop_vector_gradients()
             clock.lap("cooperative-vector gradients back")
+
+    def set_up_calls(self) -> None:
+        """The calls of a fit step and of its loss set up, the fit's own kernels' (and Adam's) not made: slangpy
+        sets a function's call up (its kernel built and loaded) on its first call with each signature of
+        arguments, once in a process, which the first step would otherwise wait for. Nothing the fit reads
+        changes: no point is fitted, no parameter moves, and the networks' conversions to and from the tensor
+        cores' (or cooperative vectors') layout run as in a step, their copies of the weights refreshed and of the
+        gradients zero (so the field's gradients stay zero)."""
+        self._calls_only = True
+        try:
+            self.loss()
+            self.accumulate(self.step_index)
+            Adam(self.gpu, self.field, self.config, moments=False).set_up_call()
+        finally:
+            self._calls_only = False
+
+    def _call(self, kernel, points: int, *args, **options):
+        """``kernel`` over ``points`` threads; while the calls are only set up, its call set up and not made
+        (None)."""
+        import slangpy as spy
+
+        if self._calls_only:
+            kernel.debug_build_call_data(spy.grid((points,)), *args, **options)
+            return None
+        return kernel(spy.grid((points,)), *args, **options)
 
     def profile_steps(self, steps: int = 10) -> dict[str, float]:
         """Mean seconds per phase of a fit step, waiting for the device after each phase (the field trains on)."""
@@ -263,17 +296,9 @@ class SdfFitter:
 
     def loss(self) -> float:
         """The loss of the next step's batch, with the current parameters."""
-        import slangpy as spy
-
-        values = self.field.sdf_fit_module.fitLoss(
-            spy.grid((self.batch,)),
-            self._field_struct(),
-            self.boundary,
-            self.band,
-            self.settings(self.step_index),
-            _result="numpy",
-        )
-        return float(np.sum(values, dtype=np.float64))
+        values = self._call(self.field.sdf_fit_module.fitLoss.return_type("numpy"), self.batch, self._field_struct(),
+                            self.boundary, self.band, self.settings(self.step_index))
+        return math.nan if values is None else float(np.sum(values, dtype=np.float64))
 
     def run(self, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> FitResult:
         """Fit to the end, or until ``should_stop()`` says so (the result then says ``cancelled``)."""
@@ -314,6 +339,24 @@ class SdfFitter:
         result.points_per_second = result.steps * self.batch / timed if timed > 0 else 0.0
         report(f"done: loss {result.losses[-1][1]:.4g}", 1.0)
         return result
+
+
+@dataclass(frozen=True)
+class _MapsToCome:
+    """What :class:`SdfFitter` reads of a prepared study, before its maps are made: one-voxel stand-ins for them
+    (of every structure, so the calls' arguments are those of the study's fit), the study's grid and box."""
+
+    boundary: np.ndarray
+    affine: np.ndarray
+    bounds: np.ndarray
+
+
+def set_up_fit_calls(gpu: GpuContext, field: NeuralField, config: FitConfig, outline: StudyOutline) -> None:
+    """The SDF fit's calls set up (:meth:`SdfFitter.set_up_calls`) for ``field`` fitted as ``config`` says to the
+    study of ``outline``, whose maps are not made yet (train/field_ahead.py): the first
+    step of the run's fit then takes no longer than the others. The field is as it was."""
+    maps = _MapsToCome(np.zeros((field.structures, 1, 1, 1), np.float32), outline.study.affine, outline.bounds)
+    SdfFitter(gpu, maps, field, config).set_up_calls()  # type: ignore[arg-type]
 
 
 def fit_sdf(

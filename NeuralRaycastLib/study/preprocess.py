@@ -676,6 +676,7 @@ def prepare(
     keep_small_pieces: bool = False,
     gpu: Any = None,
     with_outline: Callable[[StudyOutline], object] | None = None,
+    before_maps: Callable[[], object] | None = None,
 ) -> PreparedStudy:
     """Derive everything the field needs from a study (see the module docstring). Pieces of a label smaller
     than ``min_piece_ml`` are left out of its surface (``keep_small_pieces``: kept as surfaces of their own);
@@ -683,7 +684,8 @@ def prepare(
 
     ``with_outline`` is called with the study's :class:`StudyOutline` as soon as its mask's box is known (from
     a worker thread where the maps are computed), so a caller can size its work while the maps are still made;
-    it should only hand that work on, and return at once.
+    it should only hand that work on, and return at once. ``before_maps`` is called likewise, from this thread, just
+    before the maps are computed (not where the cache holds them): a caller can ready what they take.
 
     ``gpu``: an open device to take the distance transforms on (the boundary maps' longest part), else the
     processor. A cache entry made either way is used by both (they agree within float32 rounding), the one made
@@ -716,6 +718,8 @@ def prepare(
         occupancy, bounds = cached["occupancy"].astype(bool), cached["bounds"]
         _normalise_channels(study, mask, _cached_ranges(meta, len(study.channels)), channels)
     else:
+        if before_maps is not None:
+            before_maps()
         derived: dict = {}
 
         def with_mask(brain: np.ndarray) -> None:  # the channels are normalised while the maps are made

@@ -3,27 +3,40 @@
 The field is sized by the study's box, which the brain mask gives long before the maps are done
 (``prepare``'s ``with_outline``), not by the maps themselves; the kernels the run loads next (the SDF fit's, the
 renderer's, the pretrained appearance's) need nothing of the study but its counts, and their modules take up to a
-good part of a second each to load (once per process: the run's own loads then find them).
+good part of a second each to load (once per process: the run's own loads then find them). The SDF fit's calls are
+set up there too, its kernels built but not launched (field/sdf_fit.py's set_up_fit_calls: slangpy sets up a
+function's call on its first call, which would otherwise hold up the fit's first step); the field is left as it was.
 So the run's memory check (train/memory.py), its field and those kernels are made on a thread of their own beside
 the maps: a phase beside "boundary maps" (train/phases.py). What the run still waits for once the maps are done is
 a phase of its own, "field".
+
+Before the field, the thread gives the boundary maps' device kernels (study/device_distance.py) their first calls,
+where the maps take their transforms on the device: slangpy sets up a kernel's call on its first call in a process,
+which the maps' first transform would otherwise wait for. The run asks for that only once its study's size is checked
+(the study downsampled, or refused before the device takes any work: train/run.py), and only where the maps are to be
+computed (``prepare``'s ``before_maps``; not where the cache holds them), just before they start, so it overlaps the
+brain mask, which the maps' longest way waits for. It is a phase beside the maps of its own.
 
 The thread holds the device's lock (``GpuContext.lock``) for each of its calls on the device, as the maps'
 transforms do for theirs. Where the device takes no calls from that thread (a CUDA context that cannot be made
 current there), or the preparation gave no outline, the field is made on the run's thread once the maps are done.
 The field is the one the prepared study's layout asks for: one made ahead for another layout is made again, so
 what the run trains never depends on what was made ahead. ``NEURALRAYCAST_FIELD_BESIDE_MAPS=0`` makes it once the
-maps are done, as a run did before (to measure what making it beside them gains on a machine).
+maps are done, as a run did before, and gives the maps' kernels no first calls ahead of them (to measure what the
+work beside them gains on a machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ..field.field import FieldLayout, NeuralField
+from ..field.sdf_fit import set_up_fit_calls
 from ..gpu.device import GpuContext, device_memory
+from ..study.device_distance import maps_device
 from .memory import check_run_fits
 from .phases import PhaseClock
 from .presets import RunSettings
@@ -35,6 +48,8 @@ if TYPE_CHECKING:
 
 #: The phase of the field made beside the maps, and the run's own phase that takes what is left of it.
 BESIDE_PHASE, FIELD_PHASE = "field and kernels", "field"
+#: The phase of the maps' kernels' first calls, beside the maps.
+MAPS_KERNELS_PHASE = "maps kernels"
 #: The run's phase the field is made beside.
 MAPS_PHASE = "boundary maps"
 #: 0: the field is made once the maps are done; anything else (or unset): beside them.
@@ -54,7 +69,14 @@ class FieldAhead:
         self.clock, self.appearance = clock, appearance
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="field-ahead")
         self._made: Future | None = None
+        self._maps_kernels_set_up: Future | None = None
         self._beside_maps = os.environ.get(BESIDE_MAPS_VARIABLE, "").strip() != "0"
+
+    def set_up_maps_kernels(self) -> None:
+        """Give the boundary maps' device kernels their first calls on the thread (it returns at once), where the
+        maps take their transforms on the device (``prepare``'s ``before_maps``: the study's size is checked)."""
+        if self._beside_maps and maps_device(self.gpu) is not None:
+            self._maps_kernels_set_up = self._pool.submit(self._maps_kernels)
 
     def start(self, outline: StudyOutline) -> None:
         """Make the field for ``outline`` on the thread (``prepare``'s ``with_outline``: it returns at once)."""
@@ -64,6 +86,8 @@ class FieldAhead:
     def field(self, prepared) -> NeuralField:
         """The field of the prepared study: the one made beside its maps (waited for; its error raised here), or
         made now."""
+        if self._maps_kernels_set_up is not None:
+            self._maps_kernels_set_up.result()  # an error of its own (not the device's refusal) raised here
         made = self._made.result() if self._made is not None else None
         if made is None or made.layout != self.settings.field_layout(self.gpu, prepared):
             made = self._make(prepared)
@@ -72,6 +96,16 @@ class FieldAhead:
     def close(self) -> None:
         """Wait for the thread: a run that stops leaves nothing of its own working on the device."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _maps_kernels(self) -> None:
+        """train/warmup.py's tiny transform and mesh distances, calls as the maps make them. A device that refuses
+        them is left to the maps, which take the processor's transforms then and say why."""
+        from .warmup import warm_up_maps
+
+        with self.clock.phase(MAPS_KERNELS_PHASE, beside=MAPS_PHASE):
+            if self.gpu.use_on_this_thread():
+                with contextlib.suppress(RuntimeError):
+                    warm_up_maps(self.gpu)
 
     def _beside(self, outline: StudyOutline) -> NeuralField | None:
         """The field and the kernels the run loads next, made beside the maps (the device's lock taken for each
@@ -83,8 +117,8 @@ class FieldAhead:
             parameters = layout.initial_parameters(self.settings.seed)  # the host's part: the maps' calls go on
             with self.gpu.lock, device_memory(self._what):
                 field = NeuralField(self.gpu, layout, parameters)
-            with self.gpu.lock:
-                _ = field.sdf_fit_module
+            with self.gpu.lock:  # the fit's first step then sets up no call (the field is as it was)
+                set_up_fit_calls(self.gpu, field, self.schedule.geometry, outline)
             with self.gpu.lock:
                 for name in RENDERER_MODULES:
                     self.gpu.load_module(name, field.structures)

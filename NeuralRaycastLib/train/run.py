@@ -30,6 +30,7 @@ from .run_folder import (
     RUN_FOLDER_REFUSAL,
     RunNotSavedError,
     TrainedRun,
+    downsampled_for_run,
     is_run_folder,
     keep_trained_run,
     model_encoder,
@@ -109,12 +110,16 @@ def train_study(
     try:
         with clock.phase("load"):
             loaded, settings = study_within_budget(study, settings, budget, progress)
+            # Downsampled, or refused, before any work on the device.
+            loaded = downsampled_for_run(loaded, settings, progress)
         schedule = settings.schedule(config, pretrained=appearance is not None)  # the geometry alone if pretrained
-        # The field (and the kernels the run loads next) made while the maps are computed (train/field_ahead.py).
+        # The maps' kernels set up, then the field (and the kernels the run loads next) made, while the maps are
+        # computed (train/field_ahead.py).
         ahead = FieldAhead(gpu, settings, budget, schedule, clock, appearance)
         try:
             with clock.phase(MAPS_PHASE):
-                prepared = prepare_for_run(loaded, settings, progress, gpu, with_outline=ahead.start)
+                prepared = prepare_for_run(loaded, settings, progress, gpu, with_outline=ahead.start,
+                                           before_maps=ahead.set_up_maps_kernels)
             with clock.phase(FIELD_PHASE):  # a run the budget cannot hold is refused here, before the field
                 field = ahead.field(prepared)
         finally:

@@ -46,20 +46,30 @@ RUN_FOLDER_REFUSAL = ("a run is written into a new or empty folder, or over an e
 
 def prepare_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None,
                     gpu: GpuContext | None = None,
-                    with_outline: Callable[[StudyOutline], object] | None = None) -> PreparedStudy:
+                    with_outline: Callable[[StudyOutline], object] | None = None,
+                    before_maps: Callable[[], object] | None = None) -> PreparedStudy:
     """A study (in memory, e.g. read from a Slicer scene, or its file) downsampled as the settings ask (the
     quick preset; ``progress`` is told the grids before and after) and prepared: brain mask, boundary maps,
     tumour probability (their distance transforms on ``gpu`` where it is a hardware GPU or
-    $NEURALRAYCAST_DEVICE_MAPS is 1: study/device_distance.py). ``with_outline``: see
+    $NEURALRAYCAST_DEVICE_MAPS is 1: study/device_distance.py). ``with_outline``, ``before_maps``: see
     :func:`~NeuralRaycastLib.study.preprocess.prepare`."""
+    study = downsampled_for_run(study, settings, progress)
+    return prepare(study, progress=progress, min_piece_ml=settings.min_piece_ml,
+                   keep_small_pieces=settings.keep_small_pieces, gpu=maps_device(gpu), with_outline=with_outline,
+                   before_maps=before_maps)
+
+
+def downsampled_for_run(study: Study | str | Path, settings: RunSettings, progress: Progress | None = None) -> Study:
+    """The study (read, where a file) on the grid the settings' voxel limit asks for (``progress`` told the grids
+    before and after), or StudyError where that grid would lose a structure: the check a run makes before its
+    device takes any work (the same study again where it is already on that grid)."""
     if not isinstance(study, Study):
         study = load_study_cached(study)
     if settings.max_voxels:
         full, study = study, downsample_study(study, settings.max_voxels)
         if study is not full and progress is not None:
             progress(Note(downsampling_note(full, study)), 0.0)
-    return prepare(study, progress=progress, min_piece_ml=settings.min_piece_ml,
-                   keep_small_pieces=settings.keep_small_pieces, gpu=maps_device(gpu), with_outline=with_outline)
+    return study
 
 
 def study_within_budget(study: Study | str | Path, settings: RunSettings, budget: MemoryBudget,

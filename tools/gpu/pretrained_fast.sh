@@ -7,8 +7,8 @@
 #      module cache (a `warmup` that finds its stamp compiles nothing, and leaves that to the first fit);
 #   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh),
 #      twice (afresh-1, afresh-2: the spread of one figure); then once more with NEURALRAYCAST_FIELD_BESIDE_MAPS=0
-#      (serial: the field made once the maps are done), which parts what making it beside the maps gains from the
-#      rest of the change;
+#      (serial: the field made once the maps are done, and neither the maps' kernels nor the SDF fit's calls set up
+#      ahead), which parts what the work beside the maps gains from the rest of the change;
 #   2. the same fit again, the maps from the cache;
 #   3. for comparison, the same fit with the standard preset's whole geometry schedule (`--iterations 825`: the
 #      600 steps of 65,536 points the route fitted before it took its own, shorter one), maps from the cache;
@@ -18,7 +18,9 @@
 #      go (fits named before-...).
 #
 # The field is made beside the boundary maps (train/field_ahead.py): the "time:" line lists it as "field and kernels
-# ... beside boundary maps", left out of every sum, and the run's wait for it once the maps are done as "field".
+# ... beside boundary maps", left out of every sum, and the run's wait for it once the maps are done as "field"; the
+# maps' kernels' first calls, where the maps' transforms run on the device, as "maps kernels ... beside boundary
+# maps". Each fit's SDF first step (the fit's calls set up beside the maps, or in that step) is said after its lines.
 #
 # Prints each fit's "study to renderable model" and "time:" lines, the held-out PSNR and the 1024² frame time, and
 # writes under $OUT (3 files):
@@ -67,6 +69,8 @@ fit() {
     say "== fit $name ($what): ${wall} ms wall for the whole command =="
     tr '\r' '\n' < "$work/logs/fit-$name.txt" | grep -E '^(study to renderable model|time|done):' | tee -a "$summary"
     cp "$work/run-$name/train_log.json" "$work/logs/train_log-$name.json" 2>/dev/null
+    python3 -c 'import json, sys; print("SDF fit first step: %.3f s" % json.load(open(sys.argv[1]))["sdf_first_step_seconds"])' \
+        "$work/run-$name/train_log.json" 2>/dev/null | tee -a "$summary"
 }
 
 # evaluate NAME: held-out PSNR / SSIM and the Dice table of run-NAME.
