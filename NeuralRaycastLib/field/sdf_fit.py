@@ -355,6 +355,10 @@ def set_up_fit_calls(gpu: GpuContext, field: NeuralField, config: FitConfig, out
     """The SDF fit's calls set up (:meth:`SdfFitter.set_up_calls`) for ``field`` fitted as ``config`` says to the
     study of ``outline``, whose maps are not made yet (train/field_ahead.py): the first
     step of the run's fit then takes no longer than the others. The field is as it was."""
+    from slangpy.core.function import FunctionNode
+
+    if not hasattr(FunctionNode, "debug_build_call_data"):  # (a slangpy without it: the first step sets up)
+        return
     maps = _MapsToCome(np.zeros((field.structures, 1, 1, 1), np.float32), outline.study.affine, outline.bounds)
     SdfFitter(gpu, maps, field, config).set_up_calls()  # type: ignore[arg-type]
 
