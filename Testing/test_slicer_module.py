@@ -338,8 +338,8 @@ def test_training_again_replaces_the_last_run_and_refuses_any_other_non_empty_fo
 
     monkeypatch.setattr(gpu, "open_device", lambda choice=None: SimpleNamespace(
         backend="vulkan", report=SimpleNamespace(software=True)))
-    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None, with_outline=None:
-                        "prepared")
+    monkeypatch.setattr(run, "prepare_for_run", lambda study, settings, progress, gpu=None, with_outline=None,
+                        before_maps=None: "prepared")
     monkeypatch.setattr(run, "ensure_warm", lambda *args: None)
     monkeypatch.setattr(run, "reference_views_for_run", lambda *args: "views")
     monkeypatch.setattr(run.RunSettings, "field_layout", lambda self, gpu, prepared: "layout")
