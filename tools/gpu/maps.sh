@@ -16,18 +16,8 @@
 # and shaders/ of it; with neither, only the current code is measured.
 set -euo pipefail
 
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-: "${OUT:?set OUT to the folder for the results}"
-N=${N:-python3 -m NeuralRaycastLib.app.entry}
-PY=${PYTHON:-python3}
 BEFORE=${BEFORE:-f0102c0}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$OUT" "$work/logs" "$work/json"
-summary="$OUT/summary.txt"
-: > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
+. "$(dirname "$0")/measure_common.sh"
 
 say "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), python $($PY -V 2>&1)"
 say "after: $(git rev-parse --short HEAD 2>/dev/null || echo 'working tree')"

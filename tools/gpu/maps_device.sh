@@ -16,18 +16,8 @@
 # commit is not in the checkout, only the current code's fit is timed.
 set -euo pipefail
 
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-: "${OUT:?set OUT to the folder for the results}"
-N=${N:-python3 -m NeuralRaycastLib.app.entry}
-PY=${PYTHON:-python3}
 BEFORE=${BEFORE:-f058e74}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$OUT" "$work/logs" "$work/json"
-summary="$OUT/summary.txt"
-: > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
+. "$(dirname "$0")/measure_common.sh"
 
 say "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), python $($PY -V 2>&1)"
 say "gpu: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo 'none found')"

@@ -19,20 +19,10 @@
 # current code is measured.
 set -euo pipefail
 
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-: "${OUT:?set OUT to the folder for the results}"
-N=${N:-python3 -m NeuralRaycastLib.app.entry}
-PY=${PYTHON:-python3}
 BEFORE=${BEFORE:-e590435}
 FITS=${FITS:-3}
 FIT_OPTIONS=${FIT_OPTIONS:-}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$OUT" "$work/logs" "$work/json"
-summary="$OUT/summary.txt"
-: > "$summary"
-say() { echo "$*" | tee -a "$summary"; }
+. "$(dirname "$0")/measure_common.sh"
 with_tree() { local tree=$1; shift; PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$@"; }
 
 say "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), python $($PY -V 2>&1)"
