@@ -143,7 +143,7 @@ class RayBatch:
             self.reserve_tiles(rays, tiles, segment_words)
             self.struct.update(slotStride=RayTiles.PIXELS, compactSlots=1,
                                tileSlots=self.tile_slots.storage.device_address, rowWidth=tiles.width)
-        self.struct.update(halfSurface=int(self.half_surface), surfaceCapacity=self.surface_capacity)
+        self._point_at_surface()
 
     def reserve_tiles(self, rays: int, tiles: RayTiles, segment_words: int) -> None:
         """Room for a compact layout's tiles and ``segment_words`` words a ray of occupied segments, for ``rays``
@@ -308,14 +308,14 @@ class RayBatch:
         words = -(-capacity * self.surface_width // (2 if halves else 1))
         keeps_gradients = self.surface_grads is not None
         self.surface = self.surface_grads = None
-        self.surface_words = self.struct["surfaceCapacity"] = 0
+        self.surface_words = 0
+        self._point_at_surface()
         with device_memory(f"the surface values of {capacity:,} shaded segments"):
             self.surface = spy.Tensor.zeros(self.device, shape=(words,), dtype="float")
-            self.struct["surface"] = self.struct["surfaceHalves"] = self.surface.storage.device_address
             self.surface_words = words
+            self._point_at_surface()
             if keeps_gradients:
                 self._make_surface_gradients()
-        self.struct["surfaceCapacity"] = self.surface_capacity
 
     def _make_surface_gradients(self) -> None:
         """∂L/∂(surface values), floats for every shaded segment the surface values have room for as floats (a
@@ -342,16 +342,23 @@ class RayBatch:
     ROOM_ADDRESSES = {"samples": "samples", "distances": "distances", "surface_entry": "surfaceEntry",
                       "visibility": "visibility", "shaded_slots": "shadedSlots", "sampled_slots": "sampledSlots",
                       "chunk_rays": "chunkRays", "surface": "surface"}
-    ROOM = (*ROOM_ADDRESSES, "_slot_room", "slot_capacity", "surface_words")
+    ROOM_SIZES = ("slot_capacity", "surface_words")
+    ROOM = (*ROOM_ADDRESSES, "_slot_room", *ROOM_SIZES)
 
     def _point_at_room(self) -> None:
         """The shaders' struct pointed at the buffers sized by slots and shaded segments, with their room."""
         for name, field in self.ROOM_ADDRESSES.items():
             tensor = getattr(self, name)
             self.struct[field] = 0 if tensor is None else address(tensor)
-        self.struct["surfaceHalves"] = self.struct["surface"]
         self.struct["slotCapacity"] = self.slot_capacity
-        self.struct.update(surfaceCapacity=self.surface_capacity, halfSurface=int(self.half_surface))
+        self._point_at_surface()
+
+    def _point_at_surface(self) -> None:
+        """The shaders' struct pointed at the surface values, as floats or as halves (the current layout's), with
+        the room they have in it."""
+        at = 0 if self.surface is None else address(self.surface)
+        self.struct.update(surface=at, surfaceHalves=at, surfaceCapacity=self.surface_capacity,
+                           halfSurface=int(self.half_surface))
 
     def take_room(self, other: RayBatch) -> None:
         """Take over ``other``'s buffers sized by slots and shaded segments (``other`` is left without them): a
@@ -361,7 +368,7 @@ class RayBatch:
             setattr(self, name, getattr(other, name))
         self._point_at_room()
         for name in self.ROOM:
-            setattr(other, name, 0 if name in ("slot_capacity", "surface_words") else None)
+            setattr(other, name, 0 if name in self.ROOM_SIZES else None)
 
     def keep_gradients(self, rays: int) -> None:
         """Buffers for ∂L/∂(sample values) and for what the forward pass keeps for the backward, for the first
