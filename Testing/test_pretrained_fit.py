@@ -54,11 +54,11 @@ def test_the_pretrained_appearance_renders_a_new_study_without_appearance_traini
     summary, phases = line.split("): ", 1)
     assert all(f"{phase} " in phases for phase in ("boundary maps", "SDF fit", "encode", "save")), line
     assert "reference views" not in phases and "compile" not in phases and "no appearance training" in summary
-    # The total is the phases' sum: the field made beside the boundary maps is listed with them, not counted again.
+    # The total is the phases' sum; by default nothing is made beside the boundary maps (train/field_ahead.py).
     parts = [part.split() for part in phases.split("; ")[0].split(" · ")]
     own = [float(part[part.index("s") - 1]) for part in parts if "beside" not in part]
     assert float(summary.split(": ")[1].split(" s")[0]) == pytest.approx(sum(own), abs=0.005 * len(own))
-    assert any(part[-3:] == ["beside", "boundary", "maps"] for part in parts), line
+    assert len(own) == len(parts) and ["field"] in [part[:1] for part in parts], line
     log = json.loads((out / "train_log.json").read_text())
     assert log["rays"] == 0  # no appearance training: not one ray rendered for a training step
     psnr = [row["heldout_psnr"] for row in log["rows"] if "heldout_psnr" in row]
@@ -152,13 +152,15 @@ def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gp
 
 def test_maps_that_fail_while_the_field_is_made_beside_them_give_one_error_and_write_nothing(
         phantom_study_dir, tmp_path, capsys, monkeypatch):
-    """The field is made on a thread of its own as soon as the study's box is known, while the boundary maps are
-    still computed: where the maps then fail, the fit says that failure in one line, writes no run folder, and
-    leaves no thread of its own working on the device."""
+    """With NEURALRAYCAST_FIELD_BESIDE_MAPS=1 the field is made on a thread of its own as soon as the study's box is
+    known, while the boundary maps are still computed: where the maps then fail, the fit says that failure in one
+    line, writes no run folder, and leaves no thread of its own working on the device."""
     import threading
 
     from NeuralRaycastLib.study.study import StudyError
-    from NeuralRaycastLib.train import run
+    from NeuralRaycastLib.train import field_ahead, run
+
+    monkeypatch.setenv(field_ahead.BESIDE_MAPS_VARIABLE, "1")
 
     prepare, outlines = run.prepare_for_run, []
 

@@ -1,29 +1,29 @@
-"""A run's field made while its study's boundary maps are still being computed.
+"""A run's field, made once its study's boundary maps are done, or (``NEURALRAYCAST_FIELD_BESIDE_MAPS=1``) while
+they are still being computed.
 
 The field is sized by the study's box, which the brain mask gives long before the maps are done
 (``prepare``'s ``with_outline``), not by the maps themselves; the kernels the run loads next (the SDF fit's, the
-renderer's, the pretrained appearance's) need nothing of the study but its counts, and their modules take up to a
-good part of a second each to load (once per process: the run's own loads then find them). The SDF fit's calls are
-set up there too, its kernels built but not launched (field/sdf_fit.py's set_up_fit_calls: slangpy sets up a
-function's call on its first call, which would otherwise hold up the fit's first step); the field is left as it was.
-So the run's memory check (train/memory.py), its field and those kernels are made on a thread of their own beside
-the maps: a phase beside "boundary maps" (train/phases.py). What the run still waits for once the maps are done is
-a phase of its own, "field".
+renderer's, the pretrained appearance's) need nothing of the study but its counts. So the run's memory check
+(train/memory.py), its field and those kernels' modules can be made on a thread of their own beside the maps (a
+phase beside "boundary maps": train/phases.py), the SDF fit's calls set up there too, its kernels built but not
+launched (field/sdf_fit.py's set_up_fit_calls: slangpy sets up a function's call on its first call, which would
+otherwise hold up the fit's first step); the field is left as it was. What the run still waits for once the maps are
+done is a phase of its own, "field". Before the field, that thread gives the boundary maps' device kernels
+(study/device_distance.py) their first calls, where the maps take their transforms on the device (``prepare``'s
+``before_maps``: only where the maps are computed, once the study's size is checked), a phase beside the maps of its
+own.
 
-Before the field, the thread gives the boundary maps' device kernels (study/device_distance.py) their first calls,
-where the maps take their transforms on the device: slangpy sets up a kernel's call on its first call in a process,
-which the maps' first transform would otherwise wait for. The run asks for that only once its study's size is checked
-(the study downsampled, or refused before the device takes any work: train/run.py), and only where the maps are to be
-computed (``prepare``'s ``before_maps``; not where the cache holds them), just before they start, so it overlaps the
-brain mask, which the maps' longest way waits for. It is a phase beside the maps of its own.
+That is not the default: slangpy's native calls keep the interpreter lock for their whole length and its call
+set-up is Python, so the work beside the maps holds up the maps' own Python (their longest way, the brain's mask and
+signed distance, is Python and numpy between such stretches) about as long as it saves the run later, on a GPU host
+of 16 cores as on two (BENCHMARKS.md, "The field beside the boundary maps, and the interpreter lock"). By default the
+field is made on the run's thread once the maps are done, and the maps' kernels take their first calls in the maps.
 
-The thread holds the device's lock (``GpuContext.lock``) for each of its calls on the device, as the maps'
-transforms do for theirs. Where the device takes no calls from that thread (a CUDA context that cannot be made
+Beside the maps, the thread holds the device's lock (``GpuContext.lock``) for each of its calls on the device, as the
+maps' transforms do for theirs. Where the device takes no calls from that thread (a CUDA context that cannot be made
 current there), or the preparation gave no outline, the field is made on the run's thread once the maps are done.
 The field is the one the prepared study's layout asks for: one made ahead for another layout is made again, so
-what the run trains never depends on what was made ahead. ``NEURALRAYCAST_FIELD_BESIDE_MAPS=0`` makes it once the
-maps are done, as a run did before, and gives the maps' kernels no first calls ahead of them (to measure what the
-work beside them gains on a machine).
+what the run trains never depends on what was made ahead.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ BESIDE_PHASE, FIELD_PHASE = "field and kernels", "field"
 MAPS_KERNELS_PHASE = "maps kernels"
 #: The run's phase the field is made beside.
 MAPS_PHASE = "boundary maps"
-#: 0: the field is made once the maps are done; anything else (or unset): beside them.
+#: 1: the field (and the maps' kernels' first calls) beside the maps; anything else, or unset: once the maps are done.
 BESIDE_MAPS_VARIABLE = "NEURALRAYCAST_FIELD_BESIDE_MAPS"
 #: The modules of the differentiable renderer, which every run makes once its field is fitted (render/neural_render.py's
 #: DiffRenderer loads them, for the field's structures, as it is made).
@@ -70,7 +70,7 @@ class FieldAhead:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="field-ahead")
         self._made: Future | None = None
         self._maps_kernels_set_up: Future | None = None
-        self._beside_maps = os.environ.get(BESIDE_MAPS_VARIABLE, "").strip() != "0"
+        self._beside_maps = os.environ.get(BESIDE_MAPS_VARIABLE, "").strip() == "1"
 
     def set_up_maps_kernels(self) -> None:
         """Give the boundary maps' device kernels their first calls on the thread (it returns at once), where the

@@ -6,9 +6,9 @@ that keeps the interpreter lock that long holds every other thread's Python, the
 
     python3 tools/gpu/beside_contention.py STUDY [--fit-option ...] [--json FILE]
 
-Set NEURALRAYCAST_FIELD_BESIDE_MAPS=0 for the same fit with the field made after the maps. Prints the maps' steps,
-the field thread's steps, the lock's waits over 2 ms, the interpreter's late wake-ups over 4 ms with the frames they
-found, and totals.
+Set NEURALRAYCAST_FIELD_BESIDE_MAPS=1 for the field made beside the maps (by default it is made after them). Prints
+the maps' steps, the field thread's steps, the lock's waits over 2 ms, the interpreter's late wake-ups over 4 ms
+with the frames they found, and totals.
 """
 
 from __future__ import annotations

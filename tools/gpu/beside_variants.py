@@ -5,9 +5,10 @@ one made beside the maps holds up their Python for as long (tools/gpu/beside_con
 
     python3 tools/gpu/beside_variants.py VARIANT STUDY [fit options...]
 
-VARIANT: all (the run as it is), serial (nothing beside: NEURALRAYCAST_FIELD_BESIDE_MAPS=0), field (the field
-alone), field-modules (the field and the modules the run loads next, the fit's calls set up on its first step),
-kernels (the maps' kernels' first calls alone, the field made after the maps). Prints the fit's own lines.
+VARIANT: all (everything beside: NEURALRAYCAST_FIELD_BESIDE_MAPS=1), serial (nothing beside, the run's default),
+field (the field alone), field-modules (the field and the modules the run loads next, the fit's calls set up on its
+first step), kernels (the maps' kernels' first calls alone, the field made after the maps). Prints the fit's own
+lines.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ def main() -> int:
     variant, study, *options = sys.argv[1:]
     if variant not in VARIANTS:
         raise SystemExit(f"variant {variant!r}: choose from {', '.join(VARIANTS)}")
-    if variant == "serial":
-        os.environ["NEURALRAYCAST_FIELD_BESIDE_MAPS"] = "0"
+    os.environ["NEURALRAYCAST_FIELD_BESIDE_MAPS"] = "0" if variant == "serial" else "1"
     from NeuralRaycastLib.app.entry import main as entry
     from NeuralRaycastLib.train import field_ahead
 

@@ -1,7 +1,8 @@
-"""The boundary maps and the run's field, in one process, three ways: the maps alone on the processor (no device:
-what a process of their own would take), the maps with the device's transforms and then the field (one after the
-other), and the field made beside the maps in a thread as `fit` makes it (train/field_ahead.py). Slangpy's native
-calls keep the interpreter lock for their whole length, so the field's calls hold up the maps' Python as long.
+"""The boundary maps and the run's field, in one process, three ways: the maps alone on the processor (no device: what
+a process of their own would take), the maps with the device's transforms and then the field (one after the other),
+and the field made beside the maps in a thread (train/field_ahead.py's NEURALRAYCAST_FIELD_BESIDE_MAPS=1). Slangpy's
+native calls keep the interpreter lock for their whole length, so the field's calls hold up the maps' Python as
+long.
 
     python3 tools/gpu/maps_field_overlap.py MODE STUDY
 
@@ -11,6 +12,7 @@ arrays aside: no cache is read or written). Run each mode in a process of its ow
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -40,6 +42,7 @@ def main() -> int:
         mask_and_boundary_maps(study, structures, quiet)
         print(f"cpu: maps {time.perf_counter() - began:.2f} s")
         return 0
+    os.environ["NEURALRAYCAST_FIELD_BESIDE_MAPS"] = "1" if mode == "thread" else "0"
     from NeuralRaycastLib.gpu.device import memory_budget, open_device
     from NeuralRaycastLib.study.device_distance import maps_device
     from NeuralRaycastLib.train.field_ahead import FieldAhead

@@ -6,9 +6,9 @@
 #   0. one untimed fit, whose process loads the modules once and keeps those of generated source as files for Slang's
 #      module cache (a `warmup` that finds its stamp compiles nothing, and leaves that to the first fit);
 #   1. fit --appearance pretrained, the prepared-study cache emptied first (the boundary maps computed afresh),
-#      twice (afresh-1, afresh-2: the spread of one figure); then once more with NEURALRAYCAST_FIELD_BESIDE_MAPS=0
-#      (serial: the field made once the maps are done, and neither the maps' kernels nor the SDF fit's calls set up
-#      ahead), which parts what the work beside the maps gains from the rest of the change;
+#      twice (afresh-1, afresh-2: the spread of one figure); then once more with NEURALRAYCAST_FIELD_BESIDE_MAPS=1
+#      (beside: the field made while the maps are computed, the maps' kernels and the SDF fit's calls set up ahead:
+#      train/field_ahead.py), which says what that work gains or costs on the machine;
 #   2. the same fit again, the maps from the cache;
 #   3. for comparison, the same fit with the standard preset's whole geometry schedule (`--iterations 825`: the
 #      600 steps of 65,536 points the route fitted before it took its own, shorter one), maps from the cache;
@@ -17,10 +17,10 @@
 #      revision's tree (exported with git archive), so a change's before and after are measured on one host in one
 #      go (fits named before-...).
 #
-# The field is made beside the boundary maps (train/field_ahead.py): the "time:" line lists it as "field and kernels
-# ... beside boundary maps", left out of every sum, and the run's wait for it once the maps are done as "field"; the
-# maps' kernels' first calls, where the maps' transforms run on the device, as "maps kernels ... beside boundary
-# maps". Each fit's SDF first step (the fit's calls set up beside the maps, or in that step) is said after its lines.
+# Made beside the boundary maps, the field is listed on the "time:" line as "field and kernels ... beside boundary
+# maps", left out of every sum, and the run's wait for it once the maps are done as "field"; the maps' kernels' first
+# calls, where the maps' transforms run on the device, as "maps kernels ... beside boundary maps". Each fit's SDF
+# first step (the fit's calls set up beside the maps, or in that step) is said after its lines.
 #
 # Prints each fit's "study to renderable model" and "time:" lines, the held-out PSNR and the 1024² frame time, and
 # writes under $OUT (3 files):
@@ -90,9 +90,9 @@ for take in 1 2; do
     $N cache --clear prepared > /dev/null 2>&1
     fit "afresh-$take" "boundary maps computed afresh"
 done
-export NEURALRAYCAST_FIELD_BESIDE_MAPS=0  # the field made once the maps are done, as before (train/field_ahead.py)
+export NEURALRAYCAST_FIELD_BESIDE_MAPS=1  # the field made while the maps are computed (train/field_ahead.py)
 $N cache --clear prepared > /dev/null 2>&1
-fit serial "boundary maps computed afresh, the field made after them"
+fit beside "boundary maps computed afresh, the field made beside them"
 unset NEURALRAYCAST_FIELD_BESIDE_MAPS
 fit cached "boundary maps from the cache"
 fit whole-geometry "the whole 600-step geometry, maps from the cache" --iterations 825
