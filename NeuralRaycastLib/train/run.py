@@ -1,7 +1,7 @@
 """The one way to train: :func:`train_study`, which the command line (``fit``), the demo and the Slicer
 module all call.
 
-    study (a file or in memory) -> prepare (downsample, brain mask, boundary maps; the field made beside them)
+    study (a file or in memory) -> prepare (downsample, brain mask, boundary maps) -> the field
         -> warm-up (compile the kernels once per machine, on a GPU) -> reference views
         -> Trainer (geometry, appearance, joint) -> run folder
 
@@ -113,8 +113,8 @@ def train_study(
             # Downsampled, or refused, before any work on the device.
             loaded = downsampled_for_run(loaded, settings, progress)
         schedule = settings.schedule(config, pretrained=appearance is not None)  # the geometry alone if pretrained
-        # The maps' kernels set up, then the field (and the kernels the run loads next) made, while the maps are
-        # computed (train/field_ahead.py).
+        # The field once the maps are done; with NEURALRAYCAST_FIELD_BESIDE_MAPS=1, the maps' kernels set up, then
+        # the field (and the kernels the run loads next) made, while the maps are computed (train/field_ahead.py).
         ahead = FieldAhead(gpu, settings, budget, schedule, clock, appearance)
         try:
             with clock.phase(MAPS_PHASE):
