@@ -1,4 +1,5 @@
-"""Voxel grids: where a grid's corners lie, whether two grids are the same, and trilinear sampling."""
+"""Voxel grids: where a grid's corners lie, whether two grids are the same, trilinear sampling, and a cell grid's
+corners against its cells."""
 
 from __future__ import annotations
 
@@ -76,3 +77,29 @@ def voxel_box_slices(mask: np.ndarray) -> tuple[slice, ...]:
     """A non-empty mask's bounding box as slices of its grid."""
     low, high = voxel_box(mask)
     return tuple(slice(int(lo), int(hi) + 1) for lo, hi in zip(low, high, strict=True))
+
+
+def least_corner(corners: np.ndarray) -> np.ndarray:
+    """Each cell's least value over its eight corners: values at a cell grid's corners (Z + 1, Y + 1, X + 1) to one a
+    cell (Z, Y, X). A cell's corners are its two ends along each axis in turn, so the least of them is taken one axis
+    at a time: three passes over the grid instead of eight (the occupancy grid and the latent bricks take it on a
+    grid of millions of corners while a fit waits). NaN where a corner is NaN, as numpy's minimum."""
+    least = np.minimum(corners[:-1], corners[1:])
+    least = np.minimum(least[:, :-1], least[:, 1:])
+    return np.minimum(least[:, :, :-1], least[:, :, 1:])
+
+
+def marked_corners(cells: np.ndarray) -> np.ndarray:
+    """The corners (Z + 1, Y + 1, X + 1) of the marked cells (Z, Y, X, bool): every corner of each, one axis at a
+    time as :func:`least_corner`."""
+    marked = np.asarray(cells, bool)
+    for axis in range(3):
+        shape = list(marked.shape)
+        shape[axis] += 1
+        spread = np.zeros(shape, bool)
+        before = tuple(slice(0, -1) if a == axis else slice(None) for a in range(3))
+        after = tuple(slice(1, None) if a == axis else slice(None) for a in range(3))
+        spread[before] = marked
+        spread[after] |= marked
+        marked = spread
+    return marked

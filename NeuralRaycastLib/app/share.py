@@ -27,6 +27,7 @@ import numpy as np
 
 from ..field.field import FieldLayout, field_source
 from ..gpu.device import structure_slots
+from ..grid import marked_corners
 from ..paths import shader_dir
 
 if TYPE_CHECKING:
@@ -329,12 +330,7 @@ def page_parameters(parameters: np.ndarray, layout: FieldLayout) -> np.ndarray:
 def read_corners(occupancy) -> np.ndarray:
     """The corners of the occupancy grid whose ``nearest`` the kernel reads: those of occupied cells
     (ray_samples.slang's Occupancy.occupied interpolates only there)."""
-    cells = np.asarray(occupancy.cells, bool)
-    z, y, x = cells.shape
-    read = np.zeros((z + 1, y + 1, x + 1), bool)
-    for dz, dy, dx in np.ndindex(2, 2, 2):
-        read[dz:dz + z, dy:dy + y, dx:dx + x] |= cells
-    return read
+    return marked_corners(occupancy.cells)
 
 
 def quantised_inputs(inputs: np.ndarray, count: int) -> dict[str, Any]:

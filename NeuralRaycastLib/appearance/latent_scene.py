@@ -20,6 +20,7 @@ import numpy as np
 
 from ..field.field import FieldLayout, NeuralField, field_session_defines, field_source
 from ..gpu.device import GpuContext
+from ..grid import least_corner, marked_corners
 from ..paths import shader_dir
 from ..render.scene import WorkLists
 from .latent import BRICK, GridLayout, LatentAppearance, LatentConfig, LatentConfigError, latent_module
@@ -131,13 +132,7 @@ def brick_slots(nearest: np.ndarray, reach_mm: float) -> np.ndarray:
     (``nearest``, (z, y, x) over the grid's vertices) is within ``reach_mm``: numbered in order, -1 for the
     others."""
     nearest = np.asarray(nearest, np.float32)
-    cells = nearest[:-1, :-1, :-1].copy()
-    for dz, dy, dx in np.ndindex(2, 2, 2):
-        np.minimum(cells, nearest[dz:dz + cells.shape[0], dy:dy + cells.shape[1], dx:dx + cells.shape[2]], out=cells)
-    near = cells <= reach_mm
-    vertices = np.zeros(nearest.shape, bool)
-    for dz, dy, dx in np.ndindex(2, 2, 2):
-        vertices[dz:dz + near.shape[0], dy:dy + near.shape[1], dx:dx + near.shape[2]] |= near
+    vertices = marked_corners(least_corner(nearest) <= reach_mm)
     bricks = [-(-n // BRICK) for n in nearest.shape]
     padded = np.zeros([n * BRICK for n in bricks], bool)
     padded[:nearest.shape[0], :nearest.shape[1], :nearest.shape[2]] = vertices

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..gpu.device import GpuContext
+from ..grid import least_corner
 
 #: How far beyond the band, in cells, a segment is still sampled where its middle's distance is interpolated
 #: from the cells' corners (:class:`Occupancy`): room for the interpolation's error on a smooth field.
@@ -67,9 +68,7 @@ class Occupancy:
         expected = (dims[2] + 1, dims[1] + 1, dims[0] + 1)
         if nearest.shape != expected:
             raise ValueError(f"corner values of shape {nearest.shape}, expected {expected}")
-        lowest = nearest[:-1, :-1, :-1]
-        for dz, dy, dx in np.ndindex(2, 2, 2):
-            lowest = np.minimum(lowest, nearest[dz:dz + dims[2], dy:dy + dims[1], dx:dx + dims[0]])
+        lowest = least_corner(nearest)
         reach = max(band_mm + INTERPOLATION_MARGIN_CELLS * cell_mm, lipschitz * 0.5 * np.sqrt(3.0) * cell_mm)
         return cls(lowest <= reach, box[0].copy(), float(cell_mm), nearest.astype(np.float32), float(reach))
 
