@@ -32,13 +32,13 @@ STEPS = {
 }
 
 
-def instrument(state: dict) -> None:
-    """Wrap each step of :data:`STEPS` where its callers look it up (the module's own names), to record it in
-    ``state["records"]`` with times from ``state["start"]``."""
+def instrument(state: dict, steps: dict[str, list[str]] | None = None) -> None:
+    """Wrap each step of ``steps`` (default :data:`STEPS`: module name to the names of its steps) where its callers
+    look it up (the module's own names), to record it in ``state["records"]`` with times from ``state["start"]``."""
     import importlib
 
     lock = threading.Lock()
-    for module_name, names in STEPS.items():
+    for module_name, names in (STEPS if steps is None else steps).items():
         module = importlib.import_module(module_name)
         for name in names:
             function = getattr(module, name, None)

@@ -14,7 +14,6 @@ with the frames they found, and totals.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from maps_timeline import instrument  # noqa: E402
+from maps_timeline import STEPS, instrument  # noqa: E402
 
 FIELD_STEPS = {
     "NeuralRaycastLib.train.field_ahead": ["NeuralField", "set_up_fit_calls", "check_run_fits"],
@@ -102,22 +101,7 @@ def main() -> int:
     from NeuralRaycastLib.gpu import device as device_module
 
     state: dict = {"records": [], "lock": [], "late": [], "start": time.perf_counter()}
-    instrument(state)
-    for module_name, names in FIELD_STEPS.items():
-        module = sys.modules.get(module_name) or __import__(module_name, fromlist=["_"])
-        for name in names:
-            function = getattr(module, name)
-
-            def wrapped(*a, __function=function, __name=name, **k):
-                began = time.perf_counter()
-                try:
-                    return __function(*a, **k)
-                finally:
-                    state["records"].append({"step": __name, "thread": threading.current_thread().name,
-                                             "start": began - state["start"],
-                                             "end": time.perf_counter() - state["start"], "cpu": float("nan")})
-
-            setattr(module, name, functools.wraps(function)(wrapped) if callable(function) else function)
+    instrument(state, {**STEPS, **FIELD_STEPS})  # the maps' steps and the field thread's
     opened = device_module.open_device
 
     def open_timed(*a, **k):
