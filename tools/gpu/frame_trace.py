@@ -87,6 +87,10 @@ def main() -> int:
             renderer.render_picture(camera)
         print(f"kernels of the last view again (device timestamps): {kernels.total_ms:.2f} ms; {kernels.summary()}; "
               f"from the first kernel's start to the last one's end {kernels.span_ms:.2f} ms")
+        from NeuralRaycastLib.bench.suites import work_per_ray
+
+        print("work of the last view: {:.1f} samples, {:.2f} shaded segments a ray".format(
+            *work_per_ray(renderer, camera)))
     except Exception as error:  # (a device without timestamps: the frames above stand)
         print(f"kernels not timed: {error}")
     return 0
