@@ -124,6 +124,43 @@ def test_a_cancelled_pretrained_fit_keeps_its_geometry_with_the_pretrained_appea
     assert saved.size and np.array_equal(saved, fresh)
 
 
+def test_on_tensor_cores_the_frames_decode_what_the_per_thread_decoder_does(gpu, phantom_study_dir, tmp_path,
+                                                                             monkeypatch):
+    """Where the geometry network runs on tensor cores the frames decode on them too, from a tiled copy of the
+    decoder (half operands): the picture the per-thread decoder draws, to half precision; once the decoder's weights
+    change (a fine-tune's step, or set anew) the next frame decodes with the new ones. CUDA only."""
+    if gpu.backend != "cuda":
+        pytest.skip("needs CUDA (tensor cores)")
+    from NeuralRaycastLib.appearance.latent_scene import LatentFieldScene, PretrainedAppearance
+    from NeuralRaycastLib.appearance.pretrain import SHIPPED_WEIGHTS
+    from NeuralRaycastLib.render.camera import orbit_cameras
+    from NeuralRaycastLib.render.metrics import psnr
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run import train_study
+
+    run = train_study(gpu, phantom_study_dir, tmp_path / "run", RunSettings.for_device(gpu, "quick", views=4, size=32),
+                      warm_up=False, appearance=PretrainedAppearance.read(SHIPPED_WEIGHTS))
+    scene = run.renderer.scene
+    assert isinstance(scene, LatentFieldScene) and scene.decodes_on_tensor_cores
+    camera = orbit_cameras(run.prepared.bounds, 1, 96, 80)[0]
+
+    def pictures() -> tuple[np.ndarray, np.ndarray]:
+        tiled = run.renderer.render(camera).rgb()
+        with monkeypatch.context() as patched:
+            patched.setattr(LatentFieldScene, "decodes_on_tensor_cores", property(lambda self: False))
+            per_thread = run.renderer.render(camera).rgb()
+        return tiled, per_thread
+
+    tiled, per_thread = pictures()
+    assert per_thread.max() > 0.1 and psnr(tiled, per_thread) > 45.0
+    weights = scene.latent.parameters()
+    offset = scene.latent.config.decoder_offset
+    weights[offset:] *= 0.5  # a darker, flatter decoder
+    scene.latent.set_parameters(weights)
+    changed, changed_per_thread = pictures()
+    assert psnr(changed, changed_per_thread) > 45.0 and psnr(changed, tiled) < 35.0
+
+
 def test_after_the_warm_up_a_pretrained_fit_with_a_fine_tune_compiles_nothing(gpu, phantom_study_dir, tmp_path):
     """``neuralraycast warmup``'s parts cover the pretrained route: after the SDF fit's part and the pretrained
     appearance's, a whole ``fit --appearance pretrained --fine-tune`` (encoder, fine-tune, held-out score, save)

@@ -218,6 +218,9 @@ class LatentAppearance:
         self.codes = spy.Tensor.from_numpy(gpu.device, np.zeros(size // 2, np.uint32))
         self.code_grads = spy.Tensor.zeros(gpu.device, shape=(size,), dtype=float)
         self._indices: np.ndarray | None = None
+        # Counts the changes of `values` (set_parameters, the fine-tune's steps: weights_changed), so that copies of
+        # the decoder made for the tensor cores know when they are stale.
+        self.weights_version = 0
         self.source_digest = ""  # SHA-256 of the pretrained weights the networks came from ("" if none)
 
     def shader_struct(self, grid_gradients: bool = True) -> dict[str, Any]:
@@ -243,6 +246,11 @@ class LatentAppearance:
         if values.shape != (self.config.count,):
             raise LatentConfigError(f"expected {self.config.count} latent appearance parameters, got {values.shape}")
         self.values.copy_from_numpy(np.ascontiguousarray(values))
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Note that ``values`` changed on the device (every writer calls this)."""
+        self.weights_version += 1
 
     def gradients(self) -> np.ndarray:
         return np.asarray(self.grads.to_numpy(), np.float32).reshape(-1)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..field.coop_vectors import CONVERT_THREADS
 from ..field.field import FieldLayout, NeuralField, field_session_defines, field_source
 from ..gpu.device import GpuContext
 from ..grid import least_corner, marked_corners
@@ -72,15 +73,42 @@ class LatentFieldScene:
         self.field, self.latent, self.cooperative = field, latent, bool(field.cooperative)
         self.coop_vectors = field.coop_vectors
         self.module = latent_scene_module(gpu, field, latent.config, self.cooperative, self.coop_vectors)
+        self._tiled_decoder: Any = None  # the decoder in the tensor cores' layout, made on first use
+        self._tiled_version: int | None = None  # the latent weights' version it holds
 
     @property
     def structures(self) -> int:
         return self.field.structures
 
+    @property
+    def decodes_on_tensor_cores(self) -> bool:
+        """Whether the forward passes run the decoder on tensor cores: the geometry network is on them, and the
+        decoder's hidden layer is whole tiles (shaders/latent_render.slang's LATENT_DECODER_MMA)."""
+        return self.cooperative and self.latent.config.decoder_hidden % 16 == 0
+
+    def tiled_decoder(self) -> int:
+        """The device address of the decoder's tiled copy, brought up to date with its weights first (0 where the
+        decoder runs per thread): converted once for a finished model's frames, once a step while fine-tuning."""
+        if not self.decodes_on_tensor_cores:
+            return 0
+        import slangpy as spy
+
+        if self._tiled_decoder is None:
+            count = int(self.module.latentDecoderTiledCount())
+            self._tiled_decoder = spy.Tensor.zeros(self.latent.gpu.device, shape=(count,), dtype=float)
+        if self._tiled_version != self.latent.weights_version:
+            self.module.latentDecoderToTiled(spy.grid((CONVERT_THREADS,)), CONVERT_THREADS,
+                                             self.latent.values.storage.device_address,
+                                             self.latent.config.decoder_offset,
+                                             self._tiled_decoder.storage.device_address)
+            self._tiled_version = self.latent.weights_version
+        return self._tiled_decoder.storage.device_address
+
     def struct(self) -> dict[str, Any]:
         return {"field": self.field.shader_struct(self.cooperative, geometry_network_gradients=False,
                                                   coop_vectors=self.coop_vectors is not None),
-                "latent": self.latent.shader_struct()}
+                "latent": self.latent.shader_struct(),
+                "tiledDecoder": {"values": self.tiled_decoder(), "grads": 0}}
 
     def distances(self, grid: Any, buffers: dict) -> None:
         # the tiled or half copy of the geometry network, made once for a finished field
@@ -375,6 +403,7 @@ class FineTune:
                                           latent.values.storage.device_address, latent.grads.storage.device_address,
                                           self.dm.storage.device_address, self.dv.storage.device_address,
                                           self.rate_decoder, beta1, beta2, c1, c2, epsilon)
+        latent.weights_changed()
 
 
 def fine_tune(trainer, latent: LatentAppearance, steps: int, progress=None, seconds: float = 0.0) -> list[float]:
