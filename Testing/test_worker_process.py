@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -191,3 +192,53 @@ def test_a_worker_whose_starter_is_gone_stops_keeping_its_state():
     assert not waiting()
     os.close(write)
     wait_for(waiting)
+
+
+def standby_worker(*options: str) -> WorkerProcess:
+    """``neuralraycast standby`` as the Slicer module starts it, with a plain ``python`` for PythonSlicer."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    return WorkerProcess([sys.executable, "-m", "NeuralRaycastLib.app.entry", "standby", "--preset", "quick",
+                          *options], env=env, name="the training process kept ready")
+
+
+@pytest.mark.gpu
+def test_a_standby_worker_is_ready_before_its_study_and_then_runs_one_fit_job(phantom_study_dir, tmp_path):
+    """Made ready ahead (the device open, the pretrained route's kernels called once on a phantom of its own), it
+    then trains the study its job names, streaming that job's progress as a ``fit`` worker does, and ends."""
+    leftovers = set(Path(tempfile.gettempdir()).glob("neuralraycast-standby-*"))
+    worker = standby_worker("--warm", "yes")
+    worker.start()
+    try:
+        wait_for(worker.poll_ready, 600)
+        assert worker.warmed.startswith("the pretrained route on the phantom") and not (tmp_path / "run").exists()
+        worker.send_job([str(phantom_study_dir), "--out", str(tmp_path / "run"), "--preset", "quick",
+                         "--appearance", "pretrained", "--iterations", "20", "--views", "4", "--size", "32"])
+        seen = []
+        outcome = worker.wait(seen.append)
+    finally:
+        worker.kill()
+    assert outcome.state == "done" and outcome.run_folder == str(tmp_path / "run"), outcome
+    assert outcome.heldout_psnr is not None and seen and seen[-1].fraction == 1.0
+    assert {"model.safetensors", "appearance.safetensors", "run.json"} <= {p.name for p in (tmp_path / "run").iterdir()}
+    # Its warm-up left nothing behind: its phantom's run went to a temporary folder, removed.
+    assert set(Path(tempfile.gettempdir()).glob("neuralraycast-standby-*")) == leftovers
+    with pytest.raises(RuntimeError, match="not ready"):  # one job a process
+        worker.send_job([str(phantom_study_dir), "--out", str(tmp_path / "again")])
+
+
+def test_a_standby_worker_without_a_job_ends_quietly_and_a_bad_job_is_one_error(tmp_path):
+    """Standard input closed before a job (the module closed, Slicer ended): it ends, exit 0, nothing written.
+    A job line that is not one ``fit`` job: one error line in the stream, exit 2."""
+    idle = standby_worker("--warm", "no")
+    idle.start()
+    wait_for(idle.poll_ready, 120)
+    assert idle.warmed == "nothing: asked not to"
+    idle.process.stdin.close()
+    assert idle.process.wait(timeout=60) == 0
+    bad = standby_worker("--warm", "no")
+    bad.start()
+    wait_for(bad.poll_ready, 120)
+    bad.process.stdin.write('{"render": ["study"]}\n')
+    bad.process.stdin.flush()
+    outcome = bad.wait()
+    assert outcome.state == "failed" and outcome.returncode == 2 and '"fit"' in outcome.message, outcome

@@ -30,6 +30,7 @@ from ..study.sample.label_style import STYLES as LABEL_STYLES
 from ..study.study import StudyError
 from ..train.presets import AUTO, PRESETS, check_run_values, get_preset, presets_help
 from ..train.trainer import TrainingError
+from .standby import WARM_CHOICES, cmd_standby
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2. The file system's and the
 #: memory's (a full disk, a read-only folder, too large a study) are among them.
@@ -802,6 +803,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "output (stage, fraction, loss, held-out PSNR; then done or error), and a line 'stop' on "
                         "standard input, or its closing, stops training keeping the state reached")
     p.set_defaults(run=cmd_fit)
+
+    p = sub.add_parser("standby", help="for a program that starts 'fit' workers: a worker made ready before its "
+                       "study is known (backend imported, device open, the pretrained route's kernels called once on "
+                       "a phantom), which then runs one fit job read from standard input and ends")
+    device_option(p)
+    preset_option(p, "the preset whose kernels are called ahead")
+    p.add_argument("--warm", choices=WARM_CHOICES, default="auto",
+                   help="call the kernels ahead: auto (default) on a GPU whose kernels are compiled, yes anywhere, "
+                        "no never")
+    p.set_defaults(run=cmd_standby, progress_json=True)
 
     p = sub.add_parser("pretrain", help="fit the pretrained appearance's encoder and decoder across generated "
                        "studies (the phantom, then ICBM152 samples on seeds never used for evaluation)")

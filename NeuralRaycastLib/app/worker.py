@@ -155,6 +155,12 @@ class WorkerProcess:
         self._killed = False
         self._stop_requested = False
         self.outcome: Outcome | None = None
+        #: A standby worker (``neuralraycast standby``) has said it is ready for its job (:meth:`poll_ready`), and
+        #: what it did to get ready (its event's ``warmed``: the kernels it called ahead, in words).
+        self.ready = False
+        self.warmed: str | None = None
+        #: The ``fit`` arguments sent to a standby worker (:meth:`send_job`), None before.
+        self.job: list[str] | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
@@ -190,6 +196,23 @@ class WorkerProcess:
             if line.strip():
                 self._stderr.append(line.rstrip())
                 del self._stderr[:-50]
+
+    def poll_ready(self) -> bool:
+        """For a standby worker: whether it has said it is ready and is still running (never blocks; what it
+        reported before its job is not progress of that job, and is dropped)."""
+        if self.process is None or self.process.poll() is not None or self.outcome is not None:
+            return False
+        self._drain()
+        return self.ready and self._error is None
+
+    def send_job(self, arguments: Sequence[str]) -> None:
+        """Hand a ready standby worker its one job: the arguments of ``neuralraycast fit`` (the study first). Its
+        progress and outcome are then this worker's, as a ``fit`` worker's."""
+        if not self.poll_ready():
+            raise RuntimeError(f"{self.name} is not ready for a job")
+        self.job = [str(argument) for argument in arguments]
+        self.process.stdin.write(json.dumps({"fit": self.job}) + "\n")
+        self.process.stdin.flush()
 
     def request_stop(self) -> None:
         """Ask the worker to stop after its current step and save the state reached."""
@@ -250,6 +273,8 @@ class WorkerProcess:
                 progress.append(Progress(str(event.get("stage", "")), str(event.get("message", "")),
                                          float(event.get("fraction") or 0.0), event.get("loss"),
                                          event.get("heldout_psnr")))
+            elif kind == "ready":
+                self.ready, self.warmed = True, str(event.get("warmed", ""))
             elif kind == "done":
                 self._done = event
             elif kind == "error":
