@@ -45,6 +45,9 @@ MEMORY_ADVICE = ("raise the GPU memory setting if the GPU has more free, or choo
 KEPT_PACKAGES = ("numpy", "scipy")
 #: How long a training asked to stop may take to save the state reached before it is ended.
 STOP_GRACE_MS = 60_000
+#: The application setting (Slicer's settings file) that keeps a training process ready ahead of the next Train
+#: ("true" by default; "false" starts one only when Train is pressed).
+KEEP_READY_SETTING = "NeuralRaycast/KeepTrainingProcessReady"
 #: Extra channels beside the reference volume (the parameter node wrapper has no GUI for node lists).
 ADDITIONAL_VOLUME_PARAMETERS = ("inputVolume2", "inputVolume3", "inputVolume4")
 
@@ -330,6 +333,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._killTimer.setInterval(STOP_GRACE_MS)
         self._killTimer.connect("timeout()", self._killTraining)
 
+        self.logic.keepTrainingProcessReady = str(qt.QSettings().value(KEEP_READY_SETTING, "true")).lower() in (
+            "true", "1")
         self.initializeParameterNode()
 
     def cleanup(self) -> None:
@@ -337,6 +342,8 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         if self._job is not None:  # no training left running without Slicer
             self._job.kill()
             self._job = None
+        if self.logic is not None:
+            self.logic.stopStandby()
         for timer in (self._pollTimer, self._killTimer):
             if timer is not None:
                 timer.stop()
@@ -346,6 +353,20 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
     def enter(self) -> None:
         """Called each time the user opens this module."""
         self.initializeParameterNode()
+        self._keepProcessReady()
+
+    def _keepProcessReady(self) -> None:
+        """A training process made ready ahead of the next Train (``NeuralRaycastLogic.startStandby``), where the
+        setting allows it and no run goes; a failure to start one is logged, not shown: Train starts a process
+        then, as without."""
+        if self.logic is None or self._job is not None or self._parameterNode is None:
+            return
+        if not self.logic.keepTrainingProcessReady:
+            return
+        try:
+            self.logic.startStandby(self._parameterNode.device, self._parameterNode.preset)
+        except Exception as error:  # noqa: BLE001 - only a head start is lost
+            logging.warning(f"No training process was made ready ahead: {error}")
 
     def exit(self) -> None:
         """Called each time the user opens a different module."""
@@ -529,6 +550,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
             self._job, self._jobInputs = None, None
             self._setRunning(False)
             self._trainingEnded(job, outcome, inputs)
+            self._keepProcessReady()  # the next Train starts from a ready process again
 
     @staticmethod
     def progressText(item) -> str:
@@ -728,6 +750,13 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         self.run = None
         #: Structure name -> (segment name, segment colour) of the last segmentation read.
         self.structureSegments: dict[str, tuple[str, tuple[float, float, float]]] = {}
+        #: Whether the module keeps a training process ready ahead of the next Train (:meth:`startStandby`; the
+        #: application setting ``NeuralRaycast/KeepTrainingProcessReady``).
+        self.keepTrainingProcessReady = True
+        #: That process (``NeuralRaycastLib.app.worker.WorkerProcess`` of ``neuralraycast standby``) and the device
+        #: it was started for; None while none runs.
+        self.standby = None
+        self.standbyDevice: str | None = None
 
     def getParameterNode(self):
         return NeuralRaycastParameterNode(super().getParameterNode())
@@ -1304,13 +1333,59 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
                 command += ["--representation", representation]
             if os.path.isfile(os.path.join(folder, "run.json")):
                 command.append("--overwrite")  # training again into the last run's folder replaces that run
-            worker = WorkerProcess(command, env=self.workerEnvironment())
-            worker.start()
+            worker = self.takeStandby(device, command[4:])
+            if worker is None:
+                worker = WorkerProcess(command, env=self.workerEnvironment())
+                worker.start()
         except Exception:
             shutil.rmtree(studyFolder, ignore_errors=True)
             raise
-        logging.info(f"Training '{study.name}' in a worker process (pid {worker.pid}) into {folder}")
+        how = "the training process kept ready" if worker.job is not None else "a worker process"
+        logging.info(f"Training '{study.name}' in {how} (pid {worker.pid}) into {folder}")
         return TrainingJob(worker, folder, studyFolder)
+
+    def startStandby(self, device: str = "auto", preset: str = "auto") -> bool:
+        """Start a training process that makes itself ready ahead of the next training (``neuralraycast standby``:
+        the backend imported, the device open, the kernels called once on a small phantom where they are
+        compiled), unless one runs already for ``device``. :meth:`startTraining` then hands it the study instead
+        of starting a process, which saves the seconds a fresh one spends getting there. Returns whether one
+        runs (not without PythonSlicer)."""
+        from NeuralRaycastLib.app.worker import WorkerProcess
+
+        if self.standby is not None and self.standby.running and self.standbyDevice == device:
+            return True
+        self.stopStandby()
+        python = self.workerPython()
+        if python is None:
+            return False
+        worker = WorkerProcess([python, "-m", "NeuralRaycastLib.app.entry", "standby", "--device", device,
+                                "--preset", preset], env=self.workerEnvironment(), name="the training process")
+        worker.start()
+        self.standby, self.standbyDevice = worker, device
+        return True
+
+    def stopStandby(self) -> None:
+        """End the training process kept ready, if one runs (nothing of it is kept)."""
+        standby, self.standby, self.standbyDevice = self.standby, None, None
+        if standby is not None:
+            standby.kill()
+
+    def takeStandby(self, device: str, arguments: list[str]):
+        """The training process kept ready, given the ``fit`` job of ``arguments``, where one is ready for
+        ``device``; else None, the process (one still getting ready, or for another device) ended, so that it
+        does not take the GPU beside the run's own."""
+        standby = self.standby
+        if standby is None:
+            return None
+        self.standby, self.standbyDevice, device_of_standby = None, None, self.standbyDevice
+        if device_of_standby == device and standby.poll_ready():
+            try:
+                standby.send_job(arguments)
+                return standby
+            except (RuntimeError, OSError, ValueError) as error:  # it ended meanwhile: a fresh one takes the job
+                logging.warning(f"The training process kept ready could not take the job ({error})")
+        standby.kill()
+        return None
 
     @staticmethod
     def workerEnvironment() -> dict[str, str]:

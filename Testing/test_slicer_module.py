@@ -669,6 +669,30 @@ def test_every_input_and_the_cache_button_are_disabled_while_a_run_goes(widget):
     assert all(w.enabled for w in bound) and widget.ui.clearCacheButton.enabled
 
 
+def test_the_widget_keeps_a_training_process_ready_unless_told_not_to_or_a_run_goes(widget, monkeypatch):
+    """On entering the module and after each run the widget asks the logic for a process kept ready, for the
+    parameter node's device and preset; not while a run goes, nor with the setting off; a failure to start one
+    leaves Train as it was (logged, not shown)."""
+    asked = []
+    monkeypatch.setattr(widget.logic, "startStandby", lambda device, preset: asked.append((device, preset)) or True)
+    widget._parameterNode.device, widget._parameterNode.preset = "vulkan", "quick"
+    widget._keepProcessReady()
+    assert asked == [("vulkan", "quick")]
+    widget._job = object()  # a run goes
+    widget._keepProcessReady()
+    widget._job = None
+    widget.logic.keepTrainingProcessReady = False
+    widget._keepProcessReady()
+    assert asked == [("vulkan", "quick")]
+    widget.logic.keepTrainingProcessReady = True
+
+    def fails(device, preset):
+        raise OSError("no such interpreter")
+
+    monkeypatch.setattr(widget.logic, "startStandby", fails)
+    widget._keepProcessReady()  # no exception, no dialog (the logic opens none: test_the_logic_opens_no_dialogs)
+
+
 def test_a_run_that_ends_after_the_scene_closed_says_where_its_model_is(widget, scene, self_test, tmp_path):
     from types import SimpleNamespace
 
@@ -764,6 +788,62 @@ def test_a_worker_trains_into_a_run_folder_and_leaves_the_scene_unchanged(module
     assert outcome.run_folder == str(tmp_path / "run") and (tmp_path / "run" / "model.safetensors").is_file()
     assert any("held-out PSNR" in message for message in reports) and outcome.heldout_psnr > 10
     assert node_ids(scene) == before and logic.run is None
+
+
+def test_a_training_process_kept_ready_takes_the_next_training(module, scene, self_test, tmp_path):
+    """``startStandby`` starts ``neuralraycast standby`` ahead of Train; ``startTraining`` then hands it the study
+    (its job: the command line's fit arguments) instead of starting a process, and it trains into the run folder,
+    the scene unchanged. A process kept ready for another device is ended, not used; none is kept without
+    PythonSlicer."""
+    import shutil
+    import sys
+    import time
+
+    import slicer
+
+    _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path), spacing=4.0)
+    logic = module.NeuralRaycastLogic()
+    before = node_ids(scene)
+    assert logic.startStandby("auto", "quick")
+    standby = logic.standby
+    try:
+        assert standby.command == [sys.executable, "-m", "NeuralRaycastLib.app.entry", "standby", "--device", "auto",
+                                   "--preset", "quick"]
+        assert logic.startStandby("auto", "quick") and logic.standby is standby  # one at a time
+        deadline = time.monotonic() + 120
+        while not standby.poll_ready():
+            assert standby.running and time.monotonic() < deadline, standby.poll()
+            time.sleep(0.05)
+        job = logic.startTraining(volumes, segmentation, preset="quick", iterations=30, views=4, size=32,
+                                  runFolder=tmp_path / "run")
+        assert job.worker is standby and logic.standby is None
+        assert standby.job[0].endswith("manifest.json") and standby.job[standby.job.index("--out") + 1] == str(
+            tmp_path / "run")
+        outcome = job.wait()
+        assert outcome.state == "done" and (tmp_path / "run" / "model.safetensors").is_file(), outcome.message
+        assert node_ids(scene) == before and logic.run is None
+        # Kept ready for the automatic device, a training on another: that process is ended, a fresh one trains.
+        assert logic.startStandby("auto", "quick")
+        other = logic.standby
+        job = logic.startTraining(volumes, segmentation, preset="quick", device="vulkan", iterations=30, views=4,
+                                  size=32, runFolder=tmp_path / "second")
+        try:
+            assert job.worker is not other and job.worker.job is None and other.process.poll() is not None
+            assert job.worker.command[3] == "fit"
+        finally:
+            job.kill()
+    finally:
+        logic.stopStandby()
+        standby.kill()
+    assert logic.standby is None
+    original = slicer.app
+    try:
+        slicer.app = type("InstalledSlicer", (), {"slicerHome": "/opt/Slicer"})()  # no PythonSlicer beside it
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(shutil, "which", lambda name: None)
+            assert not logic.startStandby("auto", "quick") and logic.standby is None
+    finally:
+        slicer.app = original
 
 
 @pytest.mark.gpu

@@ -149,6 +149,8 @@ class WorkerProcess:
         self.process: subprocess.Popen | None = None
         self._events: queue.Queue = queue.Queue()
         self._stderr: list[str] = []
+        #: The last lines of its standard output that are not the stream (``fit``'s summary lines, say).
+        self.printed: list[str] = []
         self._readers: list[threading.Thread] = []
         self._done: dict | None = None
         self._error: str | None = None
@@ -182,8 +184,11 @@ class WorkerProcess:
     def _read_stdout(self) -> None:
         for line in self.process.stdout:
             line = line.strip()
-            if not line.startswith("{"):
-                continue  # a library's own output, not the stream
+            if not line.startswith("{"):  # a library's own output, or the command's summary lines: not the stream
+                if line:
+                    self.printed.append(line)
+                    del self.printed[:-50]
+                continue
             try:
                 event = json.loads(line)
             except ValueError:
