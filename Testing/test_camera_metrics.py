@@ -94,3 +94,20 @@ def test_contact_sheet_places_images_in_rows():
     sheet = contact_sheet(images, columns=3, gap=1)
     assert sheet.shape == (9, 17, 3)
     assert sheet[5, 0, 0] == pytest.approx(0.3) and sheet[0, 12, 0] == pytest.approx(0.2)
+
+
+def test_pictures_of_bytes_are_tiled_and_saved_as_they_are_at_either_compression(tmp_path):
+    """A run's contact sheet is tiled from byte pictures and written at zlib's fastest level: the same pixels as
+    the float pictures give at the default level, byte for byte."""
+    from PIL import Image
+
+    from NeuralRaycastLib.render.metrics import FAST_PNG, save_png, to_uint8
+
+    rng = np.random.default_rng(1)
+    images = [rng.random((6, 7, 3)) for _ in range(5)]
+    tiled = contact_sheet([to_uint8(image) for image in images], columns=3, gap=1)
+    assert tiled.dtype == np.uint8 and tiled.shape == (13, 23, 3) and tiled[7:, 16:].max() == 0  # the gap is black
+    save_png(tiled, tmp_path / "fast.png", FAST_PNG)
+    save_png(contact_sheet(images, columns=3, gap=1), tmp_path / "default.png")
+    fast, default = (np.asarray(Image.open(tmp_path / name)) for name in ("fast.png", "default.png"))
+    assert np.array_equal(fast, default) and np.array_equal(fast, tiled)

@@ -66,28 +66,37 @@ def to_uint8(image: np.ndarray) -> np.ndarray:
     return (np.clip(np.asarray(image, dtype=np.float64), 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
-def save_png(image: np.ndarray, path: str | Path) -> Path:
-    """Save a float image in [0, 1] ((H, W), (H, W, 3) or (H, W, 4)) as PNG, atomically (files.py)."""
+#: zlib's fastest level, for pictures written while the user waits (a run's reference views): the sample's 24 views
+#: of 512² are written in about a quarter of the default level's time, in files a fifth larger (BENCHMARKS.md).
+FAST_PNG = 1
+
+
+def save_png(image: np.ndarray, path: str | Path, compress_level: int = 6) -> Path:
+    """Save an image ((H, W), (H, W, 3) or (H, W, 4): floats in [0, 1], or bytes as they are) as PNG, atomically
+    (files.py); ``compress_level`` as zlib's (6: PIL's default; :data:`FAST_PNG`)."""
     from PIL import Image
 
     from ..files import atomic_file
 
     path = Path(path)
-    picture = Image.fromarray(to_uint8(image))
+    image = np.asarray(image)
+    picture = Image.fromarray(image if image.dtype == np.uint8 else to_uint8(image))
     with atomic_file(path) as handle:
-        picture.save(handle, format="PNG")
+        picture.save(handle, format="PNG", compress_level=compress_level)
     return path
 
 
 def contact_sheet(images: list[np.ndarray], columns: int | None = None, gap: int = 2) -> np.ndarray:
-    """Tile same-sized images into one picture (row-major, ``gap`` pixels of black between)."""
+    """Tile same-sized images into one picture (row-major, ``gap`` pixels of black between), of the first image's
+    type."""
     if not images:
         raise ValueError("no images for a contact sheet")
     first = np.asarray(images[0])
     columns = columns or int(np.ceil(np.sqrt(len(images))))
     rows = int(np.ceil(len(images) / columns))
     height, width = first.shape[:2]
-    sheet = np.zeros((rows * height + (rows - 1) * gap, columns * width + (columns - 1) * gap, *first.shape[2:]))
+    sheet = np.zeros((rows * height + (rows - 1) * gap, columns * width + (columns - 1) * gap, *first.shape[2:]),
+                     first.dtype)
     for index, image in enumerate(images):
         r, c = divmod(index, columns)
         sheet[r * (height + gap): r * (height + gap) + height, c * (width + gap): c * (width + gap) + width] = image
