@@ -1352,8 +1352,9 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         runs (not without PythonSlicer)."""
         from NeuralRaycastLib.app.worker import WorkerProcess
 
-        if self.standby is not None and self.standby.running and self.standbyDevice == device:
-            return True
+        standby = self.standby
+        if standby is not None and standby.process.poll() is None and self.standbyDevice == device:
+            return True  # (one that ended, say for want of a device, is started again)
         self.stopStandby()
         python = self.workerPython()
         if python is None:

@@ -836,6 +836,11 @@ def test_a_training_process_kept_ready_takes_the_next_training(module, scene, se
         logic.stopStandby()
         standby.kill()
     assert logic.standby is None
+    assert logic.startStandby("auto", "quick")
+    ended = logic.standby
+    ended.kill()  # as one that ends for want of a device: the next call starts another
+    assert logic.startStandby("auto", "quick") and logic.standby is not ended
+    logic.stopStandby()
     original = slicer.app
     try:
         slicer.app = type("InstalledSlicer", (), {"slicerHome": "/opt/Slicer"})()  # no PythonSlicer beside it
