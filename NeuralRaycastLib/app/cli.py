@@ -30,7 +30,7 @@ from ..study.sample.label_style import STYLES as LABEL_STYLES
 from ..study.study import StudyError
 from ..train.presets import AUTO, PRESETS, check_run_values, get_preset, presets_help
 from ..train.trainer import TrainingError
-from .standby import WARM_CHOICES, cmd_standby
+from .standby import WARM_CHOICES, serve
 
 #: Errors that are the user's or the machine's, not a bug: one line, exit status 2. The file system's and the
 #: memory's (a full disk, a read-only folder, too large a study) are among them.
@@ -316,6 +316,11 @@ def _pretrained_appearance(args: argparse.Namespace):
 
     return PretrainedAppearance.read(SHIPPED_WEIGHTS if args.weights is None else args.weights, args.fine_tune,
                                      args.fine_tune_seconds)
+
+
+def cmd_standby(args: argparse.Namespace) -> int:
+    """A ``fit`` worker made ready before its study is known, then one job from standard input (app/standby.py)."""
+    return serve(_device(args), args.preset, args.warm, main)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:

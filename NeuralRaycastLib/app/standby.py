@@ -11,11 +11,11 @@ The Slicer module keeps one ready beside Slicer, so that Train starts from a war
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 #: The event a standby process writes once it waits for its job.
@@ -48,7 +48,7 @@ def parse_job(line: str) -> list[str]:
     return ["fit", *arguments, *([] if "--progress-json" in arguments else ["--progress-json"])]
 
 
-def warm_first_calls(gpu, preset: str, warm: str = "auto") -> str:
+def warm_first_calls(gpu, preset: str | None, warm: str = "auto") -> str:
     """Make the first calls of the pretrained route's kernels (and of the maps, the field and the SDF fit, which
     every fit shares) in this process: the route on a coarse phantom into a folder removed after. Returns what
     was done, in words (the ready event says it)."""
@@ -76,15 +76,15 @@ def warm_first_calls(gpu, preset: str, warm: str = "auto") -> str:
     return f"the pretrained route on the phantom ({settings.preset} preset)"
 
 
-def cmd_standby(args: argparse.Namespace) -> int:
-    """``neuralraycast standby``: ready, then one ``fit`` job from standard input (the module docstring)."""
-    from . import cli
+def serve(gpu, preset: str | None, warm: str, run_job: Callable[[list[str]], int], stdin=None) -> int:
+    """``neuralraycast standby`` on an open device: ready, then the one ``fit`` job read from ``stdin`` (default
+    standard input) run by ``run_job`` (the command line's ``main``), whose exit code it returns (the module
+    docstring)."""
     from .worker import JsonLines
 
-    gpu = cli._device(args)
-    done = warm_first_calls(gpu, args.preset, args.warm)
+    done = warm_first_calls(gpu, preset, warm)
     JsonLines().write({"event": READY, "backend": gpu.backend, "warmed": done})
-    line = sys.stdin.readline()
+    line = (stdin or sys.stdin).readline()
     if not line.strip():  # the starter closed standard input, or went away: no job
         return 0
-    return cli.main(parse_job(line))
+    return run_job(parse_job(line))
