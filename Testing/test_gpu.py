@@ -360,3 +360,30 @@ def test_vulkan_gradients_are_wave_aggregated_only_where_every_adapter_is_a_gpu(
     assert not wave_gradients(["NVIDIA H200", "llvmpipe (LLVM 15.0.6, 256 bits)"])
     assert not wave_gradients(["SwiftShader Device (Subzero)"])
     assert not wave_gradients([])
+
+
+def test_study_dependent_floats_give_one_call_signature_once_rounded_to_float32(gpu):
+    """slangpy's call signature notes whether a Python float is exactly a float32: 0.5 and 0.1 as a kernel's
+    argument make two signatures, and so two builds of the call's data. Rounded to float32 first (kernel_floats, as
+    the structs of the field, the fit, the style and the march are), any two values share one; ints, bools and
+    slangpy's vectors are left as they are, and the kernel reads the same numbers."""
+    import slangpy as spy
+    from slangpy.core.native import SignatureBuilder
+
+    module = gpu.load_module("device_check")
+    values = np.linspace(-3, 3, 16).astype(np.float32)
+
+    def signature(scale: float) -> str:
+        builder = SignatureBuilder()
+        module.call_data_cache.get_args_signature(builder, module.deviceCheck, values, scale)
+        return builder.str
+
+    assert signature(0.5) != signature(0.1)  # what the rounding is for
+    assert signature(gpu_module.kernel_floats(0.5)) == signature(gpu_module.kernel_floats(0.1))
+    nested = gpu_module.kernel_floats({"a": [0.1, 3, True, np.float64(1 / 3)], "b": (2.5, spy.float3(0.1, 0, 0)),
+                                       "c": "name"})
+    assert nested["a"] == [float(np.float32(0.1)), 3, True, float(np.float32(1 / 3))]
+    assert type(nested["a"][1]) is int and nested["a"][2] is True and type(nested["a"][3]) is float
+    assert nested["b"][0] == 2.5 and isinstance(nested["b"][1], spy.float3) and nested["c"] == "name"
+    np.testing.assert_allclose(module.deviceCheck(values, gpu_module.kernel_floats(0.1), _result="numpy"),
+                               module.deviceCheck(values, 0.1, _result="numpy"), rtol=0, atol=0)

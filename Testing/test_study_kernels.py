@@ -31,13 +31,15 @@ SPACING = 2.5  # as test_train's phantom: in one test session the two share thei
 @contextmanager
 def counted_compiles() -> Iterator[dict[str, list]]:
     """What this process compiles while open: Slang modules (the field's, kept as files of generated source, and
-    the code slangpy generates for a call of a new signature), by name, and compute pipelines (a kernel each), by
-    label."""
+    the code slangpy generates for a call of a new signature), by name, compute pipelines (a kernel each), by
+    label, and the call data slangpy builds for a kernel's call of a signature it has not seen (its function)."""
     import slangpy as spy
+    from slangpy.core.calldata import CallData
 
-    counts: dict[str, list] = {"modules": [], "pipelines": []}
+    counts: dict[str, list] = {"modules": [], "pipelines": [], "call data": []}
     load, load_file = spy.SlangSession.load_module_from_source, spy.SlangSession.load_module
     build = spy.Device.create_compute_pipeline
+    make_call_data = CallData.__init__
 
     def counted(loader):
         def counted_load(self, *args, **kwargs):
@@ -50,13 +52,19 @@ def counted_compiles() -> Iterator[dict[str, list]]:
         counts["pipelines"].append(str(kwargs.get("label")))
         return build(self, *args, **kwargs)
 
+    def counted_call_data(self, *args, **kwargs):
+        counts["call data"].append(str(getattr(args[0] if args else None, "name", "?")))
+        return make_call_data(self, *args, **kwargs)
+
     spy.SlangSession.load_module_from_source, spy.SlangSession.load_module = counted(load), counted(load_file)
     spy.Device.create_compute_pipeline = counted_build
+    CallData.__init__ = counted_call_data
     try:
         yield counts
     finally:
         spy.SlangSession.load_module_from_source, spy.SlangSession.load_module = load, load_file
         spy.Device.create_compute_pipeline = build
+        CallData.__init__ = make_call_data
 
 
 def phantom_study(names: tuple[str, ...], channels: int, spacing: float = SPACING, margin: float = 6.0):
@@ -152,7 +160,7 @@ def test_a_study_with_other_counts_box_and_voxels_compiles_nothing_and_trains_it
     fields = {"first": field}
     with counted_compiles() as compiled:
         fields["second"], _ = train(gpu, second)
-    assert compiled == {"modules": [], "pipelines": []}, compiled
+    assert compiled == {"modules": [], "pipelines": [], "call data": []}, compiled
 
     for name, prepared in (("first", first), ("second", second)):
         field = fields[name]

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..gpu.device import GpuContext
+from ..gpu.device import GpuContext, kernel_floats
 from ..paths import shader_dir
 
 LATENT_PARTS = ("latent_appearance",)
@@ -227,7 +227,7 @@ class LatentAppearance:
         """The ``LatentAppearance`` struct; without ``grid_gradients`` the grid is frozen for the pass."""
         import slangpy as spy
 
-        return {
+        return kernel_floats({
             "params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
             "grid": {"values": self.codes.storage.device_address,
                      "grads": self.code_grads.storage.device_address if grid_gradients else 0,
@@ -236,7 +236,7 @@ class LatentAppearance:
                      "cellInv": 1.0 / self.grid.cell_mm},
             "encoderOffset": 0,
             "decoderOffset": self.config.decoder_offset,
-        }
+        })
 
     def parameters(self) -> np.ndarray:
         return np.asarray(self.values.to_numpy(), np.float32).reshape(-1)

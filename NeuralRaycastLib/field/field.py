@@ -26,6 +26,7 @@ from ..gpu.device import (
     GpuContext,
     coop_vector_networks,
     device_memory,
+    kernel_floats,
     memory_budget,
     structure_slots,
     tensor_core_networks,
@@ -716,7 +717,7 @@ class NeuralField:
             grads = self.grads.storage.device_address
             struct["coopGeometry"] = self.coop_network("geometry").struct(grads)
             struct["coopAppearance"] = self.coop_network("appearance").struct(grads)
-        return struct
+        return kernel_floats(struct)
 
     def default_step_mm(self) -> float:
         """The step of :meth:`distance_gradients`' tetrahedral differences: half the finest active cell."""
@@ -780,7 +781,7 @@ class NeuralField:
         low = np.asarray(self.layout.origin, np.float64)
         high = low + np.asarray(self.layout.extent, np.float64)
         self.module.nearestOnGrid(spy.grid((size,)), size, first, self.shader_struct(),
-                                  spy.float3(*(float(v) for v in origin)), float(cell_mm), spy.int3(*corners),
+                                  spy.float3(*(float(v) for v in origin)), kernel_floats(cell_mm), spy.int3(*corners),
                                   spy.float3(*low), spy.float3(*high), address)
 
     def distance_gradients(self, points: np.ndarray, step_mm: float | None = None) -> np.ndarray:

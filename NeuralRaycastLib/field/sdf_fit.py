@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..gpu.device import GpuContext, PassClock
+from ..gpu.device import GpuContext, PassClock, kernel_floats
 from ..progress import Progress, ShouldStop
 from ..render.volume import interleaved_volumes
 from ..study.preprocess import PreparedStudy, StudyOutline
@@ -197,7 +197,7 @@ class SdfFitter:
         c, layout = self.config, self.field.layout
         finest = layout.levels[self.field.active_levels - 1].cell_mm
         low, high = self.prepared.bounds
-        return {
+        return kernel_floats({
             "boxMin": spy.float3(*map(float, low)),
             "boxMax": spy.float3(*map(float, high)),
             "ijkToRas": spy.float4x4(np.asarray(self.prepared.affine, dtype=np.float32)),
@@ -209,7 +209,7 @@ class SdfFitter:
             "eikonalScale": c.eikonal_weight / (self.eikonal_points * layout.structures),
             "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
             "structures": layout.structures,
-        }
+        })
 
     def step(self, timings: dict[str, float] | None = None) -> None:
         """One fit step. ``timings``: add each phase's seconds there (waiting for the device after each)."""
@@ -227,8 +227,8 @@ class SdfFitter:
         """Add ``weight`` × the gradient of one batch's SDF + Eikonal loss to the field's gradient buffer."""
         clock = PassClock(self.gpu, timings)
         settings = self.settings(step)
-        settings["dataScale"] *= weight
-        settings["eikonalScale"] *= weight
+        settings["dataScale"] = kernel_floats(settings["dataScale"] * weight)
+        settings["eikonalScale"] = kernel_floats(settings["eikonalScale"] * weight)
         field = self.field
         if field.coop_vectors is not None:
             field.coop_network("geometry").gradient_scale = coop_gradient_scale(settings["dataScale"])

@@ -120,6 +120,21 @@ def structure_slots(structures: int | None) -> int:
     raise ValueError(f"at most {STRUCTURE_SLOTS[-1]} structures, got {structures}")
 
 
+def kernel_floats(value: Any) -> Any:
+    """``value`` (a number, or dicts, lists and tuples of them) with every float rounded to the float32 the kernels
+    read, other values as they are. slangpy's signature of a call notes whether each Python float is exactly a float32,
+    so values that vary with the study (cell sizes, loss weights, the style's optical depths) would otherwise make a
+    study of other voxels or structures build the data of every such call again in a process that has made it (a
+    worker kept ready: app/standby.py). The kernels see the same numbers either way."""
+    if isinstance(value, (float, np.floating)):
+        return float(np.float32(value))
+    if isinstance(value, dict):
+        return {key: kernel_floats(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(kernel_floats(item) for item in value)
+    return value
+
+
 @dataclass
 class GpuContext:
     """An open device plus what is needed to load the project's Slang modules on it."""

@@ -55,6 +55,9 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam",
                   "latentParameterAdam", "latentBricksNear")
 LATENT_SCENE_KERNELS = ("latentFieldDistances", "latentFieldSurface", "latentAppearanceBackward")
+#: Those the latent scene's module has only with the field's geometry network on tensor cores (CUDA's), whose
+#: forward passes decode on them too.
+COOPERATIVE_LATENT_SCENE_KERNELS = ("latentDecoderToTiled", "latentDecoderTiledCount")
 #: The kernels of a field module (field/field.py's field_source: sdf_fit, then field_render).
 FIELD_KERNELS = ("fitEikonalWaves", "fitPlainWaves", "fitLoss", "distancesAt", "nearestOnGrid", "gradientsAt",
                  "fieldDistances", "fieldSurface", "fieldBackwardDistances", "fieldBackwardSurface",
@@ -372,7 +375,8 @@ def field_module_code(target: str, variant: FieldVariant, kernels: tuple[str, ..
 
 def compile_latent_modules(target: str) -> list[TargetFailure]:
     """The pretrained appearance's kernels for ``target``: its own module, and the field's with its scene (a GPU's
-    field sizes, four structures; on SPIR-V also with the geometry network on cooperative vectors)."""
+    field sizes, four structures; on CUDA also with the networks and the decoder on tensor cores, on SPIR-V with the
+    geometry network on cooperative vectors)."""
     from ..appearance.latent import LatentConfig, latent_source
     from ..appearance.latent_scene import latent_scene_source
     from ..field.field import field_session_defines
@@ -386,6 +390,10 @@ def compile_latent_modules(target: str) -> list[TargetFailure]:
                               defines)
                     + _failures(_library(), Path(name), "latent_scene", latent_scene_source(layout, config),
                                 LATENT_SCENE_KERNELS, target, defines))
+        if target == "cuda":
+            failures += _failures(_library(), Path(name), "latent_scene_cooperative",
+                                  latent_scene_source(layout, config, cooperative=True),
+                                  LATENT_SCENE_KERNELS + COOPERATIVE_LATENT_SCENE_KERNELS, target, defines)
         if target == "spirv":
             half_sums = 1  # coopvec_mlp.slang's Kind of a GPU's
             failures += _failures(_library(), Path(name), "latent_scene_coopvec",

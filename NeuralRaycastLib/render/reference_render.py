@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..gpu.device import GpuContext, ReadBack
+from ..gpu.device import GpuContext, ReadBack, kernel_floats
 from ..grid import grid_corners_bounds
 from ..study.preprocess import PreparedStudy
 from .camera import Camera
@@ -28,13 +28,13 @@ def march_settings(prepared: PreparedStudy, style: RenderStyle) -> dict:
     volume_box = grid_corners_bounds(prepared.affine, prepared.study.shape)
     low = np.maximum(prepared.bounds[0] - BAND_WIDTHS * epsilon, volume_box[0])
     high = np.minimum(prepared.bounds[1] + BAND_WIDTHS * epsilon, volume_box[1])
-    return {
+    return kernel_floats({
         "epsilon": epsilon,
         "step": style.step_voxels * voxel,
         "shadowStep": style.shadow_step_voxels * voxel,
         "boxMin": spy.float3(*map(float, low)),
         "boxMax": spy.float3(*map(float, high)),
-    }
+    })
 
 
 class ReferenceRenderer:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..gpu.device import kernel_floats
 from ..study.structures import BRAIN, Structure
 
 MAX_STRUCTURES = 8  # shaders/image_formation.slang: STYLE_STRUCTURES
@@ -97,7 +98,7 @@ class RenderStyle:
             look["window"].append(spy.float2(*map(float, values[3])))
             look["modulation"].append(float(values[4]))
             look["specular"].append(float(values[5]))
-        return look
+        return kernel_floats(look)
 
     def shader_lighting(self) -> dict:
         import slangpy as spy
@@ -105,11 +106,11 @@ class RenderStyle:
         light = self.lighting
         direction = np.asarray(light.key_direction, dtype=np.float64)
         direction = direction / np.linalg.norm(direction)
-        return {
+        return kernel_floats({
             "ambient": float(light.ambient),
             "headlight": float(light.headlight),
             "key": float(light.key),
             "keyDirection": spy.float3(*map(float, direction)),
             "shininess": float(light.shininess),
             "shadows": int(bool(light.shadows)),
-        }
+        })
