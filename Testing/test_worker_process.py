@@ -210,7 +210,8 @@ def test_a_standby_worker_is_ready_before_its_study_and_then_runs_one_fit_job(ph
     worker.start()
     try:
         wait_for(worker.poll_ready, 600)
-        assert worker.warmed.startswith("the pretrained route on the phantom") and not (tmp_path / "run").exists()
+        assert worker.warmed.startswith("the pretrained route and the network's stages on the phantom")
+        assert not (tmp_path / "run").exists()
         worker.send_job([str(phantom_study_dir), "--out", str(tmp_path / "run"), "--preset", "quick",
                          "--appearance", "pretrained", "--iterations", "20", "--views", "4", "--size", "32"])
         seen = []

@@ -1,9 +1,9 @@
-"""What a worker kept ready leaves a job to build: the standby's warm-up (``app/standby.py``'s warm_first_calls, the
-pretrained route on its 4 mm phantom) in this process, then a ``fit --appearance pretrained`` of another study (the
-phantom at SPACING mm), counting the call data slangpy builds in each (a kernel's call of a signature this process
-has not made yet; on a GPU each takes tens of milliseconds).
+"""What a worker kept ready leaves a job to build: the standby's warm-up (``app/standby.py``'s warm_first_calls on
+its 4 mm phantom) in this process, then a ``fit`` of another study (the phantom at SPACING mm, ``--appearance`` as
+given), counting the call data slangpy builds in each (a kernel's call of a signature this process has not made
+yet; on a GPU each takes tens of milliseconds).
 
-    python tools/standby_call_data.py SPACING [--preset quick]
+    python tools/standby_call_data.py SPACING [--preset quick] [--appearance pretrained|network]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("spacing", type=float, help="the job's phantom's voxel size in mm")
     parser.add_argument("--preset", default="quick")
+    parser.add_argument("--appearance", choices=("pretrained", "network"), default="pretrained",
+                        help="the job's appearance (fit --appearance)")
     args = parser.parse_args()
 
     import slangpy.core.calldata as calldata
@@ -50,8 +52,9 @@ def main() -> int:
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         code = cli(["fit", study, "--out", str(Path(tempfile.mkdtemp()) / "job"), "--preset", args.preset,
-                    "--appearance", "pretrained"])
-    print(f"job on the {args.spacing:g} mm phantom: exit {code}, {time.perf_counter() - start:.1f} s, "
+                    "--appearance", args.appearance])
+    seconds = time.perf_counter() - start
+    print(f"{args.appearance} job on the {args.spacing:g} mm phantom: exit {code}, {seconds:.1f} s, "
           f"{len(built)} call data built: {', '.join(sorted(built)) or 'none'}", file=sys.stdout)
     return 0
 

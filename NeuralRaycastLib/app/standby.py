@@ -1,11 +1,12 @@
 """A training process made ready before its study is known (``neuralraycast standby``): it imports the backend,
-opens the device and, on a GPU whose kernels a warm-up has compiled, runs the pretrained route once on a small
-phantom, so that slangpy has built the data of each kernel's call (it does so on a process's first call of each,
-which is most of what a fresh process adds to the route's seconds: BENCHMARKS.md). Then it writes
-``{"event": "ready", ...}`` and waits for one job on standard input: a line ``{"fit": [ARGUMENTS]}`` holding the
-arguments of ``neuralraycast fit`` (the study first). It runs that job as a fresh ``fit --progress-json`` would,
-streaming its progress, taking ``stop`` lines and ending the same way, and then ends itself: one job a process, so
-a GPU fault still ends that job's process only. Standard input closing before a job ends it, writing nothing.
+opens the device and, on a GPU whose kernels a warm-up has compiled, runs the pretrained route and a step of each of
+the per-study network's stages on a small phantom, so that slangpy has built the data of each kernel's call (it
+does so on a process's first call of each, which is most of what a fresh process adds to the route's seconds:
+BENCHMARKS.md). Then it writes ``{"event": "ready", ...}`` and waits for one job on standard input: a line
+``{"fit": [ARGUMENTS]}`` holding the arguments of ``neuralraycast fit`` (the study first). It runs that job as a
+fresh ``fit --progress-json`` would, streaming its progress, taking ``stop`` lines and ending the same way, and then
+ends itself: one job a process, so a GPU fault still ends that job's process only. Standard input closing before a
+job ends it, writing nothing.
 
 The Slicer module keeps one ready beside Slicer, so that Train starts from a warm process."""
 
@@ -16,6 +17,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 #: The event a standby process writes once it waits for its job.
@@ -28,6 +30,8 @@ WARM_CHOICES = ("auto", "yes", "no")
 PHANTOM_SPACING_MM = 4.0
 #: The route's SDF steps there: a few, as each kernel's data is built on its first call whatever the count.
 WARM_ITERATIONS = 2
+#: The per-study network's steps there: one of each stage (the SDF fit, appearance, joint).
+NETWORK_STEPS = 3
 
 
 class JobError(ValueError):
@@ -69,11 +73,14 @@ def warm_first_calls(gpu, preset: str | None, warm: str = "auto") -> str:
         # Kernels not compiled yet would compile here for minutes; the job's own warm-up compiles them faster.
         if warm == "auto" and needs_warm_up(gpu, prepare_for_run(study, settings, gpu=gpu), settings):
             return "nothing: the kernels are not compiled on this machine yet"
-        train_study(gpu, study, folder / "run", settings, None, warm_up=False,
+        train_study(gpu, study, folder / "route", settings, None, warm_up=False,
                     appearance=PretrainedAppearance.read(SHIPPED_WEIGHTS))
+        # A step of each of the per-study network's stages, on the views and maps the route left in the caches.
+        train_study(gpu, study, folder / "network", replace(settings, iterations=NETWORK_STEPS), None,
+                    warm_up=False)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return f"the pretrained route on the phantom ({settings.preset} preset)"
+    return f"the pretrained route and the network's stages on the phantom ({settings.preset} preset)"
 
 
 def serve(gpu, preset: str | None, warm: str, run_job: Callable[[list[str]], int], stdin=None) -> int:
