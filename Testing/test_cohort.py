@@ -435,7 +435,19 @@ def test_a_study_process_gets_its_job_whole_from_a_command_run_with_python_m(mon
                                                                              cli.describe_error)
 
 
-def test_an_interrupted_cohort_without_ray_ends_every_study_process_and_what_it_started(tmp_path, stand_in):
+@pytest.fixture
+def python_interrupts() -> Iterator[None]:
+    """Python's own Ctrl-C handling, as a terminal gives it, while the test runs: a suite started as a background job
+    of a script begins with SIGINT ignored, and the interrupt would then never come. The handler found is put back."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_cohort_without_ray_ends_every_study_process_and_what_it_started(tmp_path, stand_in,
+                                                                                         python_interrupts):
     """Ctrl-C while two studies train: both processes and their helpers end at once, no other study starts, and
     the output folder is free for the next run."""
     import signal
