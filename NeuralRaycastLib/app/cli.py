@@ -810,8 +810,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_fit)
 
     p = sub.add_parser("standby", help="for a program that starts 'fit' workers: a worker made ready before its "
-                       "study is known (backend imported, device open, the pretrained route's kernels called once on "
-                       "a phantom), which then runs one fit job read from standard input and ends")
+                       "study is known (backend imported, device open, the kernels of the pretrained route and of "
+                       "the network's stages called once on a phantom), which then runs one fit job read from "
+                       "standard input and ends")
     device_option(p)
     preset_option(p, "the preset whose kernels are called ahead")
     p.add_argument("--warm", choices=WARM_CHOICES, default="auto",

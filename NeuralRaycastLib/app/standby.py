@@ -22,7 +22,7 @@ from pathlib import Path
 
 #: The event a standby process writes once it waits for its job.
 READY = "ready"
-#: What ``--warm`` may say: ``auto`` runs the route on the phantom on a GPU whose kernels are compiled (on a
+#: What ``--warm`` may say: ``auto`` makes the first calls on the phantom on a GPU whose kernels are compiled (on a
 #: software device a fit takes minutes: its first calls do not count there), ``yes`` wherever the device is,
 #: ``no`` never.
 WARM_CHOICES = ("auto", "yes", "no")
@@ -53,9 +53,9 @@ def parse_job(line: str) -> list[str]:
 
 
 def warm_first_calls(gpu, preset: str | None, warm: str = "auto") -> str:
-    """Make the first calls of the pretrained route's kernels (and of the maps, the field and the SDF fit, which
-    every fit shares) in this process: the route on a coarse phantom into a folder removed after. Returns what
-    was done, in words (the ready event says it)."""
+    """Make the first calls of the pretrained route's kernels and of the per-study network's stages (the maps, the
+    field and the SDF fit among them, which every fit shares) in this process: both on a coarse phantom, into a
+    folder removed after. Returns what was done, in words (the ready event says it)."""
     from ..appearance.latent_scene import PretrainedAppearance
     from ..appearance.pretrain import SHIPPED_WEIGHTS
     from ..study.sample import cached_sample

@@ -191,7 +191,8 @@ class SdfFitter:
         """Points of a step that carry the Eikonal term (those of every ``eikonal_every``-th wave)."""
         return WAVE * math.ceil(self.batch // WAVE / self.config.eikonal_every)
 
-    def settings(self, step: int) -> dict:
+    def settings(self, step: int, weight: float = 1.0) -> dict:
+        """The ``FitSettings`` of ``step``'s batch, its loss scaled by ``weight`` (floats as the kernels read them)."""
         import slangpy as spy
 
         c, layout = self.config, self.field.layout
@@ -205,8 +206,8 @@ class SdfFitter:
             "truncation": c.truncation_mm,
             "eikonalStep": c.eikonal_step_cells * finest,
             "eikonalEvery": c.eikonal_every,
-            "dataScale": 1.0 / (self.batch * layout.structures),
-            "eikonalScale": c.eikonal_weight / (self.eikonal_points * layout.structures),
+            "dataScale": weight / (self.batch * layout.structures),
+            "eikonalScale": weight * c.eikonal_weight / (self.eikonal_points * layout.structures),
             "seed": (c.seed * 1_000_003 + step * 7919 + 1) & 0xFFFFFFFF,
             "structures": layout.structures,
         })
@@ -226,9 +227,7 @@ class SdfFitter:
     def accumulate(self, step: int, weight: float = 1.0, timings: dict[str, float] | None = None) -> None:
         """Add ``weight`` × the gradient of one batch's SDF + Eikonal loss to the field's gradient buffer."""
         clock = PassClock(self.gpu, timings)
-        settings = self.settings(step)
-        settings["dataScale"] = kernel_floats(settings["dataScale"] * weight)
-        settings["eikonalScale"] = kernel_floats(settings["eikonalScale"] * weight)
+        settings = self.settings(step, weight)
         field = self.field
         if field.coop_vectors is not None:
             field.coop_network("geometry").gradient_scale = coop_gradient_scale(settings["dataScale"])
