@@ -21,6 +21,7 @@ BOX = np.array([[0.0, 0.0, 0.0], [10.0, 8.0, 12.0]])
 DENSITY = 0.8
 STEP = 0.25
 RAYS = 12
+CHUNK = 8  # the samples of a cell the march sums at a time (shaders/gaussians.slang's GAUSSIAN_CHUNK)
 
 
 def tiny_set() -> GaussianSet:
@@ -160,7 +161,9 @@ def assert_central_differences(loss, params: np.ndarray, gradient: np.ndarray, r
 
 def test_backward_pass_matches_central_differences(scene, rays):
     """∂(Σ w·rgba)/∂parameters for every kind of parameter, along random directions and on the largest
-    coordinates; the Gaussian no ray reaches gets none."""
+    coordinates; the Gaussian no ray reaches gets none. A ray's samples in one cell make more than one chunk
+    (the march sums them a chunk at a time), so chunks within a cell are covered too."""
+    assert scene.grid.cell_size.max() / STEP > CHUNK
     uploaded, results, _ = device_render(scene, rays)
     weights = np.random.default_rng(2).normal(size=(RAYS, 4))
     scene.zero_gradients()
@@ -267,16 +270,15 @@ def test_a_layer_of_flat_gaussians_is_as_opaque_from_every_angle(gpu):
     np.testing.assert_allclose(values[:, 3], values[0, 3], rtol=2e-3)
 
 
-#: The Gaussians whose sums a ray keeps at once in the backward pass (shaders/gaussians.slang).
-RAY_SLOTS = 32
+#: More Gaussians around one sample than a warp has lanes: a dense layer.
+DENSE = 32
 
 
-def test_backward_pass_where_a_ray_is_inside_more_gaussians_than_it_keeps_sums_for(gpu):
-    """The backward pass sums each Gaussian's share of a ray's gradient along the ray before adding it to the
-    parameters' gradients, for as many Gaussians at once as it has slots; past that, a sample's share goes out
-    on its own (and a sample held by more Gaussians than that goes through its cell's list a second time). Rays
-    through a layer of wide, overlapping, differently coloured Gaussians (more of them around a sample than there
-    are slots) get the gradients of central differences all the same."""
+def test_backward_pass_where_a_ray_is_inside_many_gaussians_at_once(gpu):
+    """The backward pass sums each Gaussian's share of a ray's gradient over a chunk of samples before adding it
+    to the parameters' gradients (shaders/gaussians.slang). Rays through a layer of wide, overlapping, differently
+    coloured Gaussians (dozens of them around a sample, each holding several samples of a chunk and reaching
+    over several cells and chunks) get the gradients of central differences all the same."""
     scene = flat_layer(gpu, 1.6, 0.4, 1.5, half=8)
     rng = np.random.default_rng(5)
     gaussians = scene.gaussians()
@@ -289,12 +291,12 @@ def test_backward_pass_where_a_ray_is_inside_more_gaussians_than_it_keeps_sums_f
     rays = rays_through_the_origin([0.0, 30.0, 60.0])
     rays[:, :2] += rng.uniform(-0.5, 0.5, (3, 2))
     params = scene.parameters().astype(np.float64)
-    # around some sample, the ray is inside more Gaussians than there are slots
+    # around some sample, the ray is inside dozens of Gaussians
     position, log_scale, quaternion, _, _ = unpack(params, n)
     rotation = rotations(quaternion)
     points = rays[:, None, :3] + np.arange(-2.0, 2.0, STEP)[None, :, None] * rays[:, None, 3:]
     local = np.einsum("nab,rsna->rsnb", rotation, points[:, :, None, :] - position) / np.exp(log_scale)
-    assert ((local**2).sum(axis=-1) < 9.0).sum(axis=-1).max() > RAY_SLOTS
+    assert ((local**2).sum(axis=-1) < 9.0).sum(axis=-1).max() > DENSE
 
     uploaded, results, _ = device_render(scene, rays)
     weights = rng.normal(size=(3, 4))

@@ -1,0 +1,106 @@
+"""Where a Gaussian training step's time goes, and what a batch size buys in a fixed time: for each batch size
+(patches a step), the device time of each kernel over a few steps of the standard schedule (bench/kernel_clock),
+the host's wall time a step, then a fit cut at ``--seconds`` of training, its held-out PSNR and its pictures' time.
+
+    python3 tools/gpu/gaussian_steps.py STUDY [--patches 32 128] [--seconds 30] [--profile-steps 8]
+
+STUDY is a study folder (``neuralraycast sample`` writes one). Prints one block per batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("study")
+    parser.add_argument("--patches", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--preset", default=None)
+    parser.add_argument("--frames", type=int, default=20, help="pictures timed after each fit")
+    parser.add_argument("--frame-sizes", type=int, nargs="*", default=[1024, 512])
+    args = parser.parse_args()
+
+    import numpy as np
+
+    from NeuralRaycastLib.bench.kernel_clock import kernel_clock
+    from NeuralRaycastLib.gaussians.run import gaussian_schedule
+    from NeuralRaycastLib.gaussians.train import (
+        GaussianAdam,
+        GaussianStep,
+        initial_gaussians,
+        scene_for_study,
+        score_views,
+        train_gaussians,
+        voxel_mm,
+    )
+    from NeuralRaycastLib.gpu.device import open_device
+    from NeuralRaycastLib.render.patches import PatchSampler
+    from NeuralRaycastLib.train.presets import RunSettings
+    from NeuralRaycastLib.train.run_folder import prepare_for_run, reference_views_for_run
+
+    gpu = open_device()
+    settings = RunSettings.for_device(gpu, args.preset)
+    prepared = prepare_for_run(args.study, settings)
+    views = reference_views_for_run(gpu, prepared, settings)
+    base = gaussian_schedule(settings)
+    print(f"{gpu.backend}; preset {settings.preset}; views {len(views.training)} training of {settings.size}²")
+    for patches in args.patches:
+        config = replace(base, patches=patches)
+        voxel = voxel_mm(prepared)
+        scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, config, config.initial), config)
+        adam = GaussianAdam(gpu, scene, config, voxel)
+        sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
+        step = GaussianStep(gpu, scene, views, config)
+
+        def one_step(sampler=sampler, config=config, step=step, adam=adam, scene=scene) -> float:
+            rows = sampler.sample(config.patches)
+            loss = step.loss_and_gradients(rows, sampler.reference_patches(rows))
+            step.accumulate_statistics()
+            adam.step(1.0)
+            scene.build_grid()
+            return loss
+
+        for _ in range(3):
+            one_step()
+        gpu.device.wait()
+        started = time.perf_counter()
+        for _ in range(args.profile_steps):
+            one_step()
+        gpu.device.wait()
+        wall = (time.perf_counter() - started) / args.profile_steps
+        with kernel_clock(gpu) as times:
+            for _ in range(args.profile_steps):
+                one_step()
+        per = times.per(args.profile_steps)
+        print(f"patches {patches} ({patches * config.patch_size ** 2:,} rays), {scene.count:,} Gaussians: "
+              f"{wall * 1e3:.1f} ms a step (wall); kernels {per.total_ms:.1f} ms: {per.summary()}")
+
+        steps = max(int(args.seconds / wall), 1)
+        fit_config = replace(config, steps=steps, eval_every=0)
+        began = time.perf_counter()
+        fitted, log = train_gaussians(gpu, prepared, views, fit_config,
+                                      should_stop=lambda began=began: time.perf_counter() - began > args.seconds)
+        score = score_views(fitted, views, views.held_out)
+        print(f"  fit: {log.steps} of {steps} steps in {log.seconds:.1f} s, {fitted.count:,} Gaussians, "
+              f"held-out {score['heldout_psnr']:.2f} dB, SSIM {score.get('heldout_ssim', float('nan')):.4f}, "
+              f"last loss {np.mean([loss for _, loss in log.losses[-20:]]):.4f}")
+        for size in args.frame_sizes:
+            camera = replace(views.cameras[views.held_out[0]], width=size, height=size)
+            fitted.render_picture(camera)
+            frames = []
+            for _ in range(args.frames):
+                began = time.perf_counter()
+                fitted.render_picture(camera)
+                frames.append(time.perf_counter() - began)
+            print(f"  {size}² picture (a held-out view's camera, packed and read back): median "
+                  f"{np.median(frames) * 1e3:.2f} ms, fastest {min(frames) * 1e3:.2f} ms of {args.frames}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
