@@ -1,5 +1,6 @@
 """Training Gaussians on the phantom's reference views: initialisation on the structures' surfaces, the loss
-going down and the held-out picture getting better, pruning and densification under the cap, and cancel."""
+going down and the held-out picture getting better, pruning and densification under the cap, a time budget,
+and cancel."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from NeuralRaycastLib.gaussians.train import (
     gaussian_cap,
     initial_gaussians,
     scene_for_study,
+    schedule_fraction,
     score_views,
     train_gaussians,
 )
@@ -75,6 +77,21 @@ def test_cancel_keeps_the_state_reached(gpu, phantom_views):
                                  should_stop=lambda: calls.append(1) or len(calls) > 3)
     assert log.cancelled and log.steps == 3
     assert np.isfinite(scene.parameters()).all()
+
+
+def test_a_time_budget_ends_the_run_once_spent_and_sets_its_schedule(gpu, phantom_views):
+    """With ``seconds``, the run ends at the step that spends the budget (not a cancel), scores the held-out views
+    there, and its schedule follows the time where that is further along than the steps."""
+    prepared, views = phantom_views
+    config = GaussianTrainConfig(steps=1000, initial=300, eval_every=500, seconds=1e-6)
+    scene, log = train_gaussians(gpu, prepared, views, config)
+    assert log.steps == 1 and not log.cancelled
+    assert [step for step, _ in log.scores] == [1]
+    assert np.isfinite(scene.parameters()).all()
+    timed = GaussianTrainConfig(steps=100, seconds=10.0)
+    assert schedule_fraction(timed, 10, 5.0) == 0.5  # the time is further along
+    assert schedule_fraction(timed, 60, 5.0) == 0.6  # the steps are
+    assert schedule_fraction(GaussianTrainConfig(steps=100), 10, 5.0) == 0.1  # no budget: the steps alone
 
 
 def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_views):

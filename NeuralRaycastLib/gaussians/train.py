@@ -70,6 +70,10 @@ class GaussianTrainConfig:
     structure_weight: float = 3.0
     structure_points: int = 4096
     seed: int = 0
+    #: A training time budget in seconds (None: the steps alone): the run ends at the step that spends it, or at
+    #: ``steps``, whichever comes first, and the schedule (the learning rates' decay, densification's end) follows
+    #: the larger of the steps' and the time's fractions.
+    seconds: float | None = None
 
 
 @dataclass
@@ -420,6 +424,13 @@ def score_views(scene: GaussianScene, views: ReferenceViews, indices: list[int])
     return views.score(lambda index: render_picture(scene, views.cameras[index]), indices)
 
 
+def schedule_fraction(config: GaussianTrainConfig, step: int, seconds: float) -> float:
+    """How far a run is through its schedule after ``step`` steps and ``seconds`` of training: the steps' fraction,
+    or the time budget's where that is larger."""
+    done = step / config.steps
+    return max(done, seconds / config.seconds) if config.seconds else done
+
+
 def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews,
                     config: GaussianTrainConfig | None = None, progress: Progress | None = None,
                     should_stop: ShouldStop | None = None) -> tuple[GaussianScene, GaussianTrainLog]:
@@ -446,7 +457,8 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
             break
         rows = sampler.sample(config.patches)
         loss = step_on_device.loss_and_gradients(rows, sampler.reference_patches(rows))
-        schedule = 0.1 + 0.9 * (1.0 - step / config.steps)
+        done = schedule_fraction(config, step, time.perf_counter() - start - log.eval_seconds)
+        schedule = 0.1 + 0.9 * (1.0 - done)
         if np.isfinite(loss):
             step_on_device.accumulate_statistics()  # densification follows the pictures' gradients
             if joint is not None:
@@ -455,11 +467,12 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
         else:  # a step whose loss is not finite moves nothing
             scene.zero_gradients()
         log.losses.append((step, loss))
-        last = step == config.steps - 1
+        last = step == config.steps - 1 or (config.seconds is not None and schedule_fraction(
+            config, step + 1, time.perf_counter() - start - log.eval_seconds) >= 1.0)
         if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
             gradient_sum, seen = step_on_device.statistics()
             kept, grown = adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
-                                densify=step < config.densify_until * config.steps)
+                                densify=done < config.densify_until)
             if joint is not None:
                 joint.follow(kept, grown)
             step_on_device.reset_statistics()
@@ -475,8 +488,10 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
             log.eval_seconds += time.perf_counter() - scored
             log.scores.append((step + 1, score))
             report(f"Gaussians: step {step + 1}, loss {loss:.4f}, {scene.count:,} Gaussians, "
-                   f"held-out PSNR {score:.2f} dB", (step + 1) / config.steps)
+                   f"held-out PSNR {score:.2f} dB", min(done + 1.0 / config.steps, 1.0))
         log.steps = step + 1
+        if last:
+            break
     log.seconds = time.perf_counter() - start - log.eval_seconds
     if joint is not None:
         log.structures = joint.state()[0]

@@ -1,10 +1,13 @@
-"""Where a Gaussian training step's time goes, and what a batch size buys in a fixed time: for each batch size
-(patches a step), the device time of each kernel over a few steps of the standard schedule (bench/kernel_clock),
-the host's wall time a step, then a fit cut at ``--seconds`` of training, its held-out PSNR and its pictures' time.
+"""Where a Gaussian training step's time goes, and what a schedule buys in a fixed time: for each batch size
+(patches a step), the device time of each kernel over a few steps of the preset's schedule (bench/kernel_clock)
+and the host's wall time a step, then a fit with a time budget of ``--seconds`` (GaussianTrainConfig.seconds: the
+learning rates and densification follow the time), its held-out PSNR and its pictures' time.
 
     python3 tools/gpu/gaussian_steps.py STUDY [--patches 32 128] [--seconds 30] [--profile-steps 8]
+        [--set initial=200000 --set densify_every=25 ...]
 
-STUDY is a study folder (``neuralraycast sample`` writes one). Prints one block per batch size.
+STUDY is a study folder (``neuralraycast sample`` writes one). ``--set`` changes a field of the preset's
+GaussianTrainConfig for every fit. Prints one block per batch size.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--preset", default=None)
     parser.add_argument("--frames", type=int, default=20, help="pictures timed after each fit")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a GaussianTrainConfig field for every fit (repeatable)")
     parser.add_argument("--frame-sizes", type=int, nargs="*", default=[1024, 512])
     args = parser.parse_args()
 
@@ -48,6 +53,10 @@ def main() -> int:
     prepared = prepare_for_run(args.study, settings)
     views = reference_views_for_run(gpu, prepared, settings)
     base = gaussian_schedule(settings)
+    for item in args.set:
+        name, value = item.split("=", 1)
+        base = replace(base, **{name: type(getattr(base, name))(float(value) if "." in value or "e" in value
+                                                                  else int(value))})
     print(f"{gpu.backend}; preset {settings.preset}; views {len(views.training)} training of {settings.size}²")
     for patches in args.patches:
         config = replace(base, patches=patches)
@@ -65,28 +74,27 @@ def main() -> int:
             scene.build_grid()
             return loss
 
-        for _ in range(3):
-            one_step()
-        gpu.device.wait()
-        started = time.perf_counter()
-        for _ in range(args.profile_steps):
-            one_step()
-        gpu.device.wait()
-        wall = (time.perf_counter() - started) / args.profile_steps
-        with kernel_clock(gpu) as times:
+        if args.profile_steps:
+            for _ in range(3):
+                one_step()
+            gpu.device.wait()
+            started = time.perf_counter()
             for _ in range(args.profile_steps):
                 one_step()
-        per = times.per(args.profile_steps)
-        print(f"patches {patches} ({patches * config.patch_size ** 2:,} rays), {scene.count:,} Gaussians: "
-              f"{wall * 1e3:.1f} ms a step (wall); kernels {per.total_ms:.1f} ms: {per.summary()}")
-
-        steps = max(int(args.seconds / wall), 1)
-        fit_config = replace(config, steps=steps, eval_every=0)
-        began = time.perf_counter()
-        fitted, log = train_gaussians(gpu, prepared, views, fit_config,
-                                      should_stop=lambda began=began: time.perf_counter() - began > args.seconds)
+            gpu.device.wait()
+            wall = (time.perf_counter() - started) / args.profile_steps
+            with kernel_clock(gpu) as times:
+                for _ in range(args.profile_steps):
+                    one_step()
+            per = times.per(args.profile_steps)
+            print(f"patches {patches} ({patches * config.patch_size ** 2:,} rays), {scene.count:,} Gaussians: "
+                  f"{wall * 1e3:.1f} ms a step (wall); kernels {per.total_ms:.1f} ms: {per.summary()}")
+        del scene, adam, step
+        fit_config = replace(config, steps=1_000_000, seconds=args.seconds, eval_every=0)
+        fitted, log = train_gaussians(gpu, prepared, views, fit_config)
         score = score_views(fitted, views, views.held_out)
-        print(f"  fit: {log.steps} of {steps} steps in {log.seconds:.1f} s, {fitted.count:,} Gaussians, "
+        print(f"  fit ({', '.join(args.set) or 'the preset'}, {patches} patches): {log.steps} steps in "
+              f"{log.seconds:.1f} s, {fitted.count:,} Gaussians (counts {log.counts[-4:]}), "
               f"held-out {score['heldout_psnr']:.2f} dB, SSIM {score.get('heldout_ssim', float('nan')):.4f}, "
               f"last loss {np.mean([loss for _, loss in log.losses[-20:]]):.4f}")
         for size in args.frame_sizes:
