@@ -186,6 +186,23 @@ def test_backward_pass_matches_central_differences(scene, rays):
     assert not gradient[own].any()
 
 
+def test_backward_pass_taking_the_rays_in_groups_gives_the_same_gradients(scene, rays):
+    """A training batch's backward pass takes its patches' rays in turn (neighbouring threads, different patches);
+    the gradients are those of the rays taken in order, and a count that groups do not divide is refused."""
+    uploaded, results, _ = device_render(scene, rays)
+    weights = np.random.default_rng(4).normal(size=(RAYS, 4))
+    gradients = []
+    for groups in (1, 3, 4):
+        scene.zero_gradients()
+        scene.backward_rays(uploaded, RAYS, results, weights, groups)
+        gradients.append(scene.gradients().astype(np.float64))
+    assert np.abs(gradients[0]).max() > 0
+    for other in gradients[1:]:
+        np.testing.assert_allclose(other, gradients[0], rtol=1e-4, atol=1e-6 * np.abs(gradients[0]).max())
+    with pytest.raises(ValueError, match="groups"):
+        scene.backward_rays(uploaded, RAYS, results, weights, 5)
+
+
 def test_training_step_on_the_device_matches_the_host_loss(gpu, scene):
     """A training step's loss, its gradient and densification's statistics computed on the device (patch rays,
     DeviceImageLoss, the backward pass fed from its ∂/∂sums) are the host's: the float64 loss of the same

@@ -8,6 +8,7 @@ boxes is built on the device (:meth:`GaussianScene.build_grid`) whenever the Gau
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,6 +136,9 @@ class MarchSettings:
                 "normals": int(normals)}
 
 
+#: Whether a training batch's backward pass takes its patches' rays in turn (GaussianScene.backward).
+BACKWARD_GROUPS = os.environ.get("NEURALRAYCAST_GAUSSIAN_GROUPS", "1") != "0"
+
 #: Floats per ray of the Gaussians' results (shaders/gaussians.slang): RGBA, Σ weight·normal, Σ weight·depth, as
 #: the field's per-ray sums (render/sample_buffers.OUTPUTS), so that the device image loss takes them as they are.
 OUTPUTS = 8
@@ -153,6 +157,7 @@ class GaussianBatch:
             self.sums = spy.Tensor.zeros(gpu.device, shape=(OUTPUTS * count,), dtype=float)
             self.d_sums = spy.Tensor.zeros_like(self.sums)
         self.patches: Any = None  # the rows the rays were made from, kept while the rays are
+        self.groups = 1  # the patches the rays make
 
 
 class GaussianScene:
@@ -278,17 +283,21 @@ class GaussianScene:
         self.module.renderRays(spy.grid((count,)), self.shader_struct(), self.grid_struct(), self.march.to_shader(),
                                rays.storage.device_address, count, results.storage.device_address)
 
-    def backward_rays(self, rays: Any, count: int, results: Any, d_results: np.ndarray | Any) -> None:
+    def backward_rays(self, rays: Any, count: int, results: Any, d_results: np.ndarray | Any, groups: int = 1) -> None:
         """Add the gradients of a loss whose ∂/∂(rgb, alpha) per ray is ``d_results``: (count, 4) on the host, or
-        a device tensor of OUTPUTS floats a ray (the depth and normal sums take no gradient)."""
+        a device tensor of OUTPUTS floats a ray (the depth and normal sums take no gradient). ``groups``: the rays
+        are that many groups of neighbouring pixels (a batch's patches), which the threads take in turn so that
+        neighbouring threads' gradients go to different Gaussians (the sums are the same)."""
         import slangpy as spy
 
+        if groups < 1 or count % groups:
+            raise ValueError(f"{count} rays do not make {groups} groups of one size")
         if isinstance(d_results, np.ndarray):
             padded = np.zeros((count, OUTPUTS), np.float32)
             padded[:, :4] = np.asarray(d_results, np.float32).reshape(count, 4)
             d_results = spy.Tensor.from_numpy(self.gpu.device, padded.reshape(-1))
         self.module.renderRaysBackward(spy.grid((count,)), self.shader_struct(), self.grid_struct(),
-                                       self.march.to_shader(), rays.storage.device_address, count,
+                                       self.march.to_shader(), rays.storage.device_address, count, groups,
                                        results.storage.device_address, d_results.storage.device_address)
 
     # --- training batches -------------------------------------------------------------------------
@@ -301,6 +310,7 @@ class GaussianScene:
         if len(rows) * size * size != batch.count:
             raise ValueError(f"{len(rows)} patches of {size}² pixels for a batch of {batch.count} rays")
         batch.patches = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(rows, np.int32).reshape(-1))
+        batch.groups = len(rows)
         self.module.gaussianPatchRays(spy.grid((len(rows), size, size)), cameras.storage.device_address,
                                       batch.patches.storage.device_address, size, batch.rays.storage.device_address)
 
@@ -308,8 +318,10 @@ class GaussianScene:
         self._render_rays(batch.rays, batch.count, batch.sums)
 
     def backward(self, batch: GaussianBatch) -> None:
-        """Add the gradients of the loss whose ∂/∂sums the batch holds (``d_sums``), all on the device."""
-        self.backward_rays(batch.rays, batch.count, batch.sums, batch.d_sums)
+        """Add the gradients of the loss whose ∂/∂sums the batch holds (``d_sums``), all on the device, its
+        patches' rays taken in turn (``backward_rays``' groups) unless NEURALRAYCAST_GAUSSIAN_GROUPS=0."""
+        groups = batch.groups if BACKWARD_GROUPS else 1
+        self.backward_rays(batch.rays, batch.count, batch.sums, batch.d_sums, groups)
 
     def accumulate_position_gradients(self, stats: Any) -> None:
         """Add each Gaussian's |∂loss/∂position| (and 1 where it is not zero) into ``stats`` (2 floats a

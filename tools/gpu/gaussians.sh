@@ -5,7 +5,7 @@
 # and gaussians.tar.gz (the raw outputs: fit log with /usr/bin/time -v, metrics.json, frame rates, train_log,
 # nvidia-smi's memory samples). Each command has its own time limit, so the whole stays within 4 minutes.
 #
-#   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out bash tools/gpu/gaussians.sh
+#   N="python3 -m NeuralRaycastLib.app.entry" OUT=/tmp/out [SAMPLE=STUDY_FOLDER] bash tools/gpu/gaussians.sh
 set -u
 N=${N:-python3 -m NeuralRaycastLib.app.entry}
 OUT=${OUT:-$PWD/gaussians-out}
@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 WORK=$(mktemp -d)
 RAW=$WORK/raw
 mkdir -p "$RAW"
-SAMPLE=$(ls -d ~/.cache/neuralraycast/samples/icbm-* 2>/dev/null | head -1)
+SAMPLE=${SAMPLE:-$(ls -d ~/.cache/neuralraycast/samples/icbm-* 2>/dev/null | head -1)}
 RUN=$WORK/run
 {
   echo "sample: ${SAMPLE:-none}"
