@@ -25,6 +25,8 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--preset", default=None)
     parser.add_argument("--frames", type=int, default=20, help="pictures timed after each fit")
+    parser.add_argument("--save-pictures", default=None, metavar="NPZ",
+                        help="save each fit's held-out pictures and their references (float16) to NPZ")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a GaussianTrainConfig field for every fit (repeatable)")
     parser.add_argument("--frame-sizes", type=int, nargs="*", default=[1024, 512])
@@ -38,6 +40,7 @@ def main() -> int:
         GaussianAdam,
         GaussianStep,
         initial_gaussians,
+        render_picture,
         scene_for_study,
         score_views,
         train_gaussians,
@@ -97,6 +100,12 @@ def main() -> int:
               f"{log.seconds:.1f} s, {fitted.count:,} Gaussians (counts {log.counts[-4:]}), "
               f"held-out {score['heldout_psnr']:.2f} dB, SSIM {score.get('heldout_ssim', float('nan')):.4f}, "
               f"last loss {np.mean([loss for _, loss in log.losses[-20:]]):.4f}")
+        if args.save_pictures:
+            pictures = {f"picture_{patches}_{index}": render_picture(fitted, views.cameras[index]).astype(np.float16)
+                        for index in views.held_out}
+            pictures.update({f"reference_{index}": views.images[index].rgb().astype(np.float16)
+                             for index in views.held_out})
+            np.savez_compressed(args.save_pictures, **pictures)
         for size in args.frame_sizes:
             camera = replace(views.cameras[views.held_out[0]], width=size, height=size)
             fitted.render_picture(camera)
