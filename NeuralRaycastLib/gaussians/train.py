@@ -55,8 +55,8 @@ class GaussianTrainConfig:
     thickness_voxels: float = 0.5  # initial standard deviation across the surface, in voxels
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
-    rate_density: float = 0.1
-    rate_colour: float = 0.05
+    rate_density: float = 0.025
+    rate_colour: float = 0.0125
     densify_every: int = 60
     densify_until: float = 0.7  # fraction of the steps after which the count stays
     densify_fraction: float = 0.1  # of the Gaussians, those with the largest mean |∂loss/∂position| split or cloned
