@@ -20,6 +20,8 @@ from ..render.image import RenderedImage
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
 GAUSSIAN_FLOATS = 29
+#: Floats per Gaussian of its frame, what the march reads of it (shaders/gaussians.slang's gaussianFrames).
+FRAME_FLOATS = 16
 #: Where each kind starts, in units of the Gaussian count N (shaders/gaussians.slang).
 KIND_STARTS = {"position": 0, "log_scale": 3, "rotation": 6, "density": 10, "colour": 11}
 SCAN_BLOCK = 256  # shaders/gaussians.slang
@@ -185,6 +187,7 @@ class GaussianScene:
         with device_memory(f"{gaussians.count:,} Gaussians"):
             self.values = spy.Tensor.from_numpy(self.gpu.device, gaussians.flat())
             self.grads = spy.Tensor.zeros(self.gpu.device, shape=(len(gaussians.flat()),), dtype=float)
+            self.frames = spy.Tensor.zeros(self.gpu.device, shape=(FRAME_FLOATS * gaussians.count,), dtype=float)
         self.build_grid()
 
     def gaussians(self) -> GaussianSet:
@@ -210,7 +213,8 @@ class GaussianScene:
 
     def shader_struct(self) -> dict[str, Any]:
         return {"params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
-                "count": self.count, "densityScale": self.density_scale}
+                "count": self.count, "densityScale": self.density_scale,
+                "frames": self.frames.storage.device_address}
 
     # --- the grid ---------------------------------------------------------------------------------
 
@@ -224,7 +228,8 @@ class GaussianScene:
                 "cellSize": spy.float3(*map(float, g.cell_size)), "dims": spy.int3(*g.dims)}
 
     def build_grid(self) -> None:
-        """Count, scan and fill the cells' lists on the device; the lists' buffer grows when they need more."""
+        """The Gaussians' frames (what the march reads of each), then count, scan and fill the cells' lists on the
+        device; the lists' buffer grows when they need more. Called whenever the parameters change."""
         import slangpy as spy
 
         device, cells = self.gpu.device, self.grid.cells
@@ -238,6 +243,7 @@ class GaussianScene:
         if self._cell_list is None:
             self._cell_list = spy.Tensor.zeros(device, shape=(1,), dtype="int")
         m, scene = self.module, self.shader_struct()
+        m.gaussianFrames(spy.grid((self.count,)), scene)  # what the march reads of each Gaussian
         m.gridClear(spy.grid((total,)), self._counts.storage.device_address, total)  # no upload a step
         m.gridCount(spy.grid((self.count,)), scene, self.grid_struct(), self._counts.storage.device_address)
         starts, counts, sums = (t.storage.device_address for t in (self._cell_start, self._counts, self._block_sums))
@@ -318,10 +324,12 @@ class GaussianScene:
         self._render_rays(batch.rays, batch.count, batch.sums)
 
     def backward(self, batch: GaussianBatch) -> None:
-        """Add the gradients of the loss whose ∂/∂sums the batch holds (``d_sums``), all on the device, its
-        patches' rays taken in turn (``backward_rays``' groups) unless NEURALRAYCAST_GAUSSIAN_GROUPS=0."""
-        groups = batch.groups if BACKWARD_GROUPS else 1
-        self.backward_rays(batch.rays, batch.count, batch.sums, batch.d_sums, groups)
+        """Add the gradients of the loss whose ∂/∂sums the batch holds (``d_sums``), all on the device; on a GPU
+        its patches' rays taken in turn (``backward_rays``' groups) unless NEURALRAYCAST_GAUSSIAN_GROUPS=0. A
+        software device takes them in order: its lanes gain from neighbouring rays' shared reads, and no atomics
+        queue there (docs/gaussians.md)."""
+        grouped = BACKWARD_GROUPS and not self.gpu.report.software
+        self.backward_rays(batch.rays, batch.count, batch.sums, batch.d_sums, batch.groups if grouped else 1)
 
     def accumulate_position_gradients(self, stats: Any) -> None:
         """Add each Gaussian's |∂loss/∂position| (and 1 where it is not zero) into ``stats`` (2 floats a

@@ -49,7 +49,8 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "sphere_scene": ("sphereDistances", "sphereSurface", "sphereBackwardDistances", "sphereBackwardSurface"),
     "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward",
                   "gridClear", "gridCount", "gridScanBlocks", "gridScanTotals", "gridScanAdd", "gridFill",
-                  "gaussianPatchRays", "accumulatePositionGradients", "renderCameraPacked", "occupancyLossBackward"),
+                  "gaussianPatchRays", "accumulatePositionGradients", "renderCameraPacked", "occupancyLossBackward",
+                  "gaussianFrames"),
 }
 #: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam",
