@@ -27,7 +27,16 @@ from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
 from .geometry import JointStructures, StructureTrainConfig
-from .scene import COLOUR_TERMS, GAUSSIAN_FLOATS, GaussianBatch, GaussianScene, GaussianSet, GridShape, MarchSettings
+from .scene import (
+    COLOUR_TERMS,
+    FRAME_FLOATS,
+    GAUSSIAN_FLOATS,
+    GaussianBatch,
+    GaussianScene,
+    GaussianSet,
+    GridShape,
+    MarchSettings,
+)
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
@@ -36,8 +45,9 @@ TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.
                        - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
 #: its 29), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
-#: and its structure logits with their gradients and moments (4 floats each, for up to 8 structures).
-TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8
+#: its structure logits with their gradients and moments (4 floats each, for up to 8 structures), and its frame
+#: (16 floats: what the march reads of it).
+TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8 + 4 * FRAME_FLOATS
 
 
 @dataclass(frozen=True)
