@@ -102,12 +102,15 @@ def render_sums(values, n, density_scale, rays, low, high, step, min_transmittan
 OCCUPANCY_EPSILON = 1e-3
 
 
-def occupancy(values: np.ndarray, n: int, logits: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(M, K) occupancy o_k(x) = Σ_i sigmoid(l_ik) G_i(x) / (Σ_i G_i(x) + ε) and (M,) coverage Σ_i G_i(x)."""
+def occupancy(values: np.ndarray, n: int, logits: np.ndarray, points: np.ndarray,
+              geometry_thickness: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(M, K) occupancy o_k(x) = Σ_i sigmoid(l_ik) G_i(x) / (Σ_i G_i(x) + ε) and (M,) coverage Σ_i G_i(x), each
+    G_i read with its third axis's standard deviation times ``geometry_thickness``."""
     position, log_scale, quaternion, _, _ = unpack(values, n)
     weights = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))
     local = np.einsum("nab,mna->mnb", rotations(quaternion), np.asarray(points, np.float64)[:, None] - position)
-    m2 = ((local / np.exp(log_scale)) ** 2).sum(axis=2)
+    scale = np.exp(log_scale) * np.array([1.0, 1.0, geometry_thickness])
+    m2 = ((local / scale) ** 2).sum(axis=2)
     shape = np.where(m2 < 9.0, np.maximum(np.exp(-0.5 * m2) - CUTOFF, 0.0), 0.0)
     cover = shape.sum(axis=1)
     return shape @ weights / (cover + OCCUPANCY_EPSILON)[:, None], cover

@@ -17,12 +17,15 @@ pytestmark = pytest.mark.gpu
 
 STRUCTURES = 3
 POINTS = 40
+#: The share of the Gaussians' thickness the structure weights read them with here (1 would be the pictures').
+THIN = 0.6
 
 
 @pytest.fixture(scope="module")
 def weighted(gpu):
     gaussians = tiny_set()
-    scene = GaussianScene(gpu, gaussians, GridShape.for_box(BOX, 2.5), density_scale=0.8, march=MarchSettings(0.25))
+    scene = GaussianScene(gpu, gaussians, GridShape.for_box(BOX, 2.5), density_scale=0.8, march=MarchSettings(0.25),
+                          geometry_thickness=THIN)
     logits = np.random.default_rng(4).normal(0.0, 1.5, (gaussians.count, STRUCTURES)).astype(np.float32)
     points = np.random.default_rng(5).uniform(BOX[0], BOX[1], (POINTS, 3)).astype(np.float32)
     return StructureOccupancy(scene, logits), logits.astype(np.float64), points.astype(np.float64)
@@ -31,10 +34,16 @@ def weighted(gpu):
 def test_occupancy_is_the_float64_reference(weighted):
     occupied, logits, points = weighted
     values, cover = occupied.occupancy(points)
-    expected, expected_cover = occupancy(occupied.scene.parameters(), occupied.scene.count, logits, points)
+    expected, expected_cover = occupancy(occupied.scene.parameters(), occupied.scene.count, logits, points, THIN)
     assert (expected_cover > 0.05).sum() >= POINTS // 3, "the points should meet the Gaussians"
     np.testing.assert_allclose(cover, expected_cover, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_geometry_thickness_outside_its_range_is_refused(gpu):
+    for thickness in (0.0, 1.5):
+        with pytest.raises(ValueError, match="geometry thickness"):
+            GaussianScene(gpu, tiny_set(), GridShape.for_box(BOX, 2.5), geometry_thickness=thickness)
 
 
 def test_occupancy_backward_matches_central_differences(weighted):
@@ -46,7 +55,7 @@ def test_occupancy_backward_matches_central_differences(weighted):
     params, n = occupied.scene.parameters().astype(np.float64), occupied.scene.count
 
     def loss(flat: np.ndarray) -> float:
-        return float((occupancy(params, n, flat.reshape(n, STRUCTURES), points)[0] * weights).sum())
+        return float((occupancy(params, n, flat.reshape(n, STRUCTURES), points, THIN)[0] * weights).sum())
 
     flat = logits.reshape(-1)
     numeric = central_difference(loss, flat, np.eye(flat.size), 1e-6)
@@ -89,7 +98,7 @@ def test_joint_occupancy_loss_backward_matches_central_differences(weighted):
     params = scene.parameters().astype(np.float64)
 
     def loss(p: np.ndarray, flat_logits: np.ndarray) -> float:
-        values, cover = occupancy(p, n, flat_logits.reshape(n, STRUCTURES), points)
+        values, cover = occupancy(p, n, flat_logits.reshape(n, STRUCTURES), points, THIN)
         covered = (cover >= COVERED)[:, None]
         return weight * float((np.where(covered, values - inside, 0.0) ** 2).sum() / (POINTS * STRUCTURES))
 

@@ -23,7 +23,7 @@ def model(count: int = 5) -> GaussianModel:
                              [(0.8, 0.7, 0.6)])
     grid = GridShape.for_box(geometry.bounds, 2.0)
     return GaussianModel(gaussians, grid, 0.7, MarchSettings(0.4, 1e-3), geometry, {"preset": "quick"},
-                         rng.normal(size=(count, 1)).astype(np.float32))
+                         rng.normal(size=(count, 1)).astype(np.float32), 0.5)
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -33,6 +33,21 @@ def test_round_trip_is_exact(tmp_path):
     assert read.structures.tobytes() == written.structures.tobytes()
     assert (read.grid, read.density_scale, read.march, read.extra) == (written.grid, 0.7, written.march,
                                                                         {"preset": "quick"})
+    assert read.geometry_thickness == 0.5
+
+
+def test_a_file_of_version_4_reads_its_structure_weights_with_the_whole_thickness(tmp_path):
+    """Before version 5 the structure weights were trained reading each Gaussian's whole thickness: such a file
+    is read that way; a version-5 file without the thickness, or with one outside (0, 1], is refused."""
+    def as_version_4(metadata, tensors):
+        metadata.update(format_version=4)
+        del metadata["geometry_thickness"]
+
+    assert load_gaussians(rewritten(tmp_path, as_version_4)).geometry_thickness == 1.0
+    with pytest.raises(ModelFileError, match="inconsistent metadata"):
+        load_gaussians(rewritten(tmp_path, lambda m, t: m.pop("geometry_thickness")))
+    with pytest.raises(ModelFileError, match="geometry thickness 2.0"):
+        load_gaussians(rewritten(tmp_path, lambda m, t: m.update(geometry_thickness=2.0)))
 
 
 def rewritten(tmp_path, change) -> str:

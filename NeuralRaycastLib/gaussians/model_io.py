@@ -10,7 +10,9 @@ structure of the study's geometry): the geometry of ``evaluate`` and ``mesh``. V
 along a ray follows its orientation (shaders/gaussians.slang's angle factor), so the same parameters render
 otherwise; files of earlier versions are refused in one line that says to fit the study again. Version 4: a
 Gaussian's colour has two more coefficients per channel (the facing and the side of the ray against its plane);
-a version-3 file is read with those at zero, which renders it as before.
+a version-3 file is read with those at zero, which renders it as before. Version 5: the share of a Gaussian's
+thickness with which its structure weights read it (``geometry_thickness``); earlier files are read with 1, the
+whole thickness they were trained with.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from ..files import write_bytes
 from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 #: The first version read (the earlier ones render otherwise than they were trained).
 OLDEST_READ = 3
 #: Versions recognised: the current one is read, the earlier ones refused with what to do.
-KNOWN_VERSIONS = (1, 2, 3, 4)
+KNOWN_VERSIONS = (1, 2, 3, 4, 5)
 #: The tensors and the shape of one Gaussian's part of each.
 TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (COLOUR_TERMS, 3)}
 #: The colour coefficients of a version-3 file: the spherical harmonics alone.
@@ -48,6 +50,8 @@ class GaussianModel:
     extra: dict[str, Any]
     #: (N, K) structure logits, K the geometry's structures.
     structures: np.ndarray | None = None
+    #: The share of a Gaussian's thickness with which its structure weights read it (scene.GaussianScene).
+    geometry_thickness: float = 1.0
 
 
 def encode_gaussians(model: GaussianModel) -> bytes:
@@ -69,6 +73,7 @@ def encode_gaussians(model: GaussianModel) -> bytes:
         "density_scale": model.density_scale,
         "step_mm": model.march.step_mm,
         "min_transmittance": model.march.min_transmittance,
+        "geometry_thickness": model.geometry_thickness,
         "geometry": model.geometry.as_dict(),
         "tensors_sha256": _digest(tensors),
         "extra": model.extra,
@@ -130,5 +135,13 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
             [parts["colours"], np.zeros((count, COLOUR_TERMS - VERSION_3_COLOUR_TERMS, 3), np.float32)], axis=1)
     gaussians = GaussianSet(**parts)
     structures = tensors.get("structures")
+    thickness = 1.0  # before version 5 the structure weights read the whole thickness
+    if version >= 5:
+        try:
+            thickness = float(metadata["geometry_thickness"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ModelFileError(f"{path}: inconsistent metadata ({error})") from error
+        if not 0.0 < thickness <= 1.0:
+            raise ModelFileError(f"{path}: inconsistent metadata (geometry thickness {thickness})")
     return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}),
-                         structures)
+                         structures, thickness)

@@ -129,7 +129,8 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
     """The model with its structure weights, its training log and ``run.json``, all or none."""
     extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
     model = encode_gaussians(GaussianModel(scene.gaussians(), scene.grid, scene.density_scale, scene.march,
-                                           StudyGeometry.from_prepared(prepared), extra, structures))
+                                           StudyGeometry.from_prepared(prepared), extra, structures,
+                                           scene.geometry_thickness))
     heldout = log.scores[-1][1] if log.scores else None
     train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds,
                             "eval_seconds": log.eval_seconds, "steps": log.steps,
@@ -196,5 +197,6 @@ def _run_on(gpu: GpuContext, folder: Path, settings: RunSettings, model: Gaussia
     """The run folder's Gaussians on ``prepared``, refused (ModelFileError) where they were made for another
     study."""
     model.geometry.check_matches(StudyGeometry.from_prepared(prepared), folder / MODEL_FILE)
-    scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march)
+    scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march,
+                          model.geometry_thickness)
     return GaussianRun(folder, prepared, scene, settings, structures=model.structures)

@@ -166,8 +166,14 @@ class GaussianScene:
     """Gaussians on the device: parameters, gradients, the grid of their bounds, and the render kernels."""
 
     def __init__(self, gpu: GpuContext, gaussians: GaussianSet, grid: GridShape, density_scale: float = 1.0,
-                 march: MarchSettings | None = None) -> None:
+                 march: MarchSettings | None = None, geometry_thickness: float = 1.0) -> None:
+        """``geometry_thickness``: the share of each Gaussian's thickness (its third axis's standard deviation)
+        with which the structure weights read it (shaders/gaussians.slang's geometryLocal; 1: as the pictures)."""
+        if not 0.0 < geometry_thickness <= 1.0:
+            raise ValueError(f"a geometry thickness of {geometry_thickness} (a share of the Gaussians' thickness, "
+                             "in (0, 1])")
         self.gpu, self.grid, self.density_scale = gpu, grid, float(density_scale)
+        self.geometry_thickness = float(geometry_thickness)
         self.march = march or MarchSettings()
         self.module = gpu.load_module("gaussians")
         self._cell_start = self._counts = self._block_sums = self._cell_list = None
@@ -214,7 +220,7 @@ class GaussianScene:
     def shader_struct(self) -> dict[str, Any]:
         return {"params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
                 "count": self.count, "densityScale": self.density_scale,
-                "frames": self.frames.storage.device_address}
+                "frames": self.frames.storage.device_address, "geometryThickness": self.geometry_thickness}
 
     # --- the grid ---------------------------------------------------------------------------------
 

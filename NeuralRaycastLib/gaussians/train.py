@@ -62,7 +62,10 @@ class GaussianTrainConfig:
     cell_voxels: float = 3.0  # grid cells, in voxels
     scale_voxels: float = 0.6  # standard deviation above which densification splits a Gaussian, in voxels
     spread: float = 0.8  # initial width (standard deviation) along the surface, in spacings of the Gaussians
-    thickness_voxels: float = 0.5  # initial standard deviation across the surface, in voxels
+    thickness_voxels: float = 1.0  # initial standard deviation across the surface, in voxels
+    #: The share of a Gaussian's thickness with which the structure weights read it (GaussianScene): thick
+    #: Gaussians make even layers for the pictures, thin ones say which side of a surface a point is on.
+    geometry_thickness: float = 0.5
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
     rate_density: float = 0.025
@@ -286,7 +289,8 @@ def scene_for_study(gpu: GpuContext, prepared: PreparedStudy, gaussians: Gaussia
                     config: GaussianTrainConfig) -> GaussianScene:
     voxel = voxel_mm(prepared)
     return GaussianScene(gpu, gaussians, scene_grid(prepared, config), density_scale=config.density_per_voxel / voxel,
-                         march=MarchSettings(config.step_voxels * voxel, 1e-3))
+                         march=MarchSettings(config.step_voxels * voxel, 1e-3),
+                         geometry_thickness=config.geometry_thickness)
 
 
 class GaussianAdam:
@@ -399,7 +403,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
         grow = grow[np.argsort(-mean[grow])][: max(room, 0)]
         if len(grow):
             chosen = gaussians.subset(grow)
-            big = np.exp(chosen.log_scales.max(axis=1)) > config.scale_voxels * voxel
+            big = np.exp(chosen.log_scales[:, :2].max(axis=1)) > config.scale_voxels * voxel  # wide in its plane
             # a large one splits in its plane (its first two axes; the third is the surface's normal) into two
             # narrower halves; a small one is cloned, each copy of half the density. Either pair keeps the
             # original's mass, so a layer's optical depth is what it was, and the training moves the pair apart.
