@@ -10,7 +10,13 @@ from field_reference import central_difference
 from gaussian_reference import occupancy
 from test_gaussian_gradients import BOX, tiny_set
 
-from NeuralRaycastLib.gaussians.geometry import StructureOccupancy, filled_occupancy, occupancy_loss, signed_distances
+from NeuralRaycastLib.gaussians.geometry import (
+    StructureOccupancy,
+    filled_occupancy,
+    occupancy_loss,
+    occupancy_signed_distances,
+    signed_distances,
+)
 from NeuralRaycastLib.gaussians.scene import GaussianScene, GridShape, MarchSettings
 
 pytestmark = pytest.mark.gpu
@@ -84,6 +90,24 @@ def test_uncovered_voxels_take_the_nearest_covered_occupancy_and_give_a_signed_d
     distances = signed_distances(filled[0] > 0.5, np.array([2.0, 2.0, 2.0]))
     assert (distances[radius < 4] < 0).all() and (distances[radius >= 4] > 0).all()
     assert np.abs(distances[(radius >= 3.5) & (radius < 4)]).min() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("level", [3.2, 3.5, 3.8])
+def test_the_zero_level_lies_where_the_occupancy_crosses_one_half(level):
+    """An occupancy falling linearly across a plane between voxel centres: the signed distances' zero level, as
+    marching cubes places it between the border voxels, lies where the occupancy is 1/2, not halfway between the
+    centres (the mask's own distances put it at 3.5 whatever the occupancy); the inside is the mask's, and away
+    from the border the distances are the mask's."""
+    spacing = np.array([2.0, 2.0, 2.0])
+    x = np.indices((10, 6, 6))[0].astype(np.float64)
+    occupancy = np.clip(0.5 - 0.4 * (x - level), 0.0, 1.0)
+    distances = occupancy_signed_distances(occupancy, spacing)
+    np.testing.assert_array_equal(distances < 0, occupancy > 0.5)
+    a, b = distances[3, 2, 2], distances[4, 2, 2]  # the border: x = 3 inside, x = 4 outside
+    assert 3.0 + a / (a - b) == pytest.approx(level, abs=1e-6)
+    far = signed_distances(occupancy > 0.5, spacing)
+    np.testing.assert_array_equal(distances[:2], far[:2])
+    np.testing.assert_array_equal(distances[6:], far[6:])
 
 
 def test_joint_occupancy_loss_backward_matches_central_differences(weighted):

@@ -310,14 +310,38 @@ def signed_distances(inside: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     return np.where(inside, -inward, outward).astype(np.float32)
 
 
+def occupancy_signed_distances(occupancy: np.ndarray, spacing: np.ndarray) -> np.ndarray:
+    """A signed distance (mm, negative inside) of the inside {occupancy > 1/2}: the mask's (signed_distances) away
+    from its border, and on the voxels of the border (those with a face neighbour on the other side) the
+    occupancy's own distance to its level 1/2, (1/2 - o) / |∇o|, within a voxel and on the voxel's side, so
+    that the zero level lies where the occupancy crosses 1/2 between voxel centres instead of halfway."""
+    inside = occupancy > 0.5
+    distances = signed_distances(inside, spacing)
+    voxel = float(np.min(spacing))
+    border = np.zeros_like(inside)
+    for axis in range(inside.ndim):
+        change = np.diff(inside, axis=axis)
+        before = [slice(None)] * inside.ndim
+        after = [slice(None)] * inside.ndim
+        before[axis], after[axis] = slice(0, -1), slice(1, None)
+        border[tuple(before)] |= change
+        border[tuple(after)] |= change
+    gradient = np.stack(np.gradient(occupancy.astype(np.float64), *spacing))
+    slope = np.maximum(np.sqrt((gradient**2).sum(axis=0)), 0.5 / voxel)  # no steeper than a half per voxel
+    level = np.clip((0.5 - occupancy) / slope, -voxel, voxel)
+    level = np.where(inside, np.minimum(level, -1e-3 * voxel), np.maximum(level, 1e-3 * voxel))
+    return np.where(border, level, distances).astype(np.float32)
+
+
 def occupancy_distances(scene: GaussianScene, logits: np.ndarray, prepared: PreparedStudy) -> np.ndarray:
-    """(K, I, J, K): the signed distance (mm) of each structure's inside {o_k > 1/2} on the study's grid."""
+    """(K, I, J, K): the signed distance (mm) of each structure's inside {o_k > 1/2} on the study's grid, its zero
+    level where the occupancy crosses 1/2 (occupancy_signed_distances)."""
     shape = prepared.study.shape
     values, coverage = StructureOccupancy(scene, logits).occupancy(grid_points(prepared.affine, shape).reshape(-1, 3))
     occupancy = np.moveaxis(values, 1, 0).reshape(-1, *shape)
     filled = filled_occupancy(occupancy, coverage.reshape(shape))
     spacing = np.linalg.norm(np.asarray(prepared.affine, np.float64)[:3, :3], axis=0)
-    return np.stack([signed_distances(o > 0.5, spacing) for o in filled])
+    return np.stack([occupancy_signed_distances(o, spacing) for o in filled])
 
 
 def gaussian_geometry_metrics(distances: np.ndarray, prepared: PreparedStudy) -> dict[str, dict[str, Any]]:
