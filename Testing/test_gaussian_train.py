@@ -95,6 +95,18 @@ def test_a_time_budget_ends_the_run_once_spent_and_sets_its_schedule(gpu, phanto
     assert schedule_fraction(GaussianTrainConfig(steps=100), 10, 5.0) == 0.1  # no budget: the steps alone
 
 
+def test_the_standard_schedule_ends_at_thirty_seconds_unless_steps_are_asked_for():
+    """On a GPU slower than the one its steps were sized on, the standard preset still trains 30 s at most; a run
+    given its steps (``--iterations``) takes them all."""
+    from NeuralRaycastLib.gaussians.run import gaussian_schedule
+    from NeuralRaycastLib.train.presets import RunSettings
+
+    assert gaussian_schedule(RunSettings("standard")).seconds == 30.0
+    asked = gaussian_schedule(RunSettings("standard", iterations=500))
+    assert asked.steps == 500 and asked.seconds is None
+    assert gaussian_schedule(RunSettings("quick")).seconds is None
+
+
 def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_views):
     prepared, views = phantom_views
     config = GaussianTrainConfig(densify_fraction=0.5)
