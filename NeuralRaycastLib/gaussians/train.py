@@ -465,13 +465,17 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     log = GaussianTrainLog(cap=cap)
     logged_at = 0
     start = time.perf_counter()
+
+    def trained() -> float:  # seconds of training so far, the held-out scores left out
+        return time.perf_counter() - start - log.eval_seconds
+
     for step in range(config.steps):
         if should_stop is not None and should_stop():
             log.cancelled = True
             break
         rows = sampler.sample(config.patches)
         loss = step_on_device.loss_and_gradients(rows, sampler.reference_patches(rows))
-        done = schedule_fraction(config, step, time.perf_counter() - start - log.eval_seconds)
+        done = schedule_fraction(config, step, trained())
         schedule = 0.1 + 0.9 * (1.0 - done)
         if np.isfinite(loss):
             step_on_device.accumulate_statistics()  # densification follows the pictures' gradients
@@ -481,8 +485,8 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
         else:  # a step whose loss is not finite moves nothing
             scene.zero_gradients()
         log.losses.append((step, loss))
-        last = step == config.steps - 1 or (config.seconds is not None and schedule_fraction(
-            config, step + 1, time.perf_counter() - start - log.eval_seconds) >= 1.0)
+        after = schedule_fraction(config, step + 1, trained())
+        last = after >= 1.0  # the steps, or the time budget, spent
         if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
             gradient_sum, seen = step_on_device.statistics()
             kept, grown = adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
@@ -502,11 +506,11 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
             log.eval_seconds += time.perf_counter() - scored
             log.scores.append((step + 1, score))
             report(f"Gaussians: step {step + 1}, loss {loss:.4f}, {scene.count:,} Gaussians, "
-                   f"held-out PSNR {score:.2f} dB", min(done + 1.0 / config.steps, 1.0))
+                   f"held-out PSNR {score:.2f} dB", min(after, 1.0))
         log.steps = step + 1
         if last:
             break
-    log.seconds = time.perf_counter() - start - log.eval_seconds
+    log.seconds = trained()
     if joint is not None:
         log.structures = joint.state()[0]
     return scene, log
