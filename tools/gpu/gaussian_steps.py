@@ -4,7 +4,7 @@ and the host's wall time a step, then a fit with a time budget of ``--seconds`` 
 learning rates and densification follow the time), its held-out PSNR and its pictures' time.
 
     python3 tools/gpu/gaussian_steps.py STUDY [--patches 32 128] [--seconds 30] [--profile-steps 8]
-        [--set initial=200000 --set densify_every=25 ...]
+        [--set initial=200000 --set densify_every=25 ...] [--untextured]
 
 STUDY is a study folder (``neuralraycast sample`` writes one). ``--set`` changes a field of the preset's
 GaussianTrainConfig for every fit. Prints one block per batch size.
@@ -30,7 +30,15 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a GaussianTrainConfig field for every fit (repeatable)")
     parser.add_argument("--frame-sizes", type=int, nargs="*", default=[1024, 512])
+    parser.add_argument("--untextured", action="store_true",
+                        help="every structure's look without its channel's texture (modulation 0), for the views and "
+                             "the Gaussians' starting colours: what the pictures' texture costs the fit")
     args = parser.parse_args()
+    if args.untextured:
+        from NeuralRaycastLib.render import style
+
+        style._DEFAULTS = {name: (opacity, channels, window, 0.0, specular)
+                           for name, (opacity, channels, window, _modulation, specular) in style._DEFAULTS.items()}
 
     import numpy as np
 
@@ -96,7 +104,8 @@ def main() -> int:
         fit_config = replace(config, steps=1_000_000, seconds=args.seconds, eval_every=0)
         fitted, log = train_gaussians(gpu, prepared, views, fit_config)
         score = score_views(fitted, views, views.held_out)
-        print(f"  fit ({', '.join(args.set) or 'the preset'}, {patches} patches): {log.steps} steps in "
+        named = ', '.join(args.set + ['untextured'] * args.untextured)
+        print(f"  fit ({named or 'the preset'}, {patches} patches): {log.steps} steps in "
               f"{log.seconds:.1f} s, {fitted.count:,} Gaussians (counts {log.counts[-4:]}), "
               f"held-out {score['heldout_psnr']:.2f} dB, SSIM {score.get('heldout_ssim', float('nan')):.4f}, "
               f"last loss {np.mean([loss for _, loss in log.losses[-20:]]):.4f}")
