@@ -13,6 +13,8 @@ from field_reference import central_difference
 from gaussian_reference import render, render_sums, rotations, unpack
 
 from NeuralRaycastLib.gaussians.scene import OUTPUTS, GaussianScene, GaussianSet, GridShape, MarchSettings
+from NeuralRaycastLib.gaussians.texture import TEXTURE_FLOATS, ChannelVolumes, texture_factors
+from NeuralRaycastLib.grid import sample_at
 from NeuralRaycastLib.render.camera import Camera
 
 pytestmark = pytest.mark.gpu
@@ -55,9 +57,41 @@ def device_render(scene: GaussianScene, rays: np.ndarray):
     return uploaded, results, np.asarray(results.to_numpy(), np.float64).reshape(-1, OUTPUTS)[:, :4]
 
 
-def reference(scene: GaussianScene, values: np.ndarray, rays: np.ndarray, min_transmittance: float) -> np.ndarray:
+def reference(scene: GaussianScene, values: np.ndarray, rays: np.ndarray, min_transmittance: float,
+              texture=None) -> np.ndarray:
     grid = scene.grid
-    return render(values, scene.count, scene.density_scale, rays, grid.low, grid.high, STEP, min_transmittance)
+    return render(values, scene.count, scene.density_scale, rays, grid.low, grid.high, STEP, min_transmittance,
+                  texture)
+
+
+#: Two channels on a grid of 1.2 × 1.0 × 1.4 mm voxels over the scene's box and a little past it.
+TEXTURE_AFFINE = np.array([[1.2, 0, 0, -0.5], [0, 1.0, 0, -0.5], [0, 0, 1.4, -0.5], [0, 0, 0, 1]])
+
+
+@pytest.fixture(scope="module")
+def textured(gpu):
+    """The tiny scene with its colours textured by two channels of noise: each Gaussian by one of them through its
+    own window and modulation, one Gaussian not at all (a record of zeros). Returns the scene and the reference's
+    texture function."""
+    rng = np.random.default_rng(5)
+    gaussians = tiny_set()
+    n = gaussians.count
+    records = np.zeros((n, TEXTURE_FLOATS), np.float32)
+    records[np.arange(n), rng.integers(0, 2, n)] = rng.uniform(0.8, 2.0, n)  # the channel over the window's width
+    records[:, 4] = rng.uniform(-0.2, 0.4, n)  # the window's low end over its width
+    records[:, 5] = rng.uniform(0.4, 0.9, n)  # the modulation
+    records[3] = 0.0
+    gaussians.textures = records
+    channels = rng.uniform(0.0, 1.0, (2, 10, 10, 10)).astype(np.float32)
+    scene = GaussianScene(gpu, gaussians, GridShape.for_box(BOX, 2.5), density_scale=DENSITY,
+                          march=MarchSettings(STEP, 1e-4), channels=ChannelVolumes(gpu, channels, TEXTURE_AFFINE))
+
+    def texture(x: np.ndarray) -> np.ndarray:
+        values = np.zeros(4)
+        values[:2] = sample_at(channels.astype(np.float64), TEXTURE_AFFINE, x[None])[:, 0]
+        return texture_factors(records, values)
+
+    return scene, texture
 
 
 def test_grid_lists_each_gaussian_in_every_cell_its_box_overlaps(scene):
@@ -82,6 +116,37 @@ def test_rays_integrate_the_gaussians_as_the_float64_reference(scene, rays):
     expected = reference(scene, scene.parameters().astype(np.float64), rays, 1e-4)
     assert (expected[:, 3] > 0.2).sum() >= RAYS // 2, "the rays should see the Gaussians"
     np.testing.assert_allclose(values, expected, rtol=2e-5, atol=2e-6)
+
+
+def test_textured_colours_are_the_channels_at_each_sample_as_the_reference(textured, rays):
+    """Each Gaussian's colour takes its texture factor from the channels at every sample (trilinear), through its
+    own window: the device's pictures are the reference's, and not those without the texture."""
+    scene, texture = textured
+    assert scene.textured
+    _, _, values = device_render(scene, rays)
+    params = scene.parameters().astype(np.float64)
+    expected = reference(scene, params, rays, 1e-4, texture)
+    np.testing.assert_allclose(values, expected, rtol=2e-5, atol=2e-6)
+    plain = reference(scene, params, rays, 1e-4)
+    assert np.abs(plain[:, :3] - expected[:, :3]).max() > 0.05
+    np.testing.assert_allclose(plain[:, 3], expected[:, 3], rtol=1e-12)  # the texture leaves the opacity alone
+
+
+def test_textured_backward_pass_matches_central_differences(textured, rays):
+    """With the texture, every kind of parameter's gradient against central differences of the reference: the
+    texture scales each sample's colour, and so the colour's share of every gradient."""
+    scene, texture = textured
+    uploaded, results, _ = device_render(scene, rays)
+    weights = np.random.default_rng(7).normal(size=(RAYS, 4))
+    scene.zero_gradients()
+    scene.backward_rays(uploaded, RAYS, results, weights)
+    gradient = scene.gradients().astype(np.float64)
+
+    def loss(p: np.ndarray) -> float:
+        return float((reference(scene, p, rays, 1e-4, texture) * weights).sum())
+
+    assert_central_differences(loss, scene.parameters().astype(np.float64), gradient, np.random.default_rng(8),
+                               largest=24)
 
 
 def test_rays_stop_once_nearly_opaque(gpu, rays):

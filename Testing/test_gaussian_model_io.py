@@ -18,7 +18,7 @@ from NeuralRaycastLib.gaussians.scene import GaussianSet, GridShape, MarchSettin
 def model(count: int = 5) -> GaussianModel:
     rng = np.random.default_rng(0)
     gaussians = GaussianSet(rng.normal(size=(count, 3)), rng.normal(size=(count, 3)), rng.normal(size=(count, 4)),
-                            rng.normal(size=count), rng.normal(size=(count, 6, 3)))
+                            rng.normal(size=count), rng.normal(size=(count, 6, 3)), rng.normal(size=(count, 8)))
     geometry = StudyGeometry(np.eye(4), (10, 12, 8), np.array([[0.0, 0, 0], [9, 11, 7]]), ["t1"], ["brain"],
                              [(0.8, 0.7, 0.6)])
     grid = GridShape.for_box(geometry.bounds, 2.0)
@@ -30,6 +30,7 @@ def test_round_trip_is_exact(tmp_path):
     written = model()
     read = load_gaussians(save_gaussians(tmp_path / "g.safetensors", written), written.geometry)
     assert read.gaussians.flat().tobytes() == written.gaussians.flat().tobytes()
+    assert read.gaussians.textures.tobytes() == written.gaussians.textures.tobytes()
     assert read.structures.tobytes() == written.structures.tobytes()
     assert (read.grid, read.density_scale, read.march, read.extra) == (written.grid, 0.7, written.march,
                                                                         {"preset": "quick"})
@@ -42,12 +43,27 @@ def test_a_file_of_version_4_reads_its_structure_weights_with_the_whole_thicknes
     def as_version_4(metadata, tensors):
         metadata.update(format_version=4)
         del metadata["geometry_thickness"]
+        del tensors["textures"]
 
     assert load_gaussians(rewritten(tmp_path, as_version_4)).geometry_thickness == 1.0
     with pytest.raises(ModelFileError, match="inconsistent metadata"):
         load_gaussians(rewritten(tmp_path, lambda m, t: m.pop("geometry_thickness")))
     with pytest.raises(ModelFileError, match="geometry thickness 2.0"):
         load_gaussians(rewritten(tmp_path, lambda m, t: m.update(geometry_thickness=2.0)))
+
+
+def test_a_file_of_version_5_is_read_without_texture(tmp_path):
+    """Before version 6 no channel textured a Gaussian's colour: such a file is read with texture records of zeros,
+    which render it as it was trained; a version-6 file without its records is refused."""
+    def as_version_5(metadata, tensors):
+        metadata.update(format_version=5)
+        del tensors["textures"]
+
+    read = load_gaussians(rewritten(tmp_path, as_version_5))
+    assert read.gaussians.textures.shape == (5, 8) and not read.gaussians.textures.any()
+    np.testing.assert_array_equal(read.gaussians.colours, model().gaussians.colours)
+    with pytest.raises(ModelFileError, match="tensors .* differ"):
+        load_gaussians(rewritten(tmp_path, lambda m, t: t.pop("textures")))
 
 
 def rewritten(tmp_path, change) -> str:
@@ -118,13 +134,14 @@ def test_a_file_of_version_3_is_read_with_colours_that_render_as_before(tmp_path
     def as_version_3(metadata, tensors):
         metadata.update(format_version=3)
         tensors["colours"] = np.ascontiguousarray(tensors["colours"][:, :4])
+        del tensors["textures"]
 
     read = load_gaussians(rewritten(tmp_path, as_version_3))
     np.testing.assert_array_equal(read.gaussians.colours[:, :4], written.gaussians.colours[:, :4])
     assert read.gaussians.colours.shape == (5, 6, 3) and not read.gaussians.colours[:, 4:].any()
     np.testing.assert_array_equal(read.gaussians.positions, written.gaussians.positions)
     with pytest.raises(ModelFileError, match="tensor 'colours'"):
-        load_gaussians(rewritten(tmp_path, lambda m, t: m.update(format_version=3)))
+        load_gaussians(rewritten(tmp_path, lambda m, t: (m.update(format_version=3), t.pop("textures"))))
 
 
 def test_structure_weights_of_the_wrong_shape_are_refused(tmp_path):

@@ -12,7 +12,8 @@ otherwise; files of earlier versions are refused in one line that says to fit th
 Gaussian's colour has two more coefficients per channel (the facing and the side of the ray against its plane);
 a version-3 file is read with those at zero, which renders it as before. Version 5: the share of a Gaussian's
 thickness with which its structure weights read it (``geometry_thickness``); earlier files are read with 1, the
-whole thickness they were trained with.
+whole thickness they were trained with. Version 6: each Gaussian's texture record (``textures``: how the study's
+channels texture its colour, gaussians/texture.py); earlier files are read with none, as they were trained.
 """
 
 from __future__ import annotations
@@ -27,15 +28,19 @@ import numpy as np
 from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, read_checked
 from ..files import write_bytes
 from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
+from .texture import TEXTURE_FLOATS
 
 FORMAT = "neuralraycast-gaussians"
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 #: The first version read (the earlier ones render otherwise than they were trained).
 OLDEST_READ = 3
 #: Versions recognised: the current one is read, the earlier ones refused with what to do.
-KNOWN_VERSIONS = (1, 2, 3, 4, 5)
+KNOWN_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The tensors and the shape of one Gaussian's part of each.
-TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (COLOUR_TERMS, 3)}
+TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (COLOUR_TERMS, 3),
+           "textures": (TEXTURE_FLOATS,)}
+#: The tensors a file of an earlier version lacks, by the version that added them.
+ADDED_IN = {"textures": 6}
 #: The colour coefficients of a version-3 file: the spherical harmonics alone.
 VERSION_3_COLOUR_TERMS = 4
 
@@ -114,7 +119,8 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
                              f"their orientation (version {OLDEST_READ}): they would not render as trained; fit "
                              "the study again")
     count, grid, density, march, geometry = _settings(path, metadata)
-    shapes = {**TENSORS, "structures": (len(geometry.structures),)}
+    shapes = {name: shape for name, shape in TENSORS.items() if version >= ADDED_IN.get(name, 0)}
+    shapes["structures"] = (len(geometry.structures),)
     if version == 3:
         shapes["colours"] = (VERSION_3_COLOUR_TERMS, 3)
     if set(tensors) != set(shapes):
@@ -129,7 +135,7 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
         raise ModelFileError(f"{path}: the Gaussians contain NaN or infinity")
     if expected is not None:
         geometry.check_matches(expected, path)
-    parts = {name: tensors[name] for name in TENSORS}
+    parts = {name: tensors[name] for name in TENSORS if name in tensors}  # (no textures before version 6)
     if version == 3:  # the facing and side coefficients at zero: the colours of version 3
         parts["colours"] = np.concatenate(
             [parts["colours"], np.zeros((count, COLOUR_TERMS - VERSION_3_COLOUR_TERMS, 3), np.float32)], axis=1)

@@ -44,6 +44,7 @@ from .geometry import (
 )
 from .model_io import GaussianModel, encode_gaussians, load_gaussians
 from .scene import GaussianScene
+from .texture import ChannelVolumes
 from .train import GaussianTrainConfig, GaussianTrainLog, score_views, train_gaussians
 
 MODEL_FILE = "gaussians.safetensors"
@@ -203,6 +204,7 @@ def _run_on(gpu: GpuContext, folder: Path, settings: RunSettings, model: Gaussia
     """The run folder's Gaussians on ``prepared``, refused (ModelFileError) where they were made for another
     study."""
     model.geometry.check_matches(StudyGeometry.from_prepared(prepared), folder / MODEL_FILE)
+    textured = bool(model.gaussians.textures.any())
     scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march,
-                          model.geometry_thickness)
+                          model.geometry_thickness, ChannelVolumes.for_study(gpu, prepared) if textured else None)
     return GaussianRun(folder, prepared, scene, settings, structures=model.structures)

@@ -37,6 +37,7 @@ from .scene import (
     GridShape,
     MarchSettings,
 )
+from .texture import TEXTURE_FLOATS, ChannelVolumes, structure_records
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
@@ -45,9 +46,10 @@ TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.
                        - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
 #: its 29), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
-#: its structure logits with their gradients and moments (4 floats each, for up to 8 structures), and its frame
-#: (16 floats: what the march reads of it).
-TRAINING_BYTES_PER_GAUSSIAN = 4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8 + 4 * FRAME_FLOATS
+#: its structure logits with their gradients and moments (4 floats each, for up to 8 structures), its frame
+#: (16 floats: what the march reads of it) and its texture record.
+TRAINING_BYTES_PER_GAUSSIAN = (4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8 + 4 * FRAME_FLOATS
+                               + 4 * TEXTURE_FLOATS)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class GaussianTrainConfig:
     #: The share of a Gaussian's thickness with which the structure weights read it (GaussianScene): thick
     #: Gaussians make even layers for the pictures, thin ones say which side of a surface a point is on.
     geometry_thickness: float = 0.5
+    #: The study's channels texture each Gaussian's colour as the reference views texture its structure's albedo
+    #: (gaussians/texture.py); False: one colour over a Gaussian's width, the grain left to more Gaussians.
+    textured: bool = True
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
     rate_density: float = 0.025
@@ -216,13 +221,14 @@ def colour_logit(p: np.ndarray) -> np.ndarray:
     return np.log(p / (1 - p))
 
 
-def style_colours(prepared: PreparedStudy, samples: SurfaceSamples) -> np.ndarray:
+def style_colours(prepared: PreparedStudy, samples: SurfaceSamples, textured: bool = False) -> np.ndarray:
     """(N, COLOUR_TERMS, 3) colour coefficients of Gaussians on the surfaces ``samples``: the colour the reference
     views give a crossing of their structure's surface there (docs/image-formation.md: the structure's albedo,
     textured by its channel at the point, lit by the ambient light, the headlight |n · v| and the key light on
     the side the viewer is on; the specular highlights left to the training), through the constant, facing
     and side terms: the structures behind others start with their own colour, not the colour of the pixel in
-    front of them."""
+    front of them. ``textured``: the channel's texture is left out, as the Gaussians take it at every sample
+    (gaussians/texture.py)."""
     style = RenderStyle.default(prepared.structures, prepared.channel_names)
     light = style.lighting
     key = np.asarray(light.key_direction, np.float64)
@@ -235,7 +241,7 @@ def style_colours(prepared: PreparedStudy, samples: SurfaceSamples) -> np.ndarra
         look = style.structures[structure.name]
         colour = np.asarray(look.color or structure.color, np.float64)
         texture = np.ones(int(chosen.sum()))
-        if look.channel is not None:
+        if look.channel is not None and not textured:
             channel = prepared.channels[prepared.channel_names.index(look.channel)]
             value = channel[tuple(ijk[chosen].T)].astype(np.float64)
             low, high = look.window
@@ -266,7 +272,8 @@ def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, coun
     (:func:`style_colours`)."""
     rng = np.random.default_rng(config.seed)
     samples = surface_points(prepared, count, rng)
-    sh = style_colours(prepared, samples)
+    sh = style_colours(prepared, samples, config.textured)
+    textures = structure_records(prepared)[samples.structures] if config.textured else None
     voxel = voxel_mm(prepared)
     width = np.minimum(config.spread * np.sqrt(samples.areas), 0.5 * config.max_scale_voxels * voxel)
     thickness = np.minimum(config.thickness_voxels * voxel, width)
@@ -275,7 +282,7 @@ def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, coun
     opacity = np.clip(w * voxel / config.density_per_voxel, 0.01, 0.99)
     logit = np.log(opacity / (1 - opacity))
     log_scales = np.log(np.stack([width, width, thickness], axis=1))
-    return GaussianSet(samples.positions, log_scales, rotations_to(samples.normals), logit, sh)
+    return GaussianSet(samples.positions, log_scales, rotations_to(samples.normals), logit, sh, textures)
 
 
 def scene_grid(prepared: PreparedStudy, config: GaussianTrainConfig) -> GridShape:
@@ -290,7 +297,8 @@ def scene_for_study(gpu: GpuContext, prepared: PreparedStudy, gaussians: Gaussia
     voxel = voxel_mm(prepared)
     return GaussianScene(gpu, gaussians, scene_grid(prepared, config), density_scale=config.density_per_voxel / voxel,
                          march=MarchSettings(config.step_voxels * voxel, 1e-3),
-                         geometry_thickness=config.geometry_thickness)
+                         geometry_thickness=config.geometry_thickness,
+                         channels=ChannelVolumes.for_study(gpu, prepared) if gaussians.textures.any() else None)
 
 
 class GaussianAdam:
@@ -418,7 +426,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
             parts[0].log_scales[grown_in_kept] -= shrink
             parts[0].density[grown_in_kept] = density
             parts.append(GaussianSet(chosen.positions + offsets, chosen.log_scales - shrink, chosen.rotations,
-                                     density, chosen.colours))
+                                     density, chosen.colours, chosen.textures))
             zeros = GaussianSet.from_flat(np.zeros(GAUSSIAN_FLOATS * len(grow) + 4, np.float32), len(grow))
             m_parts.append(zeros)
             v_parts.append(zeros)
