@@ -147,7 +147,7 @@ def test_a_branch_that_fails_is_a_row_saying_why_and_the_other_keeps_its_figures
     folder, results, _ = branch_results
     trained = []
 
-    def run_branch_or_fail(gpu, branch, study, out, settings, sizes, progress, quick):
+    def run_branch_or_fail(gpu, branch, study, out, settings, sizes, progress, quick, baseline):
         trained.append((branch, load_study(study).shape, settings.preset, sizes))
         if branch == "gaussians":
             raise RuntimeError("the GPU could not hold\nthe Gaussians")
@@ -156,8 +156,8 @@ def test_a_branch_that_fails_is_a_row_saying_why_and_the_other_keeps_its_figures
     monkeypatch.setattr(branches, "run_branch", run_branch_or_fail)
     prepared = prepare(load_study(next((folder / "s").rglob("manifest.json"))))
     rows = branches.bench_branches(gpu, prepared, True, lambda message, fraction: None)
-    # both branches on the bench's own study, the quick preset and its frames
-    assert trained == [(branch, prepared.study.shape, "quick", (128,)) for branch in BRANCHES]
+    # both branches on the bench's own study, the quick preset and its frames, the Gaussians first
+    assert trained == [(branch, prepared.study.shape, "quick", (128,)) for branch in ("gaussians", "field")]
     assert rows[0].metric == "settings" and "preset quick, 8 views of 64², 150 steps each" in rows[0].notes
     assert rows[-1].metric == "gaussians: failed" and rows[-1].notes == "the GPU could not hold the Gaussians"
     assert [row.metric for row in rows[1:-1]] == [row.metric for row in branch_rows(results[:1])]

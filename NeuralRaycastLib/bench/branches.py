@@ -22,6 +22,9 @@ from .report import BenchRow, frame_notes, timed_each
 
 SUITE = "branches"
 BRANCHES = ("field", "gaussians")
+#: The order the suite trains them in: the device's heap keeps the pages of the buffers a branch lets go, so the
+#: branch that needs less goes first and each peak is read above the memory in use before the first.
+RUN_ORDER = ("gaussians", "field")
 #: The figures per structure, as ``evaluate`` names them, and how a row names them.
 STRUCTURE_FIGURES = (("dice", "Dice", ""), ("mean_surface_distance_mm", "mean surface distance", "mm"),
                      ("hd95_mm", "HD95", "mm"))
@@ -102,12 +105,14 @@ def picture(branch: str, run: Any):
 
 
 def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings: RunSettings,
-               sizes: tuple[int, ...], progress: Progress, quick: bool = True) -> BranchResult:
-    """Fit, evaluate and time the pictures of one branch, sampling the GPU memory in use through each phase."""
+               sizes: tuple[int, ...], progress: Progress, quick: bool = True,
+               baseline: int | None = None) -> BranchResult:
+    """Fit, evaluate and time the pictures of one branch, sampling the GPU memory in use through each phase; its
+    peaks are above ``baseline`` (bytes in use; None: those at the branch's start)."""
     from ..render.camera import orbit_cameras
 
     gc.collect()  # what an earlier branch left is released before this one's baseline is read
-    before = device_memory_in_use(gpu)
+    before = device_memory_in_use(gpu) if baseline is None else baseline
     clock = PhaseClock(lambda: device_memory_in_use(gpu))
     start = time.perf_counter()
     with clock.phase("fit"):
@@ -165,7 +170,7 @@ def _rows_of(result: BranchResult) -> list[BenchRow]:
                        if value is not None and name != "fit")
     rows.append(row("peak GPU memory while fitting", None if peak is None else peak / 2**30, "GiB",
                     "not readable on this device (CUDA only)" if peak is None else
-                    f"largest sample above the memory in use before the branch; {others}"))
+                    f"largest sample above the memory in use before the suite's first branch; {others}"))
     size = metrics.get("model_bytes")
     rows.append(row("model size", None if size is None else size / 1e6, "MB",
                     f"the run folder's model file, {size:,} bytes{count}"))
@@ -177,28 +182,31 @@ def _rows_of(result: BranchResult) -> list[BenchRow]:
 
 def bench_branches(gpu: GpuContext, prepared, quick: bool, progress) -> list[BenchRow]:
     """Both branches trained on the bench's study with the same preset (``quick``: the quick preset, small
-    views, 128² frames), one after the other in this process; a branch that fails is a row saying why, and
-    the other's figures still come."""
+    views, 128² frames), one after the other in this process (RUN_ORDER), their peaks of GPU memory above what
+    was in use before the first; a branch that fails is a row saying why, and the other's figures still come."""
     from ..study.study import write_study
 
     settings = bench_settings(gpu, quick)
     results, failed = [], []
     warm_up = "no warm-up on a software device: each branch compiles in its first steps"
+    gc.collect()
+    baseline = device_memory_in_use(gpu)
     with tempfile.TemporaryDirectory(prefix="neuralraycast-branches-") as work:
         study = write_study(prepared.study, Path(work) / "study")
-        for branch in BRANCHES:
+        for branch in RUN_ORDER:
             try:
                 if branch == "gaussians" and not gpu.report.software:
                     seconds = warm_up_gaussians(gpu, study, Path(work) / "warm-up", settings)
                     warm_up = f"the Gaussians' kernels compiled first, in a throw-away run of 2 steps: {seconds:.1f} s"
                 results.append(run_branch(gpu, branch, study, Path(work) / branch, settings, frame_sizes(quick),
-                                          progress, quick))
+                                          progress, quick, baseline))
                 progress(f"{branch}: done: {summary(results[-1])}", 1.0)  # in the log even if a later part fails
             except Exception as error:  # one branch's failure must not lose the other's figures
                 failed.append(BenchRow(SUITE, f"{branch}: failed", math.nan, "", " ".join(str(error).split())[:200]))
     steps = f", {settings.iterations} steps each" if settings.iterations else ", each branch's own steps"
     note = BenchRow(SUITE, "settings", settings.size, "px", f"preset {settings.preset}, {settings.views} views of "
                     f"{settings.size}²{steps}, one held out in {settings.held_out_every}; {warm_up}")
+    results.sort(key=lambda result: BRANCHES.index(result.branch))
     return [note] + branch_rows(results) + failed
 
 

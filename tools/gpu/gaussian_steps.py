@@ -66,8 +66,10 @@ def main() -> int:
     base = gaussian_schedule(settings)
     for item in args.set:
         name, value = item.split("=", 1)
-        base = replace(base, **{name: type(getattr(base, name))(float(value) if "." in value or "e" in value
-                                                                  else int(value))})
+        kind = type(getattr(base, name))
+        parsed = value in ("1", "true", "True") if kind is bool else kind(float(value) if "." in value or "e" in value
+                                                                           else int(value))
+        base = replace(base, **{name: parsed})
     print(f"{gpu.backend}; preset {settings.preset}; views {len(views.training)} training of {settings.size}²")
     for patches in args.patches:
         config = replace(base, patches=patches)
