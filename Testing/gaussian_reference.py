@@ -3,7 +3,8 @@
 Written from the definitions (parameter layout, truncated Gaussians, degree-1 spherical harmonics, segments
 of a fixed length with early termination), without the grid: the grid only saves work, so the device must
 give these values whatever its cells. ``texture``: a function of a point x (3,) giving each Gaussian's texture
-factor there (N,), which scales its colour (gaussians/texture.py); None: no texture.
+factor there (N,), which scales its trained colour; ``highlight``: a function of the Gaussians' third axes (N, 3)
+and the ray's direction giving each one's specular term (N,), added to it (gaussians/look.py); None: neither.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def rotations(q: np.ndarray) -> np.ndarray:
 
 
 def density_and_colour(values: np.ndarray, n: int, density_scale: float, x: np.ndarray, d: np.ndarray,
-                       texture=None):
+                       texture=None, highlight=None):
     """(σ, σ·c) at a point x (3,) seen along d (3,): each Gaussian's density w G(x) |d · a|, a its third axis, and
-    its colour times its texture factor at x."""
+    its colour: the linear colour times its texture factor at x, plus its specular term."""
     position, log_scale, quaternion, logit, sh = unpack(values, n)
     rotation = rotations(quaternion)
     local = np.einsum("nab,na->nb", rotation, x - position) / np.exp(log_scale)
@@ -44,9 +45,11 @@ def density_and_colour(values: np.ndarray, n: int, density_scale: float, x: np.n
     basis = np.stack([np.full_like(facing, SH_C0), np.full_like(facing, -SH_C1 * d[1]),
                       np.full_like(facing, SH_C1 * d[2]), np.full_like(facing, -SH_C1 * d[0]), np.abs(facing),
                       np.where(facing < 0.0, -1.0, 1.0)], axis=1)
-    colour = 1.0 / (1.0 + np.exp(-np.einsum("nl,nlc->nc", basis, sh)))
+    colour = np.einsum("nl,nlc->nc", basis, sh)
     if texture is not None:
         colour = colour * texture(np.asarray(x, np.float64))[:, None]
+    if highlight is not None:
+        colour = colour + highlight(rotation[:, :, 2], np.asarray(d, np.float64))[:, None]
     return wg.sum(), (wg[:, None] * colour).sum(axis=0)
 
 
@@ -70,7 +73,7 @@ def normal_at(values, n, density_scale, x, direction, h: float = 1e-5) -> np.nda
 
 
 def march(values, n, density_scale, origin, direction, low, high, step, min_transmittance,
-          normals: bool = False, texture=None) -> np.ndarray:
+          normals: bool = False, texture=None, highlight=None) -> np.ndarray:
     """One ray's sums: premultiplied RGB, alpha, Σ weight·normal (zeros unless ``normals``) and Σ weight·t, the
     weight of a segment T·(1 - exp(-σ·step))."""
     near, far = clip_to_box(origin, direction, low, high)
@@ -79,7 +82,7 @@ def march(values, n, density_scale, origin, direction, low, high, step, min_tran
     while (t := near + (j + 0.5) * step) < far:
         j += 1
         x = origin + t * direction
-        sigma, weighted = density_and_colour(values, n, density_scale, x, direction, texture)
+        sigma, weighted = density_and_colour(values, n, density_scale, x, direction, texture, highlight)
         if sigma <= 0.0:
             continue
         alpha = 1.0 - np.exp(-sigma * step)
@@ -93,16 +96,18 @@ def march(values, n, density_scale, origin, direction, low, high, step, min_tran
     return np.concatenate([rgb, [1.0 - transmittance], normal, [depth]])
 
 
-def render(values, n, density_scale, rays, low, high, step, min_transmittance, texture=None) -> np.ndarray:
+def render(values, n, density_scale, rays, low, high, step, min_transmittance, texture=None,
+           highlight=None) -> np.ndarray:
     """(R, 4) for rays (R, 6): origin then unit direction."""
-    return render_sums(values, n, density_scale, rays, low, high, step, min_transmittance, texture=texture)[:, :4]
+    return render_sums(values, n, density_scale, rays, low, high, step, min_transmittance, texture=texture,
+                       highlight=highlight)[:, :4]
 
 
 def render_sums(values, n, density_scale, rays, low, high, step, min_transmittance, normals: bool = False,
-                texture=None):
+                texture=None, highlight=None):
     """(R, 8): every ray's sums (:func:`march`)."""
     return np.stack([march(values, n, density_scale, r[:3], r[3:], low, high, step, min_transmittance, normals,
-                           texture) for r in np.asarray(rays, np.float64)])
+                           texture, highlight) for r in np.asarray(rays, np.float64)])
 
 
 OCCUPANCY_EPSILON = 1e-3

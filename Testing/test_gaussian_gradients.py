@@ -12,8 +12,8 @@ import pytest
 from field_reference import central_difference
 from gaussian_reference import render, render_sums, rotations, unpack
 
+from NeuralRaycastLib.gaussians.look import LOOK_FLOATS, ChannelVolumes, Highlights, texture_factors
 from NeuralRaycastLib.gaussians.scene import OUTPUTS, GaussianScene, GaussianSet, GridShape, MarchSettings
-from NeuralRaycastLib.gaussians.texture import TEXTURE_FLOATS, ChannelVolumes, texture_factors
 from NeuralRaycastLib.grid import sample_at
 from NeuralRaycastLib.render.camera import Camera
 
@@ -58,10 +58,10 @@ def device_render(scene: GaussianScene, rays: np.ndarray):
 
 
 def reference(scene: GaussianScene, values: np.ndarray, rays: np.ndarray, min_transmittance: float,
-              texture=None) -> np.ndarray:
+              look=(None, None)) -> np.ndarray:
     grid = scene.grid
     return render(values, scene.count, scene.density_scale, rays, grid.low, grid.high, STEP, min_transmittance,
-                  texture)
+                  *look)
 
 
 #: Two channels on a grid of 1.2 × 1.0 × 1.4 mm voxels over the scene's box and a little past it.
@@ -69,29 +69,33 @@ TEXTURE_AFFINE = np.array([[1.2, 0, 0, -0.5], [0, 1.0, 0, -0.5], [0, 0, 1.4, -0.
 
 
 @pytest.fixture(scope="module")
-def textured(gpu):
-    """The tiny scene with its colours textured by two channels of noise: each Gaussian by one of them through its
-    own window and modulation, one Gaussian not at all (a record of zeros). Returns the scene and the reference's
-    texture function."""
+def looked(gpu):
+    """The tiny scene with its structures' look: colours textured by two channels of noise, each Gaussian by one
+    of them through its own window and modulation, and a specular term of its own weight; one Gaussian with
+    neither (a record of zeros). Returns the scene and the reference's texture and highlight functions."""
     rng = np.random.default_rng(5)
     gaussians = tiny_set()
     n = gaussians.count
-    records = np.zeros((n, TEXTURE_FLOATS), np.float32)
+    records = np.zeros((n, LOOK_FLOATS), np.float32)
     records[np.arange(n), rng.integers(0, 2, n)] = rng.uniform(0.8, 2.0, n)  # the channel over the window's width
     records[:, 4] = rng.uniform(-0.2, 0.4, n)  # the window's low end over its width
     records[:, 5] = rng.uniform(0.4, 0.9, n)  # the modulation
+    records[:, 6] = rng.uniform(0.5, 1.5, n)  # the specular weight
     records[3] = 0.0
-    gaussians.textures = records
+    gaussians.looks = records
     channels = rng.uniform(0.0, 1.0, (2, 10, 10, 10)).astype(np.float32)
+    key = np.array([0.45, 0.35, 0.82]) / np.linalg.norm([0.45, 0.35, 0.82])
+    highlights = Highlights(tuple(key), 6.0)
     scene = GaussianScene(gpu, gaussians, GridShape.for_box(BOX, 2.5), density_scale=DENSITY,
-                          march=MarchSettings(STEP, 1e-4), channels=ChannelVolumes(gpu, channels, TEXTURE_AFFINE))
+                          march=MarchSettings(STEP, 1e-4), channels=ChannelVolumes(gpu, channels, TEXTURE_AFFINE),
+                          highlights=highlights)
 
     def texture(x: np.ndarray) -> np.ndarray:
         values = np.zeros(4)
         values[:2] = sample_at(channels.astype(np.float64), TEXTURE_AFFINE, x[None])[:, 0]
         return texture_factors(records, values)
 
-    return scene, texture
+    return scene, (texture, lambda axes, d: highlights.specular(records, axes, d))
 
 
 def test_grid_lists_each_gaussian_in_every_cell_its_box_overlaps(scene):
@@ -118,24 +122,26 @@ def test_rays_integrate_the_gaussians_as_the_float64_reference(scene, rays):
     np.testing.assert_allclose(values, expected, rtol=2e-5, atol=2e-6)
 
 
-def test_textured_colours_are_the_channels_at_each_sample_as_the_reference(textured, rays):
+def test_the_look_textures_each_sample_and_adds_the_highlights_as_the_reference(looked, rays):
     """Each Gaussian's colour takes its texture factor from the channels at every sample (trilinear), through its
-    own window: the device's pictures are the reference's, and not those without the texture."""
-    scene, texture = textured
+    own window, and its specular term from its axis: the device's pictures are the reference's, and neither the
+    texture nor the highlights are without effect."""
+    scene, (texture, highlight) = looked
     assert scene.textured
     _, _, values = device_render(scene, rays)
     params = scene.parameters().astype(np.float64)
-    expected = reference(scene, params, rays, 1e-4, texture)
+    expected = reference(scene, params, rays, 1e-4, (texture, highlight))
     np.testing.assert_allclose(values, expected, rtol=2e-5, atol=2e-6)
-    plain = reference(scene, params, rays, 1e-4)
-    assert np.abs(plain[:, :3] - expected[:, :3]).max() > 0.05
-    np.testing.assert_allclose(plain[:, 3], expected[:, 3], rtol=1e-12)  # the texture leaves the opacity alone
+    for part in ((None, highlight), (texture, None)):
+        without = reference(scene, params, rays, 1e-4, part)
+        assert np.abs(without[:, :3] - expected[:, :3]).max() > 0.05
+        np.testing.assert_allclose(without[:, 3], expected[:, 3], rtol=1e-12)  # the look leaves the opacity alone
 
 
-def test_textured_backward_pass_matches_central_differences(textured, rays):
-    """With the texture, every kind of parameter's gradient against central differences of the reference: the
-    texture scales each sample's colour, and so the colour's share of every gradient."""
-    scene, texture = textured
+def test_backward_pass_with_the_look_matches_central_differences(looked, rays):
+    """With the texture and the highlights, every kind of parameter's gradient against central differences of the
+    reference: the texture scales each sample's colour gradient, and the specular term's moves the axis."""
+    scene, look = looked
     uploaded, results, _ = device_render(scene, rays)
     weights = np.random.default_rng(7).normal(size=(RAYS, 4))
     scene.zero_gradients()
@@ -143,7 +149,7 @@ def test_textured_backward_pass_matches_central_differences(textured, rays):
     gradient = scene.gradients().astype(np.float64)
 
     def loss(p: np.ndarray) -> float:
-        return float((reference(scene, p, rays, 1e-4, texture) * weights).sum())
+        return float((reference(scene, p, rays, 1e-4, look) * weights).sum())
 
     assert_central_differences(loss, scene.parameters().astype(np.float64), gradient, np.random.default_rng(8),
                                largest=24)

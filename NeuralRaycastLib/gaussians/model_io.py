@@ -5,15 +5,12 @@ settings (grid, density scale, segment length) and a SHA-256 of the tensor bytes
 anything is used; a file that is truncated, tampered with, from an unknown version or for another study is
 refused with a ModelFileError naming it, never half-loaded.
 
-Version 2 added the Gaussians' structure weights (a tensor ``structures`` of one logit per Gaussian and
-structure of the study's geometry): the geometry of ``evaluate`` and ``mesh``. Version 3: a Gaussian's density
-along a ray follows its orientation (shaders/gaussians.slang's angle factor), so the same parameters render
-otherwise; files of earlier versions are refused in one line that says to fit the study again. Version 4: a
-Gaussian's colour has two more coefficients per channel (the facing and the side of the ray against its plane);
-a version-3 file is read with those at zero, which renders it as before. Version 5: the share of a Gaussian's
-thickness with which its structure weights read it (``geometry_thickness``); earlier files are read with 1, the
-whole thickness they were trained with. Version 6: each Gaussian's texture record (``textures``: how the study's
-channels texture its colour, gaussians/texture.py); earlier files are read with none, as they were trained.
+Version 6 is the first read: each Gaussian's density follows its orientation, its colour coefficients are
+linear, and its look record (``looks``: the channels' texture and the specular weight, gaussians/look.py) and the
+lights of the specular terms (``highlights``) come with it, with the structure weights (a tensor ``structures`` of
+one logit per Gaussian and structure of the study's geometry: the geometry of ``evaluate`` and ``mesh``) and the
+share of a Gaussian's thickness with which they read it (``geometry_thickness``). Files of earlier versions would
+render otherwise than they were trained: they are refused in one line that says to fit the study again.
 """
 
 from __future__ import annotations
@@ -27,22 +24,16 @@ import numpy as np
 
 from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, read_checked
 from ..files import write_bytes
+from .look import LOOK_FLOATS, Highlights
 from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
-from .texture import TEXTURE_FLOATS
 
 FORMAT = "neuralraycast-gaussians"
 FORMAT_VERSION = 6
-#: The first version read (the earlier ones render otherwise than they were trained).
-OLDEST_READ = 3
 #: Versions recognised: the current one is read, the earlier ones refused with what to do.
 KNOWN_VERSIONS = (1, 2, 3, 4, 5, 6)
 #: The tensors and the shape of one Gaussian's part of each.
 TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (COLOUR_TERMS, 3),
-           "textures": (TEXTURE_FLOATS,)}
-#: The tensors a file of an earlier version lacks, by the version that added them.
-ADDED_IN = {"textures": 6}
-#: The colour coefficients of a version-3 file: the spherical harmonics alone.
-VERSION_3_COLOUR_TERMS = 4
+           "looks": (LOOK_FLOATS,)}
 
 
 @dataclass
@@ -57,6 +48,8 @@ class GaussianModel:
     structures: np.ndarray | None = None
     #: The share of a Gaussian's thickness with which its structure weights read it (scene.GaussianScene).
     geometry_thickness: float = 1.0
+    #: The lights of the Gaussians' specular terms.
+    highlights: Highlights = Highlights((0.0, 0.0, 1.0), 1.0)
 
 
 def encode_gaussians(model: GaussianModel) -> bytes:
@@ -79,6 +72,7 @@ def encode_gaussians(model: GaussianModel) -> bytes:
         "step_mm": model.march.step_mm,
         "min_transmittance": model.march.min_transmittance,
         "geometry_thickness": model.geometry_thickness,
+        "highlights": model.highlights.as_dict(),
         "geometry": model.geometry.as_dict(),
         "tensors_sha256": _digest(tensors),
         "extra": model.extra,
@@ -114,15 +108,12 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
     """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
     path = Path(path)
     tensors, metadata, version = read_checked(path, FORMAT, KNOWN_VERSIONS)
-    if version < OLDEST_READ:
-        raise ModelFileError(f"{path}: Gaussians of format version {version}, written before their density followed "
-                             f"their orientation (version {OLDEST_READ}): they would not render as trained; fit "
-                             "the study again")
+    if version < FORMAT_VERSION:
+        raise ModelFileError(f"{path}: Gaussians of format version {version}, written before their colours took "
+                             f"their structure's look (version {FORMAT_VERSION}): they would not render as trained; "
+                             "fit the study again")
     count, grid, density, march, geometry = _settings(path, metadata)
-    shapes = {name: shape for name, shape in TENSORS.items() if version >= ADDED_IN.get(name, 0)}
-    shapes["structures"] = (len(geometry.structures),)
-    if version == 3:
-        shapes["colours"] = (VERSION_3_COLOUR_TERMS, 3)
+    shapes = {**TENSORS, "structures": (len(geometry.structures),)}
     if set(tensors) != set(shapes):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(shapes)}")
     for name, shape in shapes.items():
@@ -135,19 +126,13 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
         raise ModelFileError(f"{path}: the Gaussians contain NaN or infinity")
     if expected is not None:
         geometry.check_matches(expected, path)
-    parts = {name: tensors[name] for name in TENSORS if name in tensors}  # (no textures before version 6)
-    if version == 3:  # the facing and side coefficients at zero: the colours of version 3
-        parts["colours"] = np.concatenate(
-            [parts["colours"], np.zeros((count, COLOUR_TERMS - VERSION_3_COLOUR_TERMS, 3), np.float32)], axis=1)
-    gaussians = GaussianSet(**parts)
-    structures = tensors.get("structures")
-    thickness = 1.0  # before version 5 the structure weights read the whole thickness
-    if version >= 5:
-        try:
-            thickness = float(metadata["geometry_thickness"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ModelFileError(f"{path}: inconsistent metadata ({error})") from error
-        if not 0.0 < thickness <= 1.0:
-            raise ModelFileError(f"{path}: inconsistent metadata (geometry thickness {thickness})")
+    try:
+        thickness = float(metadata["geometry_thickness"])
+        highlights = Highlights.from_dict(metadata["highlights"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ModelFileError(f"{path}: inconsistent metadata ({error})") from error
+    if not 0.0 < thickness <= 1.0:
+        raise ModelFileError(f"{path}: inconsistent metadata (geometry thickness {thickness})")
+    gaussians = GaussianSet(**{name: tensors[name] for name in TENSORS})
     return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}),
-                         structures, thickness)
+                         tensors["structures"], thickness, highlights)

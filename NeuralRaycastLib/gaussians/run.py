@@ -42,9 +42,9 @@ from .geometry import (
     occupancy_distances,
     train_structure_weights,
 )
+from .look import study_channels
 from .model_io import GaussianModel, encode_gaussians, load_gaussians
 from .scene import GaussianScene
-from .texture import ChannelVolumes
 from .train import GaussianTrainConfig, GaussianTrainLog, score_views, train_gaussians
 
 MODEL_FILE = "gaussians.safetensors"
@@ -137,7 +137,7 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
     extra = {"preset": settings.preset, "cancelled": log.cancelled, "train_seconds": round(log.seconds, 2)}
     model = encode_gaussians(GaussianModel(scene.gaussians(), scene.grid, scene.density_scale, scene.march,
                                            StudyGeometry.from_prepared(prepared), extra, structures,
-                                           scene.geometry_thickness))
+                                           scene.geometry_thickness, scene.highlights))
     heldout = log.scores[-1][1] if log.scores else None
     train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds,
                             "eval_seconds": log.eval_seconds, "steps": log.steps,
@@ -204,7 +204,6 @@ def _run_on(gpu: GpuContext, folder: Path, settings: RunSettings, model: Gaussia
     """The run folder's Gaussians on ``prepared``, refused (ModelFileError) where they were made for another
     study."""
     model.geometry.check_matches(StudyGeometry.from_prepared(prepared), folder / MODEL_FILE)
-    textured = bool(model.gaussians.textures.any())
     scene = GaussianScene(gpu, model.gaussians, model.grid, model.density_scale, model.march,
-                          model.geometry_thickness, ChannelVolumes.for_study(gpu, prepared) if textured else None)
+                          model.geometry_thickness, study_channels(gpu, prepared, model.gaussians), model.highlights)
     return GaussianRun(folder, prepared, scene, settings, structures=model.structures)

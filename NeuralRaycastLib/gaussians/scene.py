@@ -17,7 +17,7 @@ import numpy as np
 from ..gpu.device import GpuContext, ReadBack, device_memory
 from ..render.camera import Camera
 from ..render.image import RenderedImage
-from .texture import TEXTURE_FLOATS, ChannelVolumes
+from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
 GAUSSIAN_FLOATS = 29
@@ -36,22 +36,23 @@ class GaussianSet:
     """Gaussians on the host: positions (N, 3) mm, log_scales (N, 3), rotations (N, 4) quaternions (w, x, y, z),
     density logits (N,), colours (N, 6, 3): per RGB channel, degree-1 spherical-harmonic coefficients (4), then
     those of the facing |d · a| and the side sign(d · a) of a ray d against the third axis a
-    (shaders/gaussians.slang); and textures (N, TEXTURE_FLOATS): how the study's channels texture each one's colour
-    (gaussians/texture.py; zeros, the default: not textured), data that training does not change."""
+    (shaders/gaussians.slang); and looks (N, LOOK_FLOATS): what each takes from its structure's look besides them,
+    the channels' texture and the specular weight (gaussians/look.py; zeros, the default: neither), data that
+    training does not change."""
 
     positions: np.ndarray
     log_scales: np.ndarray
     rotations: np.ndarray
     density: np.ndarray
     colours: np.ndarray
-    textures: np.ndarray | None = None
+    looks: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.positions)
-        if self.textures is None:
-            self.textures = np.zeros((n, TEXTURE_FLOATS), np.float32)
+        if self.looks is None:
+            self.looks = np.zeros((n, LOOK_FLOATS), np.float32)
         shapes = {"positions": (n, 3), "log_scales": (n, 3), "rotations": (n, 4), "density": (n,),
-                  "colours": (n, COLOUR_TERMS, 3), "textures": (n, TEXTURE_FLOATS)}
+                  "colours": (n, COLOUR_TERMS, 3), "looks": (n, LOOK_FLOATS)}
         for name, shape in shapes.items():
             value = np.asarray(getattr(self, name), np.float32)
             if value.shape != shape:
@@ -68,20 +69,20 @@ class GaussianSet:
         return np.concatenate([p.reshape(-1) for p in parts] + [np.zeros(4, np.float32)])
 
     @classmethod
-    def from_flat(cls, values: np.ndarray, count: int, textures: np.ndarray | None = None) -> GaussianSet:
-        """The Gaussians of flat parameters (:meth:`flat`), with ``textures`` (None: not textured)."""
+    def from_flat(cls, values: np.ndarray, count: int, looks: np.ndarray | None = None) -> GaussianSet:
+        """The Gaussians of flat parameters (:meth:`flat`), with ``looks`` (None: zeros)."""
         n, v = count, np.asarray(values, np.float32)
         return cls(v[: 3 * n].reshape(n, 3), v[3 * n : 6 * n].reshape(n, 3), v[6 * n : 10 * n].reshape(n, 4),
-                   v[10 * n : 11 * n].copy(), v[11 * n : 29 * n].reshape(n, COLOUR_TERMS, 3), textures)
+                   v[10 * n : 11 * n].copy(), v[11 * n : 29 * n].reshape(n, COLOUR_TERMS, 3), looks)
 
     def subset(self, keep: np.ndarray) -> GaussianSet:
         return GaussianSet(self.positions[keep], self.log_scales[keep], self.rotations[keep], self.density[keep],
-                           self.colours[keep], self.textures[keep])
+                           self.colours[keep], self.looks[keep])
 
     @staticmethod
     def concatenate(sets: list[GaussianSet]) -> GaussianSet:
         return GaussianSet(*(np.concatenate([getattr(s, name) for s in sets]) for name in
-                             ("positions", "log_scales", "rotations", "density", "colours", "textures")))
+                             ("positions", "log_scales", "rotations", "density", "colours", "looks")))
 
     def rotation_matrices(self) -> np.ndarray:
         """(N, 3, 3) rotations of the normalised quaternions."""
@@ -173,17 +174,17 @@ class GaussianScene:
 
     def __init__(self, gpu: GpuContext, gaussians: GaussianSet, grid: GridShape, density_scale: float = 1.0,
                  march: MarchSettings | None = None, geometry_thickness: float = 1.0,
-                 channels: ChannelVolumes | None = None) -> None:
+                 channels: ChannelVolumes | None = None, highlights: Highlights = NO_HIGHLIGHTS) -> None:
         """``geometry_thickness``: the share of each Gaussian's thickness (its third axis's standard deviation)
         with which the structure weights read it (shaders/gaussians.slang's geometryLocal; 1: as the pictures).
-        ``channels``: the study's channels on the device, which texture the Gaussians' colours as their texture
-        records say (None: no texture, whatever the records)."""
+        ``channels``: the study's channels on the device, which texture the Gaussians' colours as their look
+        records say (None: no texture, whatever the records); ``highlights``: the lights of their specular terms."""
         if not 0.0 < geometry_thickness <= 1.0:
             raise ValueError(f"a geometry thickness of {geometry_thickness} (a share of the Gaussians' thickness, "
                              "in (0, 1])")
         self.gpu, self.grid, self.density_scale = gpu, grid, float(density_scale)
         self.geometry_thickness = float(geometry_thickness)
-        self.channels = channels
+        self.channels, self.highlights = channels, highlights
         self.march = march or MarchSettings()
         self.module = gpu.load_module("gaussians")
         self._cell_start = self._counts = self._block_sums = self._cell_list = None
@@ -200,21 +201,21 @@ class GaussianScene:
         if gaussians.count == 0:
             raise ValueError("a Gaussian scene needs at least one Gaussian")
         self.count = gaussians.count
-        self.textures = gaussians.textures.copy()
+        self.looks = gaussians.looks.copy()
         with device_memory(f"{gaussians.count:,} Gaussians"):
             self.values = spy.Tensor.from_numpy(self.gpu.device, gaussians.flat())
             self.grads = spy.Tensor.zeros(self.gpu.device, shape=(len(gaussians.flat()),), dtype=float)
             self.frames = spy.Tensor.zeros(self.gpu.device, shape=(FRAME_FLOATS * gaussians.count,), dtype=float)
-            self._textures = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(self.textures.reshape(-1)))
+            self._looks = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(self.looks.reshape(-1)))
         self.build_grid()
 
     @property
     def textured(self) -> bool:
         """Whether the channels texture the colours: the scene has them, and some Gaussian's record says how."""
-        return self.channels is not None and bool(self.textures.any())
+        return self.channels is not None and bool(self.looks[:, :6].any())
 
     def gaussians(self) -> GaussianSet:
-        return GaussianSet.from_flat(np.asarray(self.values.to_numpy()), self.count, self.textures)
+        return GaussianSet.from_flat(np.asarray(self.values.to_numpy()), self.count, self.looks)
 
     def parameters(self) -> np.ndarray:
         """The flat parameters (without the trailing padding)."""
@@ -236,12 +237,13 @@ class GaussianScene:
 
     def shader_struct(self) -> dict[str, Any]:
         textured = self.textured
-        texture = {"channels": self.channels.struct if textured else ChannelVolumes.empty_struct(),
-                   "records": self._textures.storage.device_address, "textured": int(textured)}
+        look = {"channels": self.channels.struct if textured else ChannelVolumes.empty_struct(),
+                "records": self._looks.storage.device_address, "textured": int(textured),
+                "highlights": self.highlights.shader_struct()}
         return {"params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
                 "count": self.count, "densityScale": self.density_scale,
                 "frames": self.frames.storage.device_address, "geometryThickness": self.geometry_thickness,
-                "texture": texture}
+                "look": look}
 
     # --- the grid ---------------------------------------------------------------------------------
 

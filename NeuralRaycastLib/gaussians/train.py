@@ -27,6 +27,7 @@ from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
 from .geometry import JointStructures, StructureTrainConfig
+from .look import LOOK_FLOATS, Highlights, structure_looks, study_channels
 from .scene import (
     COLOUR_TERMS,
     FRAME_FLOATS,
@@ -37,7 +38,6 @@ from .scene import (
     GridShape,
     MarchSettings,
 )
-from .texture import TEXTURE_FLOATS, ChannelVolumes, structure_records
 
 SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
 #: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
@@ -47,9 +47,9 @@ TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
 #: its 29), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
 #: its structure logits with their gradients and moments (4 floats each, for up to 8 structures), its frame
-#: (16 floats: what the march reads of it) and its texture record.
+#: (16 floats: what the march reads of it) and its look record.
 TRAINING_BYTES_PER_GAUSSIAN = (4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8 + 4 * FRAME_FLOATS
-                               + 4 * TEXTURE_FLOATS)
+                               + 4 * LOOK_FLOATS)
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class GaussianTrainConfig:
     #: Gaussians make even layers for the pictures, thin ones say which side of a surface a point is on.
     geometry_thickness: float = 0.5
     #: The study's channels texture each Gaussian's colour as the reference views texture its structure's albedo
-    #: (gaussians/texture.py); False: one colour over a Gaussian's width, the grain left to more Gaussians.
+    #: (gaussians/look.py); False: one colour over a Gaussian's width, the grain left to more Gaussians.
     textured: bool = True
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
@@ -216,19 +216,15 @@ def rotations_to(normals: np.ndarray) -> np.ndarray:
     return q / np.where(flipped[:, None], 1.0, norm)
 
 
-def colour_logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 0.02, 0.98)
-    return np.log(p / (1 - p))
-
-
 def style_colours(prepared: PreparedStudy, samples: SurfaceSamples, textured: bool = False) -> np.ndarray:
-    """(N, COLOUR_TERMS, 3) colour coefficients of Gaussians on the surfaces ``samples``: the colour the reference
-    views give a crossing of their structure's surface there (docs/image-formation.md: the structure's albedo,
-    textured by its channel at the point, lit by the ambient light, the headlight |n · v| and the key light on
-    the side the viewer is on; the specular highlights left to the training), through the constant, facing
-    and side terms: the structures behind others start with their own colour, not the colour of the pixel in
-    front of them. ``textured``: the channel's texture is left out, as the Gaussians take it at every sample
-    (gaussians/texture.py)."""
+    """(N, COLOUR_TERMS, 3) colour coefficients of Gaussians on the surfaces ``samples``: the diffuse shading the
+    reference views give a crossing of their structure's surface there (docs/image-formation.md: the structure's
+    albedo lit by the ambient light, the headlight |n · v| and the key light on the side the viewer is on), which
+    the linear colour holds exactly for a surface along the Gaussian's plane: a constant on each side (the side
+    term) and the headlight's share in |d · a| (the facing term). The structures behind others start with their
+    own colour, not the colour of the pixel in front of them. The albedo is textured by its channel at the point
+    unless ``textured`` (the Gaussians then take the texture at every sample: gaussians/look.py); the specular
+    term is the look's too."""
     style = RenderStyle.default(prepared.structures, prepared.channel_names)
     light = style.lighting
     key = np.asarray(light.key_direction, np.float64)
@@ -250,17 +246,10 @@ def style_colours(prepared: PreparedStudy, samples: SurfaceSamples, textured: bo
     lit = samples.normals @ key
     # seen from outside (d · n < 0, side -1) the key light falls on n, from inside (side +1) on -n
     outside, inside = (albedo * (light.ambient + light.key * np.maximum(s * lit, 0.0))[:, None] for s in (1, -1))
-    facing = {}
-    for name, base in (("outside", outside), ("inside", inside)):  # the facing term from u = 0.4 and u = 1
-        square, slanted = (colour_logit(base + light.headlight * albedo),
-                           colour_logit(base + 0.4 * light.headlight * albedo))
-        facing[name] = ((square - slanted) / 0.6, square)
-    slope = 0.5 * (facing["outside"][0] + facing["inside"][0])
-    constant = {name: square - slope for name, (_, square) in facing.items()}
     sh = np.zeros((len(albedo), COLOUR_TERMS, 3))
-    sh[:, 0] = 0.5 * (constant["outside"] + constant["inside"]) / SH_C0
-    sh[:, 4] = slope
-    sh[:, 5] = 0.5 * (constant["inside"] - constant["outside"])
+    sh[:, 0] = 0.5 * (outside + inside) / SH_C0
+    sh[:, 4] = light.headlight * albedo
+    sh[:, 5] = 0.5 * (inside - outside)
     return sh
 
 
@@ -273,7 +262,7 @@ def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, coun
     rng = np.random.default_rng(config.seed)
     samples = surface_points(prepared, count, rng)
     sh = style_colours(prepared, samples, config.textured)
-    textures = structure_records(prepared)[samples.structures] if config.textured else None
+    looks = structure_looks(prepared, config.textured)[samples.structures]
     voxel = voxel_mm(prepared)
     width = np.minimum(config.spread * np.sqrt(samples.areas), 0.5 * config.max_scale_voxels * voxel)
     thickness = np.minimum(config.thickness_voxels * voxel, width)
@@ -282,7 +271,7 @@ def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, coun
     opacity = np.clip(w * voxel / config.density_per_voxel, 0.01, 0.99)
     logit = np.log(opacity / (1 - opacity))
     log_scales = np.log(np.stack([width, width, thickness], axis=1))
-    return GaussianSet(samples.positions, log_scales, rotations_to(samples.normals), logit, sh, textures)
+    return GaussianSet(samples.positions, log_scales, rotations_to(samples.normals), logit, sh, looks)
 
 
 def scene_grid(prepared: PreparedStudy, config: GaussianTrainConfig) -> GridShape:
@@ -298,7 +287,7 @@ def scene_for_study(gpu: GpuContext, prepared: PreparedStudy, gaussians: Gaussia
     return GaussianScene(gpu, gaussians, scene_grid(prepared, config), density_scale=config.density_per_voxel / voxel,
                          march=MarchSettings(config.step_voxels * voxel, 1e-3),
                          geometry_thickness=config.geometry_thickness,
-                         channels=ChannelVolumes.for_study(gpu, prepared) if gaussians.textures.any() else None)
+                         channels=study_channels(gpu, prepared, gaussians), highlights=Highlights.of_style(prepared))
 
 
 class GaussianAdam:
@@ -426,7 +415,7 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
             parts[0].log_scales[grown_in_kept] -= shrink
             parts[0].density[grown_in_kept] = density
             parts.append(GaussianSet(chosen.positions + offsets, chosen.log_scales - shrink, chosen.rotations,
-                                     density, chosen.colours, chosen.textures))
+                                     density, chosen.colours, chosen.looks))
             zeros = GaussianSet.from_flat(np.zeros(GAUSSIAN_FLOATS * len(grow) + 4, np.float32), len(grow))
             m_parts.append(zeros)
             v_parts.append(zeros)
