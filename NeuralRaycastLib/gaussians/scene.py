@@ -16,7 +16,7 @@ import numpy as np
 
 from ..gpu.device import GpuContext, ReadBack, device_memory
 from ..render.camera import Camera
-from ..render.image import RenderedImage
+from ..render.image import PLANE_FLOATS, RenderedImage, image_from_planes
 from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
@@ -189,7 +189,9 @@ class GaussianScene:
         self.module = gpu.load_module("gaussians")
         self._cell_start = self._counts = self._block_sums = self._cell_list = None
         self._list_capacity = 0
-        self._picture: Any = None
+        self._picture: Any = None  # a camera's packed picture (render_picture) and G-buffer (render_image)
+        self._planes: Any = None
+        self._read_back = ReadBack(gpu)
         self.set_gaussians(gaussians)
 
     # --- parameters -------------------------------------------------------------------------------
@@ -387,14 +389,19 @@ class GaussianScene:
 
     def render_image(self, camera: Camera) -> RenderedImage:
         """A camera's G-buffer as the field's renderer gives it: premultiplied RGBA, the expected depth along
-        the ray (mm, 0 where nothing is seen) and the unit normal of the density (-∇σ / |∇σ|, zero there)."""
-        sums = self.render_sums(camera, normals=True)
-        alpha = sums[..., 3]
-        seen = alpha > 1e-6
-        depth = np.where(seen, sums[..., 7] / np.where(seen, alpha, 1.0), 0.0).astype(np.float32)
-        length = np.linalg.norm(sums[..., 4:7], axis=-1, keepdims=True)
-        normal = np.where(length > 1e-12, sums[..., 4:7] / np.maximum(length, 1e-12), 0.0).astype(np.float32)
-        return RenderedImage(np.ascontiguousarray(sums[..., :4], np.float32), depth, normal)
+        the ray (mm, 0 where nothing is seen) and the unit normal of the density (-∇σ / |∇σ|, zero there), made on
+        the device as the field's frame's planes (shaders/pixel_planes.slang) and read back as they are."""
+        import slangpy as spy
+
+        pixels = camera.width * camera.height
+        if self._planes is None or self._planes.shape[0] != PLANE_FLOATS * pixels:
+            self._planes = None
+            with device_memory(f"a {camera.width} x {camera.height} G-buffer"):
+                self._planes = spy.Tensor.zeros(self.gpu.device, shape=(PLANE_FLOATS * pixels,), dtype="float")
+        self.module.renderCameraPlanes(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
+                                       self.march.to_shader(normals=True), camera.to_shader(),
+                                       self._planes.storage.device_address)
+        return image_from_planes(self._read_back.read(self._planes), camera.height, camera.width)
 
     def render_picture(self, camera: Camera) -> np.ndarray:
         """One view as a screen shows it (the field renderer's ``render_picture``): (H, W, 4) straight-alpha
@@ -406,7 +413,6 @@ class GaussianScene:
             self._picture = None
             with device_memory(f"a {camera.width} x {camera.height} picture"):
                 self._picture = spy.Tensor.zeros(self.gpu.device, shape=(pixels,), dtype="float")  # a word a pixel
-            self._read_back = ReadBack(self.gpu)
         self.module.renderCameraPacked(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
                                        self.march.to_shader(), camera.to_shader(),
                                        self._picture.storage.device_address)

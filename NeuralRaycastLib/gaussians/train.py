@@ -73,8 +73,10 @@ class GaussianTrainConfig:
     textured: bool = True
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
     rate_shape: float = 0.01
-    rate_density: float = 0.025
-    rate_colour: float = 0.0125
+    #: The density's and the colour's are small: the Gaussians start with the opacity and the shading the reference
+    #: views give their surfaces (docs/gaussians.md's learning rates).
+    rate_density: float = 0.006
+    rate_colour: float = 0.003
     densify_every: int = 60
     densify_until: float = 0.7  # fraction of the steps after which the count stays
     densify_fraction: float = 0.1  # of the Gaussians, those with the largest mean |∂loss/∂position| split or cloned

@@ -50,7 +50,7 @@ MODULE_KERNELS: dict[str, tuple[str, ...]] = {
     "gaussians": ("renderRays", "renderRaysBackward", "renderCamera", "occupancyAt", "occupancyBackward",
                   "gridClear", "gridCount", "gridScanBlocks", "gridScanTotals", "gridScanAdd", "gridFill",
                   "gaussianPatchRays", "accumulatePositionGradients", "renderCameraPacked", "occupancyLossBackward",
-                  "gaussianFrames"),
+                  "gaussianFrames", "renderCameraPlanes"),
 }
 #: The pretrained appearance's modules (appearance/latent.py, latent_scene.py), built from source as the field's.
 LATENT_KERNELS = ("latentEncodeGrid", "latentShadeAt", "latentPretrainStep", "latentSumRows", "latentGridAdam",

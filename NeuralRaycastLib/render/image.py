@@ -21,7 +21,7 @@ class RenderedImage:
         return np.clip(self.rgba[..., :3] + (1.0 - alpha) * np.asarray(background, np.float32), 0.0, 1.0)
 
 
-#: Floats per pixel of a frame written as planes (shaders/image_formation.slang's storePixel): RGBA, normal,
+#: Floats per pixel of a frame written as planes (shaders/pixel_planes.slang's storePixel): RGBA, normal,
 #: depth.
 PLANE_FLOATS = 8
 
