@@ -12,7 +12,15 @@ import pytest
 from field_reference import central_difference
 from gaussian_reference import render, render_sums, rotations, unpack
 
-from NeuralRaycastLib.gaussians.look import LOOK_FLOATS, ChannelVolumes, Highlights, texture_factors
+from NeuralRaycastLib.gaussians.look import (
+    LOOK_FLOATS,
+    MODULATION,
+    OFFSET,
+    SPECULAR,
+    ChannelVolumes,
+    Highlights,
+    texture_factors,
+)
 from NeuralRaycastLib.gaussians.scene import OUTPUTS, GaussianScene, GaussianSet, GridShape, MarchSettings
 from NeuralRaycastLib.grid import sample_at
 from NeuralRaycastLib.render.camera import Camera
@@ -78,9 +86,9 @@ def looked(gpu):
     n = gaussians.count
     records = np.zeros((n, LOOK_FLOATS), np.float32)
     records[np.arange(n), rng.integers(0, 2, n)] = rng.uniform(0.8, 2.0, n)  # the channel over the window's width
-    records[:, 4] = rng.uniform(-0.2, 0.4, n)  # the window's low end over its width
-    records[:, 5] = rng.uniform(0.4, 0.9, n)  # the modulation
-    records[:, 6] = rng.uniform(0.5, 1.5, n)  # the specular weight
+    records[:, OFFSET] = rng.uniform(-0.2, 0.4, n)  # the window's low end over its width
+    records[:, MODULATION] = rng.uniform(0.4, 0.9, n)
+    records[:, SPECULAR] = rng.uniform(0.5, 1.5, n)  # the specular weight
     records[3] = 0.0
     gaussians.looks = records
     channels = rng.uniform(0.0, 1.0, (2, 10, 10, 10)).astype(np.float32)

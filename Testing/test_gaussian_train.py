@@ -9,6 +9,7 @@ import pytest
 from conftest import phantom_prepared
 
 from NeuralRaycastLib.gaussians.geometry import JointStructures, StructureTrainConfig
+from NeuralRaycastLib.gaussians.look import SPECULAR
 from NeuralRaycastLib.gaussians.scene import GAUSSIAN_FLOATS, GaussianSet
 from NeuralRaycastLib.gaussians.train import (
     GaussianAdam,
@@ -143,7 +144,7 @@ def test_pruning_and_densification_keep_the_moments_and_the_cap(gpu, phantom_vie
     assert not m.colours[n - 6 :].any()
     # the two with the largest gradients grew: copies of Gaussians 10 and 11, with their looks
     np.testing.assert_array_equal(after.colours[n - 6 :], before.colours[[10, 11]])
-    assert before.looks[:, 6].all()  # (every structure of the phantom has a specular weight)
+    assert before.looks[:, SPECULAR].all()  # (every structure of the phantom has a specular weight)
     np.testing.assert_array_equal(after.looks, before.looks[[*range(6, n), 10, 11]])
     # each pair keeps the original's mass (density times volume: a layer's optical depth) and thickness, split in
     # the Gaussian's plane

@@ -30,6 +30,9 @@ from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
 
 LOOK_FLOATS = 8
+#: Where a look record holds each part: the channel weights u, the window's offset o, the modulation m, the
+#: specular weight (the texture is the parts before SPECULAR).
+OFFSET, MODULATION, SPECULAR = 4, 5, 6
 #: The most channels the texture reads (shaders/gaussians.slang's InterleavedVolumes<4>).
 MAX_CHANNELS = 4
 
@@ -42,7 +45,7 @@ def structure_looks(prepared: PreparedStudy, textured: bool = True) -> np.ndarra
     records = np.zeros((len(prepared.structures), LOOK_FLOATS), np.float32)
     for k, structure in enumerate(prepared.structures):
         look = style.structures[structure.name]
-        records[k, 6] = float(look.specular)
+        records[k, SPECULAR] = float(look.specular)
         if not textured or look.channel is None or not look.modulation:
             continue
         channel = prepared.channel_names.index(look.channel)
@@ -51,8 +54,8 @@ def structure_looks(prepared: PreparedStudy, textured: bool = True) -> np.ndarra
         low, high = look.window
         width = max(float(high) - float(low), 1e-6)
         records[k, channel] = 1.0 / width
-        records[k, 4] = float(low) / width
-        records[k, 5] = float(look.modulation)
+        records[k, OFFSET] = float(low) / width
+        records[k, MODULATION] = float(look.modulation)
     return records
 
 
@@ -60,8 +63,8 @@ def texture_factors(records: np.ndarray, channels: np.ndarray) -> np.ndarray:
     """t = (1 - m) + m · clamp(u · I - o, 0, 1) for records (N, LOOK_FLOATS) and channel values (..., 4) that
     broadcast against them: the shader's GaussianLook.texture, for the host's checks."""
     records = np.asarray(records, np.float64)
-    picked = np.einsum("...c,...c->...", np.asarray(channels, np.float64), records[..., :4]) - records[..., 4]
-    return 1.0 - records[..., 5] + records[..., 5] * np.clip(picked, 0.0, 1.0)
+    picked = np.einsum("...c,...c->...", np.asarray(channels, np.float64), records[..., :OFFSET]) - records[..., OFFSET]
+    return 1.0 - records[..., MODULATION] + records[..., MODULATION] * np.clip(picked, 0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class Highlights:
         half = (key + view) / np.linalg.norm(key + view)
         head = np.maximum(normal @ view, 0.0) ** self.shininess
         lit = np.where(normal @ key > 0, np.maximum(normal @ half, 0.0) ** self.shininess, 0.0)
-        return np.asarray(records, np.float64)[:, 6] * (0.5 * head + lit)
+        return np.asarray(records, np.float64)[:, SPECULAR] * (0.5 * head + lit)
 
 
 #: Highlights of no specular weight's use (a scene whose records hold none): any unit direction.
@@ -136,6 +139,11 @@ class ChannelVolumes:
                 "rasToIjk": spy.float4x4(np.eye(4, dtype=np.float32))}
 
 
+def any_textured(looks: np.ndarray) -> bool:
+    """Whether some of the look records (N, LOOK_FLOATS) textures its Gaussian's colour."""
+    return bool(np.asarray(looks)[:, :SPECULAR].any())
+
+
 def study_channels(gpu: GpuContext, prepared: PreparedStudy, gaussians) -> ChannelVolumes | None:
     """The study's channels on the device where some of ``gaussians`` (a GaussianSet) is textured, else None."""
-    return ChannelVolumes.for_study(gpu, prepared) if np.asarray(gaussians.looks)[:, :6].any() else None
+    return ChannelVolumes.for_study(gpu, prepared) if any_textured(gaussians.looks) else None

@@ -17,7 +17,7 @@ import numpy as np
 from ..gpu.device import GpuContext, ReadBack, device_memory
 from ..render.camera import Camera
 from ..render.image import PLANE_FLOATS, RenderedImage, image_from_planes
-from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights
+from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights, any_textured
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
 GAUSSIAN_FLOATS = 29
@@ -214,7 +214,7 @@ class GaussianScene:
     @property
     def textured(self) -> bool:
         """Whether the channels texture the colours: the scene has them, and some Gaussian's record says how."""
-        return self.channels is not None and bool(self.looks[:, :6].any())
+        return self.channels is not None and any_textured(self.looks)
 
     def gaussians(self) -> GaussianSet:
         return GaussianSet.from_flat(np.asarray(self.values.to_numpy()), self.count, self.looks)
