@@ -24,7 +24,7 @@ import numpy as np
 
 from ..field.model_io import METADATA_KEY, ModelFileError, StudyGeometry, _digest, read_checked
 from ..files import write_bytes
-from .look import LOOK_FLOATS, Highlights
+from .look import LOOK_FLOATS, NO_HIGHLIGHTS, Highlights
 from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
@@ -49,7 +49,7 @@ class GaussianModel:
     #: The share of a Gaussian's thickness with which its structure weights read it (scene.GaussianScene).
     geometry_thickness: float = 1.0
     #: The lights of the Gaussians' specular terms.
-    highlights: Highlights = Highlights((0.0, 0.0, 1.0), 1.0)
+    highlights: Highlights = NO_HIGHLIGHTS
 
 
 def encode_gaussians(model: GaussianModel) -> bytes:
