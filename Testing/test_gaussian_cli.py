@@ -16,15 +16,15 @@ STRUCTURES = ("brain", "whole_tumor", "tumor_core", "enhancing_tumor")
 pytestmark = pytest.mark.gpu
 
 #: What the quick preset's Gaussians reach on the phantom's held-out view in this test's 60 steps on lavapipe
-#: (39.24 dB; 38.51 dB with four times the colour's and the density's learning rates; 34.80 dB with a sigmoid colour
-#: that took nothing from the structure's look; 34.41 dB when the schedule also grew them at step 30; 32.95 dB when
-#: they started half as thick and the structure weights read their whole thickness; 26.5 dB when they were coloured
-#: by the pixels they fell on, with a colour linear in the view direction; 20.9 dB when they started as random
-#: round blobs, each of the same density whatever the angle a ray crossed it at), less a margin for another
-#: device's rounding.
-HELD_OUT_PSNR_DB = 38.2
+#: (40.04 dB; 39.24 dB before each layer's densities were evened; 38.51 dB with four times the colour's and the
+#: density's learning rates; 34.80 dB with a sigmoid colour that took nothing from the structure's look; 34.41 dB
+#: when the schedule also grew them at step 30; 32.95 dB when they started half as thick and the structure weights
+#: read their whole thickness; 26.5 dB when they were coloured by the pixels they fell on, with a colour linear in
+#: the view direction; 20.9 dB when they started as random round blobs, each of the same density whatever the
+#: angle a ray crossed it at), less a margin for another device's rounding.
+HELD_OUT_PSNR_DB = 39.0
 #: The Dice from the Gaussians' structure weights in the same run, trained with the pictures (on lavapipe: whole
-#: tumour 0.984, enhancing rim 0.817; 0.915 and 0.709 with the weights fitted only after the pictures, 0.886
+#: tumour 0.981, enhancing rim 0.822; 0.915 and 0.709 with the weights fitted only after the pictures, 0.886
 #: and 0.676 from the boundary maps at the Gaussians' centres alone), less a margin.
 WHOLE_TUMOR_DICE = 0.95
 ENHANCING_TUMOR_DICE = 0.79

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from math import erf
 
 import numpy as np
+from scipy import special
 from scipy.spatial import cKDTree
 
 from ..gpu.device import GpuContext, GpuMemoryError, device_memory, memory_budget
@@ -255,6 +256,42 @@ def style_colours(prepared: PreparedStudy, samples: SurfaceSamples, textured: bo
     return sh
 
 
+#: Rounds of :func:`even_layers`.
+EVENING_ROUNDS = 8
+
+
+def crossing_profile(a: np.ndarray) -> np.ndarray:
+    """The optical depth across a flat Gaussian of unit density and thickness, along its normal, at a squared
+    in-plane distance of ``a`` standard deviations: the integral of its truncated shape exp(-m²/2) - exp(-9/2)
+    (m < 3; shaders/gaussians.slang) over the thickness."""
+    a = np.asarray(a, np.float64)
+    inside = np.sqrt(np.maximum(9.0 - a, 0.0))
+    return np.where(a < 9.0, np.sqrt(2 * np.pi) * np.exp(-a / 2) * special.erf(inside / np.sqrt(2))
+                    - 2 * np.exp(-4.5) * inside, 0.0)
+
+
+def even_layers(samples: SurfaceSamples, width: np.ndarray, thickness: np.ndarray, w: np.ndarray,
+                cap: float) -> np.ndarray:
+    """Densities (at most ``cap``) that give each structure's layer its crossing's optical depth at every
+    Gaussian's centre, from ``w``: each one's share of the area alone leaves the sum of overlapping neighbours
+    uneven, which the pictures show as a speckle. The optical depth at a centre sums the crossing profiles of
+    the structure's Gaussians that reach it (along each one's normal); each round scales every density by the
+    square root of its centre's shortfall (a damped Jacobi step towards the target)."""
+    positions, normals = samples.positions.astype(np.float64), samples.normals.astype(np.float64)
+    pairs = cKDTree(positions).query_pairs(3.0 * float(width.max()), output_type="ndarray")
+    pairs = pairs[samples.structures[pairs[:, 0]] == samples.structures[pairs[:, 1]]]
+    receiver = np.concatenate([pairs[:, 0], pairs[:, 1], np.arange(len(positions))])
+    giver = np.concatenate([pairs[:, 1], pairs[:, 0], np.arange(len(positions))])
+    offset = positions[receiver] - positions[giver]
+    across = np.einsum("pc,pc->p", offset, normals[giver])
+    profile = thickness[giver] * crossing_profile(((offset**2).sum(axis=1) - across**2) / width[giver] ** 2)
+    w = np.asarray(w, np.float64).copy()
+    for _ in range(EVENING_ROUNDS):
+        depth = np.bincount(receiver, weights=w[giver] * profile, minlength=len(w))
+        w = np.minimum(w * np.sqrt(samples.depths / np.maximum(depth, 1e-12)), cap)
+    return w
+
+
 def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, count: int) -> GaussianSet:
     """Flat Gaussians on the structures' surfaces, their third axis along the normal, that together make a
     layer of even optical depth: each as wide as its share of the surface (``spread`` of the spacing, so that
@@ -270,6 +307,7 @@ def initial_gaussians(prepared: PreparedStudy, config: GaussianTrainConfig, coun
     thickness = np.minimum(config.thickness_voxels * voxel, width)
     # A layer of Gaussians, one per area a, has the optical depth w (2π)^1.5 s_t² s_n · TRUNCATED_MASS / a across it.
     w = samples.depths * samples.areas / ((2 * np.pi) ** 1.5 * width**2 * thickness * TRUNCATED_MASS)
+    w = even_layers(samples, width, thickness, w, 0.99 * config.density_per_voxel / voxel)
     opacity = np.clip(w * voxel / config.density_per_voxel, 0.01, 0.99)
     logit = np.log(opacity / (1 - opacity))
     log_scales = np.log(np.stack([width, width, thickness], axis=1))
