@@ -28,7 +28,7 @@ from ..render.reference_views import ReferenceViews
 from ..render.style import RenderStyle
 from ..study.preprocess import PreparedStudy
 from .geometry import JointStructures, StructureTrainConfig
-from .look import LOOK_FLOATS, Highlights, structure_looks, study_channels
+from .look import LOOK_FLOATS, MAX_CHANNELS, Highlights, structure_looks, study_channels, texture_factors
 from .scene import (
     COLOUR_TERMS,
     FRAME_FLOATS,
@@ -232,20 +232,15 @@ def style_colours(prepared: PreparedStudy, samples: SurfaceSamples, textured: bo
     light = style.lighting
     key = np.asarray(light.key_direction, np.float64)
     key = key / np.linalg.norm(key)
-    ijk = np.rint((samples.positions - prepared.affine[:3, 3]) @ np.linalg.inv(prepared.affine[:3, :3]).T)
-    ijk = np.clip(ijk.astype(np.int64), 0, np.array(prepared.boundary.shape[1:]) - 1)
-    albedo = np.zeros((len(samples.positions), 3))
-    for k, structure in enumerate(prepared.structures):
-        chosen = samples.structures == k
-        look = style.structures[structure.name]
-        colour = np.asarray(look.color or structure.color, np.float64)
-        texture = np.ones(int(chosen.sum()))
-        if look.channel is not None and not textured:
-            channel = prepared.channels[prepared.channel_names.index(look.channel)]
-            value = channel[tuple(ijk[chosen].T)].astype(np.float64)
-            low, high = look.window
-            texture = (1 - look.modulation) + look.modulation * np.clip((value - low) / (high - low), 0, 1)
-        albedo[chosen] = colour * texture[:, None]
+    colours = np.array([style.structures[s.name].color or s.color for s in prepared.structures], np.float64)
+    albedo = colours[samples.structures]
+    if not textured:  # the texture at the Gaussian's voxel, once
+        ijk = np.rint((samples.positions - prepared.affine[:3, 3]) @ np.linalg.inv(prepared.affine[:3, :3]).T)
+        ijk = np.clip(ijk.astype(np.int64), 0, np.array(prepared.boundary.shape[1:]) - 1)
+        values = np.zeros((len(ijk), MAX_CHANNELS))
+        channels = prepared.channels[:MAX_CHANNELS]
+        values[:, : len(channels)] = channels[(slice(None), *ijk.T)].T
+        albedo = albedo * texture_factors(structure_looks(prepared)[samples.structures], values)[:, None]
     lit = samples.normals @ key
     # seen from outside (d · n < 0, side -1) the key light falls on n, from inside (side +1) on -n
     outside, inside = (albedo * (light.ambient + light.key * np.maximum(s * lit, 0.0))[:, None] for s in (1, -1))
