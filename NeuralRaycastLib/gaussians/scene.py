@@ -209,12 +209,13 @@ class GaussianScene:
             self.grads = spy.Tensor.zeros(self.gpu.device, shape=(len(gaussians.flat()),), dtype=float)
             self.frames = spy.Tensor.zeros(self.gpu.device, shape=(FRAME_FLOATS * gaussians.count,), dtype=float)
             self._looks = spy.Tensor.from_numpy(self.gpu.device, np.ascontiguousarray(self.looks.reshape(-1)))
+        # whether the channels texture the colours: the scene has them, and some Gaussian's record says how
+        self.textured = self.channels is not None and any_textured(self.looks)
+        # the shader's GaussianLook, made here (where the records change) rather than at every kernel's call
+        self._look_struct = {"channels": self.channels.struct if self.textured else ChannelVolumes.empty_struct(),
+                             "records": self._looks.storage.device_address, "textured": int(self.textured),
+                             "highlights": self.highlights.shader_struct()}
         self.build_grid()
-
-    @property
-    def textured(self) -> bool:
-        """Whether the channels texture the colours: the scene has them, and some Gaussian's record says how."""
-        return self.channels is not None and any_textured(self.looks)
 
     def gaussians(self) -> GaussianSet:
         return GaussianSet.from_flat(np.asarray(self.values.to_numpy()), self.count, self.looks)
@@ -238,14 +239,10 @@ class GaussianScene:
         self.grads.copy_from_numpy(np.zeros(GAUSSIAN_FLOATS * self.count + 4, np.float32))
 
     def shader_struct(self) -> dict[str, Any]:
-        textured = self.textured
-        look = {"channels": self.channels.struct if textured else ChannelVolumes.empty_struct(),
-                "records": self._looks.storage.device_address, "textured": int(textured),
-                "highlights": self.highlights.shader_struct()}
         return {"params": {"values": self.values.storage.device_address, "grads": self.grads.storage.device_address},
                 "count": self.count, "densityScale": self.density_scale,
                 "frames": self.frames.storage.device_address, "geometryThickness": self.geometry_thickness,
-                "look": look}
+                "look": self._look_struct}
 
     # --- the grid ---------------------------------------------------------------------------------
 

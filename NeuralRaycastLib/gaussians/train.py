@@ -230,8 +230,7 @@ def style_colours(prepared: PreparedStudy, samples: SurfaceSamples, textured: bo
     term is the look's too."""
     style = RenderStyle.default(prepared.structures, prepared.channel_names)
     light = style.lighting
-    key = np.asarray(light.key_direction, np.float64)
-    key = key / np.linalg.norm(key)
+    key = np.asarray(Highlights.of_style(prepared).key_direction)  # unit
     colours = np.array([style.structures[s.name].color or s.color for s in prepared.structures], np.float64)
     albedo = colours[samples.structures]
     if not textured:  # the texture at the Gaussian's voxel, once
