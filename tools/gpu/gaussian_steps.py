@@ -4,7 +4,7 @@ and the host's wall time a step, then a fit with a time budget of ``--seconds`` 
 learning rates and densification follow the time), its held-out PSNR and its pictures' time.
 
     python3 tools/gpu/gaussian_steps.py STUDY [--patches 32 128] [--seconds 30] [--profile-steps 8]
-        [--set initial=200000 --set densify_every=25 ...] [--untextured]
+        [--set initial=200000 --set densify_every=25 ...] [--untextured] [--dice]
 
 STUDY is a study folder (``neuralraycast sample`` writes one). ``--set`` changes a field of the preset's
 GaussianTrainConfig for every fit. Prints one block per batch size.
@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--untextured", action="store_true",
                         help="every structure's look without its channel's texture (modulation 0), for the views and "
                              "the Gaussians' starting colours: what the pictures' texture costs the fit")
+    parser.add_argument("--dice", action="store_true",
+                        help="after each fit, its structure weights' steps and each structure's Dice (as evaluate)")
     args = parser.parse_args()
     if args.untextured:
         from NeuralRaycastLib.render import style
@@ -75,6 +77,9 @@ def main() -> int:
         config = replace(base, patches=patches)
         voxel = voxel_mm(prepared)
         scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, config, config.initial), config)
+        start = score_views(scene, views, views.held_out)
+        print(f"patches {patches}: {scene.count:,} Gaussians at the start, held-out {start['heldout_psnr']:.2f} dB "
+              f"before any step")
         adam = GaussianAdam(gpu, scene, config, voxel)
         sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
         step = GaussianStep(gpu, scene, views, config)
@@ -111,6 +116,18 @@ def main() -> int:
               f"{log.seconds:.1f} s, {fitted.count:,} Gaussians (counts {log.counts[-4:]}), "
               f"held-out {score['heldout_psnr']:.2f} dB, SSIM {score.get('heldout_ssim', float('nan')):.4f}, "
               f"last loss {np.mean([loss for _, loss in log.losses[-20:]]):.4f}")
+        if args.dice:
+            from NeuralRaycastLib.gaussians.geometry import (
+                StructureTrainConfig,
+                gaussian_geometry_metrics,
+                occupancy_distances,
+                train_structure_weights,
+            )
+
+            structures, _ = train_structure_weights(fitted, prepared, StructureTrainConfig(
+                steps=fit_config.structure_steps, seed=fit_config.seed), initial=log.structures)
+            geometry = gaussian_geometry_metrics(occupancy_distances(fitted, structures, prepared), prepared)
+            print("  Dice " + ", ".join(f"{name} {figures['dice']:.4f}" for name, figures in geometry.items()))
         if args.save_pictures:
             pictures = {f"picture_{patches}_{index}": render_picture(fitted, views.cameras[index]).astype(np.float16)
                         for index in views.held_out}
