@@ -113,15 +113,20 @@ def render_sums(values, n, density_scale, rays, low, high, step, min_transmittan
 OCCUPANCY_EPSILON = 1e-3
 
 
-def occupancy(values: np.ndarray, n: int, logits: np.ndarray, points: np.ndarray,
+def occupancy(values: np.ndarray, n: int, weights: np.ndarray, points: np.ndarray,
               geometry_thickness: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """(M, K) occupancy o_k(x) = Σ_i sigmoid(l_ik) G_i(x) / (Σ_i G_i(x) + ε) and (M,) coverage Σ_i G_i(x), each
-    G_i read with its third axis's standard deviation times ``geometry_thickness``."""
+    """(M, K) occupancy o_k(x) = Σ_i sigmoid(l_ik + c_ik z_i(x)) G_i(x) / (Σ_i G_i(x) + ε) and (M,) coverage
+    Σ_i G_i(x), each G_i read with its third axis's standard deviation times ``geometry_thickness`` and z_i(x) the
+    third local coordinate so read; ``weights`` (N, 2K): the logits l, then the slopes c."""
     position, log_scale, quaternion, _, _ = unpack(values, n)
-    weights = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))
+    weights = np.asarray(weights, np.float64)
+    k = weights.shape[1] // 2
     local = np.einsum("nab,mna->mnb", rotations(quaternion), np.asarray(points, np.float64)[:, None] - position)
     scale = np.exp(log_scale) * np.array([1.0, 1.0, geometry_thickness])
-    m2 = ((local / scale) ** 2).sum(axis=2)
+    local = local / scale
+    m2 = (local**2).sum(axis=2)
     shape = np.where(m2 < 9.0, np.maximum(np.exp(-0.5 * m2) - CUTOFF, 0.0), 0.0)
+    logit = weights[None, :, :k] + weights[None, :, k:] * local[:, :, 2:3]  # (M, N, K)
     cover = shape.sum(axis=1)
-    return shape @ weights / (cover + OCCUPANCY_EPSILON)[:, None], cover
+    structure = 1.0 / (1.0 + np.exp(-logit))
+    return np.einsum("mn,mnk->mk", shape, structure) / (cover + OCCUPANCY_EPSILON)[:, None], cover

@@ -1,6 +1,7 @@
 """Geometry from the Gaussians: the structure weights' occupancy (shaders/gaussians.slang's occupancyAt and its
-hand-written backward) against a float64 reference and central differences on the tiny scene of
-test_gaussian_gradients.py, and the signed distances that Dice and meshes are taken from."""
+hand-written backward, logits and slopes) against a float64 reference and central differences on the tiny scene of
+test_gaussian_gradients.py, the weights started from the boundary maps, and the signed distances that Dice and
+meshes are taken from."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from NeuralRaycastLib.gaussians.geometry import (
     occupancy_signed_distances,
     signed_distances,
 )
-from NeuralRaycastLib.gaussians.scene import GaussianScene, GridShape, MarchSettings
+from NeuralRaycastLib.gaussians.scene import GaussianScene, GaussianSet, GridShape, MarchSettings
 
 pytestmark = pytest.mark.gpu
 
@@ -32,15 +33,17 @@ def weighted(gpu):
     gaussians = tiny_set()
     scene = GaussianScene(gpu, gaussians, GridShape.for_box(BOX, 2.5), density_scale=0.8, march=MarchSettings(0.25),
                           geometry_thickness=THIN)
-    logits = np.random.default_rng(4).normal(0.0, 1.5, (gaussians.count, STRUCTURES)).astype(np.float32)
+    rng = np.random.default_rng(4)
+    weights = np.concatenate([rng.normal(0.0, 1.5, (gaussians.count, STRUCTURES)),
+                              rng.normal(0.0, 1.0, (gaussians.count, STRUCTURES))], axis=1).astype(np.float32)
     points = np.random.default_rng(5).uniform(BOX[0], BOX[1], (POINTS, 3)).astype(np.float32)
-    return StructureOccupancy(scene, logits), logits.astype(np.float64), points.astype(np.float64)
+    return StructureOccupancy(scene, weights), weights.astype(np.float64), points.astype(np.float64)
 
 
 def test_occupancy_is_the_float64_reference(weighted):
-    occupied, logits, points = weighted
+    occupied, weights, points = weighted
     values, cover = occupied.occupancy(points)
-    expected, expected_cover = occupancy(occupied.scene.parameters(), occupied.scene.count, logits, points, THIN)
+    expected, expected_cover = occupancy(occupied.scene.parameters(), occupied.scene.count, weights, points, THIN)
     assert (expected_cover > 0.05).sum() >= POINTS // 3, "the points should meet the Gaussians"
     np.testing.assert_allclose(cover, expected_cover, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
@@ -53,21 +56,55 @@ def test_a_geometry_thickness_outside_its_range_is_refused(gpu):
 
 
 def test_occupancy_backward_matches_central_differences(weighted):
-    """∂(Σ w·o)/∂logits by hand on the device against central differences of the reference; the Gaussian no
-    point reaches gets none."""
-    occupied, logits, points = weighted
-    weights = np.random.default_rng(6).normal(size=(POINTS, STRUCTURES))
-    gradient = occupied.backward(points, weights).astype(np.float64)
+    """∂(Σ u·o)/∂(logits, slopes) by hand on the device against central differences of the reference; the
+    Gaussian no point reaches gets none."""
+    occupied, weights, points = weighted
+    u = np.random.default_rng(6).normal(size=(POINTS, STRUCTURES))
+    gradient = occupied.backward(points, u).astype(np.float64)
     params, n = occupied.scene.parameters().astype(np.float64), occupied.scene.count
 
     def loss(flat: np.ndarray) -> float:
-        return float((occupancy(params, n, flat.reshape(n, STRUCTURES), points, THIN)[0] * weights).sum())
+        return float((occupancy(params, n, flat.reshape(n, 2 * STRUCTURES), points, THIN)[0] * u).sum())
 
-    flat = logits.reshape(-1)
+    flat = weights.reshape(-1)
     numeric = central_difference(loss, flat, np.eye(flat.size), 1e-6)
-    assert np.abs(numeric).max() > 0.05
+    assert np.abs(numeric.reshape(n, -1)[:, :STRUCTURES]).max() > 0.05
+    assert np.abs(numeric.reshape(n, -1)[:, STRUCTURES:]).max() > 0.05, "the slopes should matter"
     np.testing.assert_allclose(gradient.reshape(-1), numeric, rtol=1e-3, atol=1e-5)
     assert not gradient[6].any()  # the Gaussian far outside the box
+
+
+def test_structure_weights_start_as_the_boundary_maps_across_each_gaussian(gpu):
+    """A plane surface x = 2.3 mm of a study of 1 mm voxels and flat Gaussians on it, their normals along +x or
+    -x: the starting weights are the maps' logit, linear across each Gaussian, so that the occupancy is inside
+    (above 1/2) on the plane's inner side and outside on the other, within a Gaussian's width of it, whichever way
+    its normal points, as no logit alone could say."""
+    from types import SimpleNamespace
+
+    from NeuralRaycastLib.gaussians.geometry import initial_structure_weights
+
+    shape = (12, 10, 10)
+    x = np.indices(shape)[0].astype(np.float64)
+    prepared = SimpleNamespace(boundary=(x - 2.3 - 3.0)[None].astype(np.float32), spacing=np.ones(3),
+                               affine=np.array([[1, 0, 0, -3.0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]))
+    count = 16
+    rng = np.random.default_rng(3)
+    positions = np.column_stack([np.full(count, 2.3), rng.uniform(2, 7, count), rng.uniform(2, 7, count)])
+    towards_x = np.array([np.sqrt(0.5), 0.0, np.sqrt(0.5), 0.0])  # turns z onto +x
+    towards_minus_x = np.array([np.sqrt(0.5), 0.0, -np.sqrt(0.5), 0.0])
+    rotations = np.where((np.arange(count) % 2 == 0)[:, None], towards_x, towards_minus_x)
+    gaussians = GaussianSet(positions, np.log(np.tile([1.2, 1.2, 0.8], (count, 1))), rotations, np.zeros(count),
+                            np.zeros((count, 6, 3)))
+    box = np.array([[-3.0, 0, 0], [8.0, 9, 9]])
+    scene = GaussianScene(gpu, gaussians, GridShape.for_box(box, 2.0), geometry_thickness=THIN)
+    weights = initial_structure_weights(prepared, scene)
+    assert np.abs(weights[:, 0]).max() < 1e-4  # on the surface: no side from the logit
+    sides = np.sign(weights[:, 1])
+    np.testing.assert_array_equal(sides, np.where(np.arange(count) % 2 == 0, -1.0, 1.0))  # inside is -x
+    points = np.column_stack([np.linspace(1.6, 3.0, 8), np.full(8, 4.5), np.full(8, 4.5)])
+    values, cover = StructureOccupancy(scene, weights).occupancy(points)
+    assert (cover > 0.05).all()
+    np.testing.assert_array_equal(values[:, 0] > 0.5, points[:, 0] < 2.3)
 
 
 def test_occupancy_loss_leaves_out_uncovered_points():
@@ -116,28 +153,28 @@ def test_joint_occupancy_loss_backward_matches_central_differences(weighted):
     (none to density or colour) against central differences of the float64 reference."""
     from NeuralRaycastLib.gaussians.geometry import COVERED, JointStructures, StructureTrainConfig
 
-    occupied, logits, points = weighted
+    occupied, weights, points = weighted
     scene, n, weight = occupied.scene, occupied.scene.count, 1.7
     inside = (np.random.default_rng(7).random((POINTS, STRUCTURES)) < 0.5).astype(np.float64)
     params = scene.parameters().astype(np.float64)
 
-    def loss(p: np.ndarray, flat_logits: np.ndarray) -> float:
-        values, cover = occupancy(p, n, flat_logits.reshape(n, STRUCTURES), points, THIN)
+    def loss(p: np.ndarray, flat_weights: np.ndarray) -> float:
+        values, cover = occupancy(p, n, flat_weights.reshape(n, 2 * STRUCTURES), points, THIN)
         covered = (cover >= COVERED)[:, None]
         return weight * float((np.where(covered, values - inside, 0.0) ** 2).sum() / (POINTS * STRUCTURES))
 
-    joint = JointStructures(scene, logits, weight, StructureTrainConfig())
+    joint = JointStructures(scene, weights, weight, StructureTrainConfig())
     scene.zero_gradients()
     joint.backward(points, inside)
-    assert joint.take_loss() == pytest.approx(loss(params, logits.reshape(-1)) / weight, rel=1e-4)
+    assert joint.take_loss() == pytest.approx(loss(params, weights.reshape(-1)) / weight, rel=1e-4)
     assert joint.take_loss() == 0.0
-    d_logits = joint.logit_gradients().astype(np.float64).reshape(-1)
+    d_weights = joint.weight_gradients().astype(np.float64).reshape(-1)
     gradient = scene.gradients().astype(np.float64)
     scene.zero_gradients()
 
-    numeric = central_difference(lambda flat: loss(params, flat), logits.reshape(-1), np.eye(d_logits.size), 1e-6)
+    numeric = central_difference(lambda flat: loss(params, flat), weights.reshape(-1), np.eye(d_weights.size), 1e-6)
     assert np.abs(numeric).max() > 1e-3
-    np.testing.assert_allclose(d_logits, numeric, rtol=1e-3, atol=1e-6)
+    np.testing.assert_allclose(d_weights, numeric, rtol=1e-3, atol=1e-6)
 
     shape_part = slice(0, 10 * n)  # positions, log-scales, rotations
     assert not gradient[10 * n :].any()  # density and colour take no part in the occupancy
@@ -148,8 +185,8 @@ def test_joint_occupancy_loss_backward_matches_central_differences(weighted):
     directions = np.zeros((3, params.size))
     directions[:, shape_part] = rng.normal(size=(3, 10 * n))
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
-    numeric = central_difference(lambda p: loss(p, logits.reshape(-1)), params, directions, 1e-5)
+    numeric = central_difference(lambda p: loss(p, weights.reshape(-1)), params, directions, 1e-5)
     np.testing.assert_allclose(directions @ gradient, numeric, rtol=2e-3, atol=2e-4 * scale)
     largest = np.argsort(-np.abs(gradient))[:16]
-    numeric = central_difference(lambda p: loss(p, logits.reshape(-1)), params, np.eye(params.size)[largest], 1e-5)
+    numeric = central_difference(lambda p: loss(p, weights.reshape(-1)), params, np.eye(params.size)[largest], 1e-5)
     np.testing.assert_allclose(gradient[largest], numeric, rtol=2e-3, atol=2e-4 * scale)

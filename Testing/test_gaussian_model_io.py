@@ -25,7 +25,7 @@ def model(count: int = 5) -> GaussianModel:
                              [(0.8, 0.7, 0.6)])
     grid = GridShape.for_box(geometry.bounds, 2.0)
     return GaussianModel(gaussians, grid, 0.7, MarchSettings(0.4, 1e-3), geometry, {"preset": "quick"},
-                         rng.normal(size=(count, 1)).astype(np.float32), 0.5, Highlights((0.6, 0.0, 0.8), 24.0))
+                         rng.normal(size=(count, 2)).astype(np.float32), 0.5, Highlights((0.6, 0.0, 0.8), 24.0))
 
 
 def test_round_trip_is_exact(tmp_path):
@@ -104,11 +104,26 @@ def test_files_of_earlier_versions_are_refused_with_what_to_do(tmp_path, version
     assert str(path) in str(error.value) and len(str(error.value).splitlines()) == 1
 
 
+def test_a_version_6_file_reads_with_structure_slopes_of_zero(tmp_path):
+    """Version 6 had no structure slopes: its logits were trained for an occupancy without them, which zero slopes
+    give exactly, so the file is read as it was written."""
+    def as_version_6(metadata, tensors):
+        metadata["format_version"] = 6
+        del tensors["structure_slopes"]
+
+    written = model()
+    read = load_gaussians(rewritten(tmp_path, as_version_6))
+    np.testing.assert_array_equal(read.structures[:, :1], written.structures[:, :1])
+    assert not read.structures[:, 1:].any()
+    assert read.gaussians.flat().tobytes() == written.gaussians.flat().tobytes()
+
+
 def test_structure_weights_of_the_wrong_shape_are_refused(tmp_path):
-    path = rewritten(tmp_path, lambda m, t: t.update(structures=np.zeros((5, 2), np.float32)))
-    with pytest.raises(ModelFileError, match="tensor 'structures'") as error:
-        load_gaussians(path)
-    assert path in str(error.value)
+    for name in ("structures", "structure_slopes"):
+        path = rewritten(tmp_path, lambda m, t, name=name: t.update({name: np.zeros((5, 2), np.float32)}))
+        with pytest.raises(ModelFileError, match=f"tensor '{name}'") as error:
+            load_gaussians(path)
+        assert path in str(error.value)
     without = model()
     without.structures = None
     with pytest.raises(ValueError, match="structure weights"):

@@ -1,8 +1,11 @@
 """Per-structure geometry from the Gaussians: structure weights, their occupancy, Dice and meshes.
 
-Each Gaussian carries a logit per structure of the study. The occupancy of structure k at x is the Gaussians'
-structure weights averaged by their shapes there (shaders/gaussians.slang, ``occupancyAt``), trained against
-the inside / outside of the prepared study's boundary maps (B_k(x) < 0) at points near the surfaces. On the
+Each Gaussian carries, per structure of the study, a logit and a slope across its surface: its structure weight
+at x is sigmoid(logit + slope · z), z the coordinate of x along the Gaussian's normal, so that one Gaussian on a
+surface says which of its sides is inside. The occupancy of structure k at x is the Gaussians' structure weights
+averaged by their shapes there (shaders/gaussians.slang, ``occupancyAt``), started from the boundary maps and
+trained against the inside / outside of the prepared study's boundary maps (B_k(x) < 0) at points near the
+surfaces. A study of K structures has (N, 2K) weights: the N Gaussians' K logits, then their K slopes. On the
 study's grid, voxels no Gaussian covers take the occupancy of the nearest covered voxel (the Gaussians lie on
 the surfaces, so the inside of a large structure is reached only that way); the inside {o_k > 1/2} then gives
 a signed distance (mm) that train/evaluate.py's functions and mesh/mesh.py's helpers take as they take the
@@ -40,31 +43,52 @@ class StructureTrainConfig:
     seed: int = 0
 
 
-def initial_structure_logits(prepared: PreparedStudy, positions: np.ndarray) -> np.ndarray:
-    """(N, K) logits from the boundary maps at the Gaussians' centres: inside (B_k < 0) positive, a voxel in
-    or out worth ``INITIAL_LOGIT_PER_VOXEL``."""
+def initial_structure_weights(prepared: PreparedStudy, scene: GaussianScene) -> np.ndarray:
+    """(N, 2K) structure weights of the scene's Gaussians from the boundary maps, linear across each Gaussian as
+    the maps are: the logit -``INITIAL_LOGIT_PER_VOXEL`` B_k / voxel at its centre (inside positive), the slope that
+    logit's change per unit of z along its normal (the maps' derivative there, by central differences half a voxel
+    either side), both clipped to ±8."""
     voxel = float(np.min(prepared.spacing))
-    distances = sample_at(prepared.boundary, prepared.affine, np.asarray(positions, np.float64)).reshape(
-        len(prepared.boundary), -1)
-    return np.clip(-INITIAL_LOGIT_PER_VOXEL * distances.T / voxel, -8.0, 8.0).astype(np.float32)
+    gaussians = scene.gaussians()
+    positions = gaussians.positions.astype(np.float64)
+    normals = gaussians.rotation_matrices()[:, :, 2].astype(np.float64)  # the third axes
+    across = np.exp(gaussians.log_scales[:, 2].astype(np.float64)) * scene.geometry_thickness  # mm per unit of z
+    k = len(prepared.boundary)
+
+    def boundary(points: np.ndarray) -> np.ndarray:
+        return sample_at(prepared.boundary, prepared.affine, points).reshape(k, -1).T
+
+    step = 0.5 * voxel
+    derivative = (boundary(positions + step * normals) - boundary(positions - step * normals)) / (2.0 * step)
+    logits = -INITIAL_LOGIT_PER_VOXEL * boundary(positions) / voxel
+    slopes = -INITIAL_LOGIT_PER_VOXEL * derivative * across[:, None] / voxel
+    return np.clip(np.concatenate([logits, slopes], axis=1), -8.0, 8.0).astype(np.float32)
+
+
+def weights_shape(weights: np.ndarray, count: int) -> int:
+    """The structures of (N, 2K) structure weights for ``count`` Gaussians; a ValueError for any other shape."""
+    shape = np.shape(weights)
+    if len(shape) != 2 or shape[0] != count or shape[1] % 2 or not shape[1]:
+        raise ValueError(f"structure weights of shape {shape} for {count} Gaussians (a logit and a slope per "
+                         "Gaussian and structure)")
+    return shape[1] // 2
 
 
 class StructureOccupancy:
-    """A scene's Gaussians with their structure logits on the device: occupancy at points and its backward."""
+    """A scene's Gaussians with their (N, 2K) structure weights on the device: occupancy at points and its
+    backward."""
 
-    def __init__(self, scene: GaussianScene, logits: np.ndarray) -> None:
+    def __init__(self, scene: GaussianScene, weights: np.ndarray) -> None:
         self.scene = scene
-        self.set_logits(logits)
+        self.set_weights(weights)
 
-    def set_logits(self, logits: np.ndarray) -> None:
+    def set_weights(self, weights: np.ndarray) -> None:
         import slangpy as spy
 
-        logits = np.asarray(logits, np.float32)
-        if logits.ndim != 2 or len(logits) != self.scene.count:
-            raise ValueError(f"structure logits of shape {logits.shape} for {self.scene.count} Gaussians")
-        self.structures = logits.shape[1]
+        weights = np.asarray(weights, np.float32)
+        self.structures = weights_shape(weights, self.scene.count)
         with device_memory(f"the structure weights of {self.scene.count:,} Gaussians"):
-            self.logits = spy.Tensor.from_numpy(self.scene.gpu.device, np.ascontiguousarray(logits).reshape(-1))
+            self.weights = spy.Tensor.from_numpy(self.scene.gpu.device, np.ascontiguousarray(weights).reshape(-1))
 
     def _points(self, points: np.ndarray) -> Any:
         import slangpy as spy
@@ -85,25 +109,25 @@ class StructureOccupancy:
                 results = spy.Tensor.zeros(self.scene.gpu.device, shape=(len(chunk) * (k + 1),), dtype=float)
             uploaded = self._points(chunk)  # held until the results are read: the kernel sees only its address
             self.scene.module.occupancyAt(spy.grid((len(chunk),)), self.scene.shader_struct(),
-                                          self.scene.grid_struct(), self.logits.storage.device_address, k,
+                                          self.scene.grid_struct(), self.weights.storage.device_address, k,
                                           uploaded.storage.device_address, len(chunk), results.storage.device_address)
             parts.append(np.asarray(results.to_numpy()).reshape(len(chunk), k + 1))
         values = np.concatenate(parts) if parts else np.zeros((0, k + 1), np.float32)
         return values[:, :k], values[:, k]
 
     def backward(self, points: np.ndarray, d_occupancy: np.ndarray) -> np.ndarray:
-        """(N, K) ∂loss/∂logits of a loss whose ∂/∂o_k at the points is ``d_occupancy`` (M, K)."""
+        """(N, 2K) ∂loss/∂weights of a loss whose ∂/∂o_k at the points is ``d_occupancy`` (M, K)."""
         import slangpy as spy
 
         device, count = self.scene.gpu.device, len(points)
         d = spy.Tensor.from_numpy(device, np.ascontiguousarray(d_occupancy, np.float32).reshape(-1))
-        grads = spy.Tensor.zeros(device, shape=(self.scene.count * self.structures,), dtype=float)
+        grads = spy.Tensor.zeros(device, shape=(self.scene.count * 2 * self.structures,), dtype=float)
         uploaded = self._points(points)  # held until the gradients are read: the kernel sees only its address
         self.scene.module.occupancyBackward(spy.grid((count,)), self.scene.shader_struct(), self.scene.grid_struct(),
-                                            self.logits.storage.device_address, self.structures,
+                                            self.weights.storage.device_address, self.structures,
                                             uploaded.storage.device_address, count, d.storage.device_address,
                                             grads.storage.device_address)
-        return np.asarray(grads.to_numpy()).reshape(self.scene.count, self.structures)
+        return np.asarray(grads.to_numpy()).reshape(self.scene.count, 2 * self.structures)
 
 
 def surface_voxels(prepared: PreparedStudy) -> np.ndarray:
@@ -140,15 +164,14 @@ def occupancy_loss(occupancy: np.ndarray, coverage: np.ndarray, inside: np.ndarr
 def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, config: StructureTrainConfig | None = None,
                             should_stop: ShouldStop | None = None,
                             initial: np.ndarray | None = None) -> tuple[np.ndarray, list[tuple[int, float]]]:
-    """The Gaussians' (N, K) structure logits: started from ``initial`` (those trained with the pictures) or the
-    boundary maps at their centres, then Adam on the occupancy loss at points near the surfaces, the Gaussians
-    fixed; the losses by step. A stop keeps the logits reached."""
+    """The Gaussians' (N, 2K) structure weights: started from ``initial`` (those trained with the pictures) or the
+    boundary maps (:func:`initial_structure_weights`), then Adam on the occupancy loss at points near the
+    surfaces, the Gaussians fixed; the losses by step. A stop keeps the weights reached."""
     config = config or StructureTrainConfig()
     rng = np.random.default_rng(config.seed)
-    logits = initial_structure_logits(prepared, scene.gaussians().positions) if initial is None else \
-        np.asarray(initial, np.float32)
-    occupancy = StructureOccupancy(scene, logits)
-    m, v, losses = np.zeros_like(logits), np.zeros_like(logits), []
+    weights = initial_structure_weights(prepared, scene) if initial is None else np.asarray(initial, np.float32)
+    occupancy = StructureOccupancy(scene, weights)
+    m, v, losses = np.zeros_like(weights), np.zeros_like(weights), []
     near = surface_voxels(prepared) if config.steps else None
     for step in range(config.steps):
         if should_stop is not None and should_stop():
@@ -160,10 +183,10 @@ def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, confi
         m = 0.9 * m + 0.1 * gradient
         v = 0.999 * v + 0.001 * gradient**2
         t = step + 1
-        logits = logits - config.rate * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
-        occupancy.set_logits(logits)
+        weights = weights - config.rate * (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+        occupancy.set_weights(weights)
         losses.append((step, loss))
-    return logits.astype(np.float32), losses
+    return weights.astype(np.float32), losses
 
 
 #: The most structures the joint occupancy kernel takes (shaders/gaussians.slang, OCCUPANCY_MAX_STRUCTURES): the
@@ -174,16 +197,16 @@ JOINT_MAX_STRUCTURES = 8
 class JointStructures:
     """The occupancy loss added to the picture loss while the Gaussians train (shaders/gaussians.slang's
     ``occupancyLossBackward``): each step, points near the surfaces with their inside / outside; the gradient of
-    ``weight`` times the loss goes to the structure logits (their own Adam, shaders/adam.slang) and to the
+    ``weight`` times the loss goes to the structure weights (their own Adam, shaders/adam.slang) and to the
     Gaussians' positions, scales and rotations, which the picture step's Adam then takes with the pictures'
-    gradient. The logits live on the device; the loss is read back only when asked for."""
+    gradient. The structure weights live on the device; the loss is read back only when asked for."""
 
-    def __init__(self, scene: GaussianScene, logits: np.ndarray, weight: float, config: StructureTrainConfig,
+    def __init__(self, scene: GaussianScene, weights: np.ndarray, weight: float, config: StructureTrainConfig,
                  sample: Callable[[np.random.Generator], tuple[np.ndarray, np.ndarray]] | None = None,
                  shapes: bool = True) -> None:
         import slangpy as spy
 
-        self.structures = np.shape(logits)[1]
+        self.structures = weights_shape(weights, scene.count)
         if self.structures > JOINT_MAX_STRUCTURES:
             raise ValueError(f"the joint occupancy loss takes at most {JOINT_MAX_STRUCTURES} structures "
                              f"(the study has {self.structures})")
@@ -192,80 +215,81 @@ class JointStructures:
         self.adam_module = scene.gpu.load_module("adam")
         self.steps = 0
         self._loss = spy.Tensor.zeros(scene.gpu.device, shape=(1,), dtype=float)
-        self.set_logits(logits)
+        self.set_weights(weights)
 
     @classmethod
     def for_study(cls, scene: GaussianScene, prepared: PreparedStudy, weight: float,
                   config: StructureTrainConfig) -> JointStructures:
-        """Logits from the boundary maps at the Gaussians' centres; points near the study's surfaces (their voxels
-        found once: a step only draws among them)."""
+        """Structure weights from the boundary maps; points near the study's surfaces (their voxels found once: a
+        step only draws among them)."""
         near = surface_voxels(prepared)
-        return cls(scene, initial_structure_logits(prepared, scene.gaussians().positions), weight, config,
+        return cls(scene, initial_structure_weights(prepared, scene), weight, config,
                    lambda rng: surface_samples(prepared, config.points, rng, near))
 
-    def set_logits(self, logits: np.ndarray, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
-        """(N, K) logits of the scene's current Gaussians, with Adam's moments (zeros where not given)."""
+    def set_weights(self, weights: np.ndarray, m: np.ndarray | None = None, v: np.ndarray | None = None) -> None:
+        """(N, 2K) structure weights of the scene's current Gaussians, with Adam's moments (zeros where not given)."""
         import slangpy as spy
 
-        logits = np.asarray(logits, np.float32)
-        if logits.shape != (self.scene.count, self.structures):
-            raise ValueError(f"structure logits of shape {logits.shape} for {self.scene.count} Gaussians")
+        weights = np.asarray(weights, np.float32)
+        weights_shape(weights, self.scene.count)
+        if weights.shape[1] != 2 * self.structures:
+            raise ValueError(f"structure weights of shape {weights.shape} for {self.structures} structures")
         self.count = self.scene.count  # the Gaussians they are of (the scene's count changes before :meth:`follow`)
-        device, size = self.scene.gpu.device, logits.size + 4  # four more for Adam's vector loads
+        device, size = self.scene.gpu.device, weights.size + 4  # four more for Adam's vector loads
 
         def padded(values: np.ndarray | None) -> Any:
             flat = np.zeros(size, np.float32)
             if values is not None:
-                flat[: logits.size] = np.asarray(values, np.float32).reshape(-1)
+                flat[: weights.size] = np.asarray(values, np.float32).reshape(-1)
             return spy.Tensor.from_numpy(device, flat)
 
         with device_memory(f"the structure weights of {self.scene.count:,} Gaussians while training"):
-            self.logits, self.grads = padded(logits), padded(None)
+            self.weights, self.grads = padded(weights), padded(None)
             self.m, self.v = padded(m), padded(v)
 
     def state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(logits, m, v), each (N, K)."""
-        n = self.count * self.structures
-        return tuple(np.asarray(t.to_numpy())[:n].reshape(self.count, self.structures)
-                     for t in (self.logits, self.m, self.v))
+        """(weights, m, v), each (N, 2K)."""
+        n = self.count * 2 * self.structures
+        return tuple(np.asarray(t.to_numpy())[:n].reshape(self.count, 2 * self.structures)
+                     for t in (self.weights, self.m, self.v))
 
     def follow(self, kept: np.ndarray, grown: np.ndarray) -> None:
-        """After pruning and densification: the logits and moments of the Gaussians kept, then copies of those
+        """After pruning and densification: the weights and moments of the Gaussians kept, then copies of those
         of the Gaussians ``grown`` from (indices before the change, in the scene's new order)."""
-        logits, m, v = self.state()
+        weights, m, v = self.state()
         order = np.concatenate([kept, grown]).astype(np.int64)
-        copies = len(grown)
-        zeros = np.zeros((copies, self.structures), np.float32)
-        self.set_logits(logits[order], np.concatenate([m[kept], zeros]), np.concatenate([v[kept], zeros]))
+        zeros = np.zeros((len(grown), 2 * self.structures), np.float32)
+        self.set_weights(weights[order], np.concatenate([m[kept], zeros]), np.concatenate([v[kept], zeros]))
 
     def backward(self, points: np.ndarray, inside: np.ndarray) -> None:
         """Add ``weight`` times the occupancy loss's gradient at ``points`` (M, 3) with their inside (M, K) to the
-        logits' gradients and (``shapes``) the scene's, and the loss to :meth:`take_loss`'s sum."""
+        structure weights' gradients and (``shapes``) the scene's, and the loss to :meth:`take_loss`'s sum."""
         import slangpy as spy
 
         device = self.scene.gpu.device
         uploaded = spy.Tensor.from_numpy(device, np.ascontiguousarray(points, np.float32).reshape(-1))
         labels = spy.Tensor.from_numpy(device, np.ascontiguousarray(inside, np.float32).reshape(-1))
-        batch = {"logits": self.logits.storage.device_address, "dLogits": self.grads.storage.device_address,
+        batch = {"weights": self.weights.storage.device_address, "dWeights": self.grads.storage.device_address,
                  "structures": self.structures, "points": uploaded.storage.device_address,
                  "inside": labels.storage.device_address, "count": len(points), "weight": float(self.weight),
                  "shapes": int(self.shapes), "loss": self._loss.storage.device_address}
         self.scene.module.occupancyLossBackward(spy.grid((len(points),)), self.scene.shader_struct(),
                                                 self.scene.grid_struct(), batch)
 
-    def logit_gradients(self) -> np.ndarray:
-        return np.asarray(self.grads.to_numpy())[: self.count * self.structures].reshape(self.count, self.structures)
+    def weight_gradients(self) -> np.ndarray:
+        n = self.count * 2 * self.structures
+        return np.asarray(self.grads.to_numpy())[:n].reshape(self.count, 2 * self.structures)
 
     def step(self, rate_factor: float = 1.0) -> None:
-        """Add the occupancy loss's gradient at a fresh batch of points to the scene's and update the logits."""
+        """Add the occupancy loss's gradient at a fresh batch of points to the scene's and update the weights."""
         import slangpy as spy
 
         if self.sample is None:
             raise ValueError("joint structure weights without points to train on")
         self.backward(*self.sample(self.rng))
         self.steps += 1
-        t, count = self.steps, self.count * self.structures
-        buffers = {"values": self.logits.storage.device_address, "grads": self.grads.storage.device_address,
+        t, count = self.steps, self.count * 2 * self.structures
+        buffers = {"values": self.weights.storage.device_address, "grads": self.grads.storage.device_address,
                    "m": self.m.storage.device_address, "v": self.v.storage.device_address, "count": count,
                    "groupStart": [count, count, count], "shifted": 0, "shiftedCount": 0}
         rate = self.config.rate * rate_factor
@@ -333,11 +357,11 @@ def occupancy_signed_distances(occupancy: np.ndarray, spacing: np.ndarray) -> np
     return np.where(border, level, distances).astype(np.float32)
 
 
-def occupancy_distances(scene: GaussianScene, logits: np.ndarray, prepared: PreparedStudy) -> np.ndarray:
+def occupancy_distances(scene: GaussianScene, weights: np.ndarray, prepared: PreparedStudy) -> np.ndarray:
     """(K, I, J, K): the signed distance (mm) of each structure's inside {o_k > 1/2} on the study's grid, its zero
     level where the occupancy crosses 1/2 (occupancy_signed_distances)."""
     shape = prepared.study.shape
-    values, coverage = StructureOccupancy(scene, logits).occupancy(grid_points(prepared.affine, shape).reshape(-1, 3))
+    values, coverage = StructureOccupancy(scene, weights).occupancy(grid_points(prepared.affine, shape).reshape(-1, 3))
     occupancy = np.moveaxis(values, 1, 0).reshape(-1, *shape)
     filled = filled_occupancy(occupancy, coverage.reshape(shape))
     spacing = np.linalg.norm(np.asarray(prepared.affine, np.float64)[:3, :3], axis=0)

@@ -9,8 +9,10 @@ Version 6 is the first read: each Gaussian's density follows its orientation, it
 linear, and its look record (``looks``: the channels' texture and the specular weight, gaussians/look.py) and the
 lights of the specular terms (``highlights``) come with it, with the structure weights (a tensor ``structures`` of
 one logit per Gaussian and structure of the study's geometry: the geometry of ``evaluate`` and ``mesh``) and the
-share of a Gaussian's thickness with which they read it (``geometry_thickness``). Files of earlier versions would
-render otherwise than they were trained: they are refused in one line that says to fit the study again.
+share of a Gaussian's thickness with which they read it (``geometry_thickness``). Version 7 adds the structure
+weights' slopes across each Gaussian (``structure_slopes``, gaussians/geometry.py); a version 6 file reads with
+slopes of zero, the occupancy its weights were trained for. Files of earlier versions would render otherwise than
+they were trained: they are refused in one line that says to fit the study again.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from .look import LOOK_FLOATS, NO_HIGHLIGHTS, Highlights
 from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
-FORMAT_VERSION = 6
-#: Versions recognised: the current one is read, the earlier ones refused with what to do.
-KNOWN_VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7
+#: The earliest version read (a version 6 file has no structure slopes: they read as zeros).
+FIRST_READ_VERSION = 6
+#: Versions recognised: those from FIRST_READ_VERSION are read, the earlier ones refused with what to do.
+KNOWN_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: The tensors and the shape of one Gaussian's part of each.
 TENSORS = {"positions": (3,), "log_scales": (3,), "rotations": (4,), "density": (), "colours": (COLOUR_TERMS, 3),
            "looks": (LOOK_FLOATS,)}
@@ -44,7 +48,7 @@ class GaussianModel:
     march: MarchSettings
     geometry: StudyGeometry
     extra: dict[str, Any]
-    #: (N, K) structure logits, K the geometry's structures.
+    #: (N, 2K) structure weights, K the geometry's structures: the logits, then the slopes (gaussians/geometry.py).
     structures: np.ndarray | None = None
     #: The share of a Gaussian's thickness with which its structure weights read it (scene.GaussianScene).
     geometry_thickness: float = 1.0
@@ -56,11 +60,13 @@ def encode_gaussians(model: GaussianModel) -> bytes:
     from safetensors.numpy import save
 
     tensors = {name: np.ascontiguousarray(getattr(model.gaussians, name), np.float32) for name in TENSORS}
-    expected = (model.gaussians.count, len(model.geometry.structures))
+    k = len(model.geometry.structures)
+    expected = (model.gaussians.count, 2 * k)
     if model.structures is None or np.shape(model.structures) != expected:
-        raise ValueError(f"structure weights of shape {np.shape(model.structures)}, expected {expected} (a logit per "
-                         "Gaussian and structure); nothing was written")
-    tensors["structures"] = np.ascontiguousarray(model.structures, np.float32)
+        raise ValueError(f"structure weights of shape {np.shape(model.structures)}, expected {expected} (a logit and "
+                         "a slope per Gaussian and structure); nothing was written")
+    tensors["structures"] = np.ascontiguousarray(model.structures[:, :k], np.float32)
+    tensors["structure_slopes"] = np.ascontiguousarray(model.structures[:, k:], np.float32)
     if not all(np.isfinite(t).all() for t in tensors.values()):
         raise ValueError("the Gaussians hold NaN or infinity; nothing was written")
     metadata = {
@@ -108,12 +114,15 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
     """Read and check a Gaussian model file; with ``expected``, also refuse one made for another study grid."""
     path = Path(path)
     tensors, metadata, version = read_checked(path, FORMAT, KNOWN_VERSIONS)
-    if version < FORMAT_VERSION:
+    if version < FIRST_READ_VERSION:
         raise ModelFileError(f"{path}: Gaussians of format version {version}, written before their colours took "
-                             f"their structure's look (version {FORMAT_VERSION}): they would not render as trained; "
-                             "fit the study again")
+                             f"their structure's look (version {FIRST_READ_VERSION}): they would not render as "
+                             "trained; fit the study again")
     count, grid, density, march, geometry = _settings(path, metadata)
-    shapes = {**TENSORS, "structures": (len(geometry.structures),)}
+    k = len(geometry.structures)
+    shapes = {**TENSORS, "structures": (k,)}
+    if version >= 7:
+        shapes["structure_slopes"] = (k,)
     if set(tensors) != set(shapes):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(shapes)}")
     for name, shape in shapes.items():
@@ -134,5 +143,6 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
     if not 0.0 < thickness <= 1.0:
         raise ModelFileError(f"{path}: inconsistent metadata (geometry thickness {thickness})")
     gaussians = GaussianSet(**{name: tensors[name] for name in TENSORS})
+    slopes = tensors.get("structure_slopes", np.zeros((count, k), np.float32))
     return GaussianModel(gaussians, grid, density, march, geometry, dict(metadata.get("extra") or {}),
-                         tensors["structures"], thickness, highlights)
+                         np.concatenate([tensors["structures"], slopes], axis=1), thickness, highlights)

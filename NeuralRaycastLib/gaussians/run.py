@@ -86,7 +86,7 @@ class GaussianRun:
     scene: GaussianScene
     settings: RunSettings
     log: GaussianTrainLog | None = None
-    #: (N, K) structure logits (None for a model file written before the Gaussians carried them).
+    #: (N, 2K) structure weights: logits, then slopes (gaussians/geometry.py).
     structures: np.ndarray | None = None
 
     def render(self, camera: Camera) -> RenderedImage:

@@ -47,9 +47,9 @@ TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.
                        - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
 #: Device bytes a Gaussian takes while training: parameters, gradients and Adam's two moments (4 floats each of
 #: its 29), its entries in the grid's lists (a few cells each, with room to grow), densification's 2 statistics,
-#: its structure logits with their gradients and moments (4 floats each, for up to 8 structures), its frame
-#: (16 floats: what the march reads of it) and its look record.
-TRAINING_BYTES_PER_GAUSSIAN = (4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 8 + 4 * FRAME_FLOATS
+#: its structure weights with their gradients and moments (4 floats each, two for each of up to 8 structures), its
+#: frame (16 floats: what the march reads of it) and its look record.
+TRAINING_BYTES_PER_GAUSSIAN = (4 * 4 * GAUSSIAN_FLOATS + 4 * 32 + 4 * 2 + 4 * 4 * 2 * 8 + 4 * FRAME_FLOATS
                                + 4 * LOOK_FLOATS)
 
 
@@ -73,7 +73,9 @@ class GaussianTrainConfig:
     #: (gaussians/look.py); False: one colour over a Gaussian's width, the grain left to more Gaussians.
     textured: bool = True
     rate_position: float = 0.02  # in voxels (the rate is multiplied by the voxel size)
-    rate_shape: float = 0.01
+    #: Small: the layers start even (``even_layers``), and a Gaussian's width or turn changes that evenness faster
+    #: than the pictures' gradient mends it (docs/gaussians.md's learning rates).
+    rate_shape: float = 0.001
     #: The density's and the colour's are small: the Gaussians start with the opacity and the shading the reference
     #: views give their surfaces (docs/gaussians.md's learning rates).
     rate_density: float = 0.006
@@ -86,9 +88,10 @@ class GaussianTrainConfig:
     eval_every: int = 100
     structure_steps: int = 60  # of the structure weights' occupancy loss, once the Gaussians are placed
     #: The occupancy loss's weight during the picture steps (its gradient also moves and shapes the Gaussians;
-    #: 0: the structure weights are fitted only after them), and its points a step. docs/gaussians.md gives the
-    #: Dice of each weight tried.
-    structure_weight: float = 3.0
+    #: 0: the structure weights are fitted only after them), and its points a step. With the weights' slopes the
+    #: Gaussians need not move to draw the structures, and moving them unevens the pictures' layers: 0 by
+    #: default (docs/gaussians.md gives the figures of each weight tried).
+    structure_weight: float = 0.0
     structure_points: int = 4096
     seed: int = 0
     #: A training time budget in seconds (None: the steps alone): the run ends at the step that spends it, or at
@@ -107,7 +110,7 @@ class GaussianTrainLog:
     scores: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out PSNR)
     cancelled: bool = False
     cap: int = 0
-    #: (N, K) structure logits trained with the pictures (None: structure_weight 0), and the occupancy loss's
+    #: (N, 2K) structure weights trained with the pictures (None: structure_weight 0), and the occupancy loss's
     #: mean over each stretch of steps, by the step that ends it.
     structures: np.ndarray | None = None
     structure_losses: list[tuple[int, float]] = field(default_factory=list)
