@@ -78,8 +78,8 @@ class GaussianTrainConfig:
     rate_shape: float = 0.001
     #: The density's and the colour's are small: the Gaussians start with the opacity and the shading the reference
     #: views give their surfaces (docs/gaussians.md's learning rates).
-    rate_density: float = 0.006
-    rate_colour: float = 0.003
+    rate_density: float = 0.003
+    rate_colour: float = 0.0015
     densify_every: int = 60
     densify_until: float = 0.7  # fraction of the steps after which the count stays
     densify_fraction: float = 0.1  # of the Gaussians, those with the largest mean |∂loss/∂position| split or cloned
