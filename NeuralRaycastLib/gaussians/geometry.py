@@ -231,8 +231,7 @@ class JointStructures:
         import slangpy as spy
 
         weights = np.asarray(weights, np.float32)
-        weights_shape(weights, self.scene.count)
-        if weights.shape[1] != 2 * self.structures:
+        if weights_shape(weights, self.scene.count) != self.structures:
             raise ValueError(f"structure weights of shape {weights.shape} for {self.structures} structures")
         self.count = self.scene.count  # the Gaussians they are of (the scene's count changes before :meth:`follow`)
         device, size = self.scene.gpu.device, weights.size + 4  # four more for Adam's vector loads

@@ -31,8 +31,9 @@ from .scene import COLOUR_TERMS, GaussianSet, GridShape, MarchSettings
 
 FORMAT = "neuralraycast-gaussians"
 FORMAT_VERSION = 7
-#: The earliest version read (a version 6 file has no structure slopes: they read as zeros).
+#: The earliest version read, and the first with the structure weights' slopes (those before read them as zeros).
 FIRST_READ_VERSION = 6
+SLOPES_VERSION = 7
 #: Versions recognised: those from FIRST_READ_VERSION are read, the earlier ones refused with what to do.
 KNOWN_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 #: The tensors and the shape of one Gaussian's part of each.
@@ -121,7 +122,7 @@ def load_gaussians(path: str | Path, expected: StudyGeometry | None = None) -> G
     count, grid, density, march, geometry = _settings(path, metadata)
     k = len(geometry.structures)
     shapes = {**TENSORS, "structures": (k,)}
-    if version >= 7:
+    if version >= SLOPES_VERSION:
         shapes["structure_slopes"] = (k,)
     if set(tensors) != set(shapes):
         raise ModelFileError(f"{path}: tensors {sorted(tensors)} differ from the expected {sorted(shapes)}")
