@@ -3,8 +3,8 @@
 and the host's wall time a step, then a fit with a time budget of ``--seconds`` (GaussianTrainConfig.seconds: the
 learning rates and densification follow the time), its held-out PSNR and its pictures' time.
 
-    python3 tools/gpu/gaussian_steps.py STUDY [--patches 32 128] [--seconds 30] [--profile-steps 8]
-        [--set initial=200000 --set densify_every=25 ...] [--untextured] [--dice]
+    python3 tools/gpu/gaussian_steps.py STUDY [--patches 32 128] [--seconds 30 | --steps 40] [--profile-steps 8]
+        [--set initial=200000 --set densify_every=25 ...] [--untextured] [--dice] [--training-views 4]
 
 STUDY is a study folder (``neuralraycast sample`` writes one). ``--set`` changes a field of the preset's
 GaussianTrainConfig for every fit. Prints one block per batch size.
@@ -22,6 +22,10 @@ def main() -> int:
     parser.add_argument("study")
     parser.add_argument("--patches", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="fit this many steps instead of for --seconds (the same fit on any device, e.g. a CPU's)")
+    parser.add_argument("--training-views", type=int, default=0, metavar="K",
+                        help="also score the first K training views before and after the fit (is a fall overfitting?)")
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--preset", default=None)
     parser.add_argument("--frames", type=int, default=20, help="pictures timed after each fit")
@@ -78,8 +82,10 @@ def main() -> int:
         voxel = voxel_mm(prepared)
         scene = scene_for_study(gpu, prepared, initial_gaussians(prepared, config, config.initial), config)
         start = score_views(scene, views, views.held_out)
-        print(f"patches {patches}: {scene.count:,} Gaussians at the start, held-out {start['heldout_psnr']:.2f} dB "
-              f"before any step")
+        trained_on = views.training[: args.training_views]
+        seen = f", training views {score_views(scene, views, trained_on)['heldout_psnr']:.2f} dB" if trained_on else ""
+        print(f"patches {patches}: {scene.count:,} Gaussians at the start, held-out {start['heldout_psnr']:.2f} dB"
+              f"{seen} before any step")
         adam = GaussianAdam(gpu, scene, config, voxel)
         sampler = PatchSampler(views.targets(), views.training, size=config.patch_size, seed=config.seed)
         step = GaussianStep(gpu, scene, views, config)
@@ -108,9 +114,12 @@ def main() -> int:
             print(f"patches {patches} ({patches * config.patch_size ** 2:,} rays), {scene.count:,} Gaussians: "
                   f"{wall * 1e3:.1f} ms a step (wall); kernels {per.total_ms:.1f} ms: {per.summary()}")
         del scene, adam, step
-        fit_config = replace(config, steps=1_000_000, seconds=args.seconds, eval_every=0)
+        fit_config = replace(config, steps=args.steps, seconds=None, eval_every=0) if args.steps else \
+            replace(config, steps=1_000_000, seconds=args.seconds, eval_every=0)
         fitted, log = train_gaussians(gpu, prepared, views, fit_config)
         score = score_views(fitted, views, views.held_out)
+        if trained_on:
+            print(f"  training views after the fit: {score_views(fitted, views, trained_on)['heldout_psnr']:.2f} dB")
         named = ', '.join(args.set + ['untextured'] * args.untextured)
         print(f"  fit ({named or 'the preset'}, {patches} patches): {log.steps} steps in "
               f"{log.seconds:.1f} s, {fitted.count:,} Gaussians (counts {log.counts[-4:]}), "
