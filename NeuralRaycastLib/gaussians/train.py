@@ -83,7 +83,11 @@ class GaussianTrainConfig:
     densify_every: int = 60
     densify_until: float = 0.7  # fraction of the steps after which the count stays
     densify_fraction: float = 0.1  # of the Gaussians, those with the largest mean |∂loss/∂position| split or cloned
-    prune_opacity: float = 0.01  # sigmoid of the density logit below which a Gaussian is dropped
+    #: The optical depth through a Gaussian's centre along its third axis, w √(2π) s_3, below which it is dropped as
+    #: transparent. A depth rather than the density logit's sigmoid: in an even layer of wide Gaussians each holds a
+    #: small share of the layer's depth, and a threshold on the logit dropped a quarter of such a layer at once
+    #: (docs/gaussians.md).
+    prune_depth: float = 1e-3
     max_scale_voxels: float = 6.0  # Gaussians whose largest standard deviation passes this are dropped
     eval_every: int = 100
     structure_steps: int = 60  # of the structure weights' occupancy loss, once the Gaussians are placed
@@ -423,11 +427,12 @@ def adapt(scene: GaussianScene, adam: GaussianAdam, gradient_sum: np.ndarray, se
     gaussians = scene.gaussians()
     m, v = adam.moments()
     opacity = 1.0 / (1.0 + np.exp(-gaussians.density))
+    depth = scene.density_scale * opacity * np.sqrt(2.0 * np.pi) * np.exp(gaussians.log_scales[:, 2])
     largest = np.exp(gaussians.log_scales.max(axis=1))
     finite = np.isfinite(gaussians.positions).all(axis=1) & np.isfinite(gaussians.log_scales).all(axis=1)
-    keep = (opacity >= config.prune_opacity) & (largest <= config.max_scale_voxels * voxel) & finite
+    keep = (depth >= config.prune_depth) & (largest <= config.max_scale_voxels * voxel) & finite
     if not keep.any():  # a scene keeps its most opaque Gaussian
-        keep[np.argmax(np.where(finite, opacity, -1.0))] = True
+        keep[np.argmax(np.where(finite, depth, -1.0))] = True
     parts, m_parts, v_parts = [gaussians.subset(keep)], [m.subset(keep)], [v.subset(keep)]
     grow = np.zeros(0, np.int64)
     if densify:
