@@ -118,9 +118,7 @@ def fit_gaussians(gpu: GpuContext, study: Study | str | Path, out: str | Path, s
             views = reference_views_for_run(gpu, prepared, settings, progress)
             config = config or gaussian_schedule(settings)
             scene, log = train_gaussians(gpu, prepared, views, config, progress, should_stop)
-            structures, structure_losses = train_structure_weights(scene, prepared, StructureTrainConfig(
-                steps=0 if log.cancelled else config.structure_steps, seed=config.seed), should_stop,
-                initial=log.structures)
+            structures, structure_losses = fit_structure_weights(scene, prepared, config, log, should_stop)
         save_reference_views(views, staged.path / "reference", arrays=False)
         write_gaussian_run(staged.path, gpu, prepared, scene, log, settings, source, structures, structure_losses)
         staged.commit()
@@ -128,6 +126,15 @@ def fit_gaussians(gpu: GpuContext, study: Study | str | Path, out: str | Path, s
         staged.discard()
         raise
     return GaussianRun(folder, prepared, scene, settings, log, structures)
+
+
+def fit_structure_weights(scene: GaussianScene, prepared: PreparedStudy, config: GaussianTrainConfig,
+                          log: GaussianTrainLog, should_stop: ShouldStop | None = None) \
+        -> tuple[np.ndarray, list[tuple[int, float]]]:
+    """The structure weights once the picture steps are done (gaussians/geometry.py), from those trained with the
+    pictures or else the boundary maps, by ``config``'s steps (none after a cancel), and their losses."""
+    return train_structure_weights(scene, prepared, StructureTrainConfig(
+        steps=0 if log.cancelled else config.structure_steps, seed=config.seed), should_stop, initial=log.structures)
 
 
 def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, scene: GaussianScene,

@@ -126,15 +126,10 @@ def main() -> int:
               f"held-out {score['heldout_psnr']:.2f} dB, SSIM {score.get('heldout_ssim', float('nan')):.4f}, "
               f"last loss {np.mean([loss for _, loss in log.losses[-20:]]):.4f}")
         if args.dice:
-            from NeuralRaycastLib.gaussians.geometry import (
-                StructureTrainConfig,
-                gaussian_geometry_metrics,
-                occupancy_distances,
-                train_structure_weights,
-            )
+            from NeuralRaycastLib.gaussians.geometry import gaussian_geometry_metrics, occupancy_distances
+            from NeuralRaycastLib.gaussians.run import fit_structure_weights
 
-            structures, _ = train_structure_weights(fitted, prepared, StructureTrainConfig(
-                steps=fit_config.structure_steps, seed=fit_config.seed), initial=log.structures)
+            structures, _ = fit_structure_weights(fitted, prepared, fit_config, log)
             geometry = gaussian_geometry_metrics(occupancy_distances(fitted, structures, prepared), prepared)
             print("  Dice " + ", ".join(f"{name} {figures['dice']:.4f}" for name, figures in geometry.items()))
         if args.save_pictures:
