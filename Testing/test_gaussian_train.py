@@ -138,12 +138,14 @@ def test_structure_weights_trained_with_the_pictures_follow_the_gaussians(gpu, p
 
 def test_a_time_budget_ends_the_run_once_spent_and_sets_its_schedule(gpu, phantom_views):
     """With ``seconds``, the run ends at the step that spends the budget (not a cancel), scores the held-out views
-    there, and its schedule follows the time where that is further along than the steps."""
+    there, and its schedule follows the time where that is further along than the steps. The budget starts after
+    the first step, which compiles the step's kernels on a machine that has not yet."""
     prepared, views = phantom_views
     config = GaussianTrainConfig(steps=1000, initial=300, eval_every=500, seconds=1e-6)
     scene, log = train_gaussians(gpu, prepared, views, config)
-    assert log.steps == 1 and not log.cancelled
-    assert [step for step, _ in log.scores] == [1]
+    assert log.steps <= 2 and not log.cancelled
+    assert [step for step, _ in log.scores] == [log.steps]
+    assert log.first_step_seconds > 0 and log.seconds < log.first_step_seconds  # the first step kept apart
     assert np.isfinite(scene.parameters()).all()
     timed = GaussianTrainConfig(steps=100, seconds=10.0)
     assert schedule_fraction(timed, 10, 5.0) == 0.5  # the time is further along

@@ -147,7 +147,8 @@ def write_gaussian_run(folder: Path, gpu: GpuContext, prepared: PreparedStudy, s
                                            scene.geometry_thickness, scene.highlights))
     heldout = log.scores[-1][1] if log.scores else None
     train_log = json.dumps({"representation": REPRESENTATION, "seconds": log.seconds,
-                            "eval_seconds": log.eval_seconds, "steps": log.steps,
+                            "eval_seconds": log.eval_seconds,
+                            "first_step_seconds": log.first_step_seconds, "steps": log.steps,
                             "cancelled": log.cancelled, "gaussians": scene.count, "cap": log.cap,
                             "counts": log.counts, "scores": log.scores, "heldout_psnr": heldout,
                             "losses": log.losses[-50:],
