@@ -17,6 +17,7 @@ import numpy as np
 from ..gpu.device import GpuContext, ReadBack, device_memory
 from ..render.camera import Camera
 from ..render.image import PLANE_FLOATS, RenderedImage, image_from_planes
+from ..render.sample_buffers import RayTiles
 from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights, any_textured
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
@@ -167,6 +168,12 @@ class GaussianBatch:
             self.d_sums = spy.Tensor.zeros_like(self.sums)
         self.patches: Any = None  # the rows the rays were made from, kept while the rays are
         self.groups = 1  # the patches the rays make
+
+
+def tiled(camera: Camera) -> Any:
+    """The launch of a picture's kernels: a camera's pixels in tiles of 8 x 4, a wave a tile
+    (shaders/gaussians.slang's tiledPixel)."""
+    return RayTiles(camera.width, camera.height).launch()
 
 
 class GaussianScene:
@@ -376,7 +383,7 @@ class GaussianScene:
         pixels = camera.width * camera.height
         with device_memory(f"a {camera.width} x {camera.height} picture"):
             results = spy.Tensor.zeros(self.gpu.device, shape=(OUTPUTS * pixels,), dtype=float)
-        self.module.renderCamera(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
+        self.module.renderCamera(tiled(camera), self.shader_struct(), self.grid_struct(),
                                  self.march.to_shader(normals), camera.to_shader(), results.storage.device_address)
         return np.asarray(results.to_numpy()).reshape(camera.height, camera.width, OUTPUTS)
 
@@ -395,7 +402,7 @@ class GaussianScene:
             self._planes = None
             with device_memory(f"a {camera.width} x {camera.height} G-buffer"):
                 self._planes = spy.Tensor.zeros(self.gpu.device, shape=(PLANE_FLOATS * pixels,), dtype="float")
-        self.module.renderCameraPlanes(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
+        self.module.renderCameraPlanes(tiled(camera), self.shader_struct(), self.grid_struct(),
                                        self.march.to_shader(normals=True), camera.to_shader(),
                                        self._planes.storage.device_address)
         return image_from_planes(self._read_back.read(self._planes), camera.height, camera.width)
@@ -410,7 +417,7 @@ class GaussianScene:
             self._picture = None
             with device_memory(f"a {camera.width} x {camera.height} picture"):
                 self._picture = spy.Tensor.zeros(self.gpu.device, shape=(pixels,), dtype="float")  # a word a pixel
-        self.module.renderCameraPacked(spy.grid((pixels,)), self.shader_struct(), self.grid_struct(),
+        self.module.renderCameraPacked(tiled(camera), self.shader_struct(), self.grid_struct(),
                                        self.march.to_shader(), camera.to_shader(),
                                        self._picture.storage.device_address)
         return self._read_back.read(self._picture).view(np.uint8).reshape(camera.height, camera.width, 4)
