@@ -60,7 +60,7 @@ REPRESENTATION = "gaussians"
 SCHEDULES = {
     "quick": GaussianTrainConfig(steps=150, patches=8, initial=3000, eval_every=50, densify_every=30,
                                  densify_until=0.0),
-    "standard": GaussianTrainConfig(steps=240, patches=512, initial=90_000, max_gaussians=1_000_000,
+    "standard": GaussianTrainConfig(steps=400, patches=512, initial=90_000, max_gaussians=1_000_000,
                                     eval_every=40, densify_every=100, densify_until=0.0, structure_steps=300,
                                     seconds=30.0),
     "high": GaussianTrainConfig(steps=6000, patches=64, initial=100_000, max_gaussians=2_000_000,

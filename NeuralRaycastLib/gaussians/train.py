@@ -61,7 +61,7 @@ class GaussianTrainConfig:
     initial: int = 6000
     max_gaussians: int = 500_000
     density_per_voxel: float = 2.0  # w_max · voxel: the densest a Gaussian gets, in voxels' optical depth
-    step_voxels: float = 0.7  # segment length, in voxels of the prepared study
+    step_voxels: float = 1.0  # segment length, in voxels of the prepared study
     cell_voxels: float = 3.0  # grid cells, in voxels
     scale_voxels: float = 0.6  # standard deviation above which densification splits a Gaussian, in voxels
     spread: float = 0.8  # initial width (standard deviation) along the surface, in spacings of the Gaussians
