@@ -4,7 +4,7 @@ compared with the run's own), of the march's segment length and stopping transmi
 each variant's held-out PSNR is given), and of the shader's compile-time constants (``--define``).
 
     python3 tools/gpu/gaussian_frames.py RUN [--cells 2 3 4] [--steps 0.7 1.0] [--stops 1e-3 1e-2]
-        [--define GAUSSIAN_CHUNK=4 ...] [--untextured] [--frames 20] [--size 1024]
+        [--define GAUSSIAN_CHUNK=4 ...] [--untextured] [--gbuffer] [--frames 20] [--size 1024]
 
 RUN is a run folder of ``neuralraycast fit --representation gaussians``. Cell sizes and segment lengths are in
 voxels of the prepared study. Prints one line per variant: the wall time of a picture (median and fastest), the
@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--train-patches", type=int, default=0, metavar="P",
                         help="also time a training step of P patches (its forward and backward kernels) with the "
                              "run's own settings and each --define")
+    parser.add_argument("--gbuffer", action="store_true",
+                        help="also time the G-buffer (colour, depth and normals read back, as the bench's frames)")
     parser.add_argument("--frames", type=int, default=20)
     parser.add_argument("--size", type=int, default=1024)
     args = parser.parse_args()
@@ -64,22 +66,27 @@ def main() -> int:
         return GaussianScene(gpu, base.gaussians(), grid or base.grid, base.density_scale, march or base.march,
                              base.geometry_thickness, base.channels, base.highlights)
 
-    def time_pictures(scene: GaussianScene) -> tuple[np.ndarray, str]:
-        picture = scene.render_picture(camera).copy()
+    def time_render(render, kernel_name: str) -> str:
+        render(camera)
         frames = []
         for _ in range(args.frames):
             began = time.perf_counter()
-            scene.render_picture(camera)
+            render(camera)
             frames.append(time.perf_counter() - began)
         with kernel_clock(gpu) as times:
             for _ in range(args.frames):
-                scene.render_picture(camera)
-        kernel = times.per(args.frames).milliseconds.get("renderCameraPacked", float("nan"))
+                render(camera)
+        kernel = times.per(args.frames).milliseconds.get(kernel_name, float("nan"))
+        return f"median {np.median(frames) * 1e3:.2f} ms, fastest {min(frames) * 1e3:.2f} ms, kernel {kernel:.2f} ms"
+
+    def time_pictures(scene: GaussianScene) -> tuple[np.ndarray, str]:
+        picture = scene.render_picture(camera).copy()
+        line = time_render(scene.render_picture, "renderCameraPacked")
+        if args.gbuffer:
+            line += f"; G-buffer {time_render(scene.render_image, 'renderCameraPlanes')}"
         entries = int(np.asarray(scene._cell_start.to_numpy())[-1])
         filled = np.count_nonzero(np.diff(np.asarray(scene._cell_start.to_numpy())))
-        return picture, (f"median {np.median(frames) * 1e3:.2f} ms, fastest {min(frames) * 1e3:.2f} ms, kernel "
-                         f"{kernel:.2f} ms; {entries:,} list entries in {filled:,} cells "
-                         f"({entries / max(filled, 1):.1f} each)")
+        return picture, f"{line}; {entries:,} list entries in {filled:,} cells ({entries / max(filled, 1):.1f} each)"
 
     def time_steps(scene: GaussianScene, repeats: int = 5) -> str:
         if not args.train_patches:
