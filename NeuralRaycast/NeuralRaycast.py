@@ -236,7 +236,7 @@ class NeuralRaycastParameterNode:
     pretrainedAppearance - fit the surfaces only and take the appearance from the shipped pretrained weights
         (no appearance training; not with shadows).
     representation - field (signed distances and appearance network) or gaussians (ray-traced Gaussians; not
-        with shadows or the pretrained appearance; no live view or web page).
+        with shadows or the pretrained appearance; no web page).
     runFolder - where the trained model is saved (empty: a new folder under ~/NeuralRaycast/runs);
         the scene keeps it, so the model can be reloaded after the scene is.
     meshSmoothing - smoothing iterations of the learned surfaces' models.
@@ -295,7 +295,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self._pollTimer = None
         self._killTimer = None
         self._liveView = None
-        self._fieldToolTips = None
+        self._shareToolTip = None
 
     def setup(self) -> None:
         """Called when the user opens the module the first time and the widget is initialized."""
@@ -432,18 +432,19 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.renderButton.enabled = trained
         self.ui.modelsButton.enabled = trained
         self.ui.segmentationButton.enabled = trained
-        self._enableFieldButtons(trained)
+        self._enableViewButtons(trained)
 
-    def _enableFieldButtons(self, enabled: bool) -> None:
-        """The live view and the web page need a field: off, saying why, for a model of Gaussians."""
-        buttons = (self.ui.liveViewButton, self.ui.shareButton)
-        if self._fieldToolTips is None:  # the .ui's own, shown again for a field
-            self._fieldToolTips = [button.toolTip for button in buttons]
+    def _enableViewButtons(self, enabled: bool) -> None:
+        """The live view and the web page, for a trained model; the web page needs a field: off, saying why, for a
+        model of Gaussians."""
+        self.ui.liveViewButton.enabled = enabled
+        button = self.ui.shareButton
+        if self._shareToolTip is None:  # the .ui's own, shown again for a field
+            self._shareToolTip = button.toolTip
         gaussians = enabled and self.logic.isGaussianRun(self.logic.run)
-        why = _("The model is of Gaussians: the live view and the web page are for field models only so far")
-        for button, toolTip in zip(buttons, self._fieldToolTips, strict=True):
-            button.enabled = enabled and not gaussians
-            button.toolTip = why if gaussians else toolTip
+        button.enabled = enabled and not gaussians
+        button.toolTip = _("The model is of Gaussians: the web page is for field models only so far") if gaussians \
+            else self._shareToolTip
 
     def _resetProgress(self) -> None:
         self.ui.progressBar.setRange(0, 100)
@@ -474,7 +475,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         self.ui.segmentationButton.enabled = not running and self.logic.run is not None
         if running:  # the live view shows the last model; a new one replaces it when the run is done
             self.ui.liveViewButton.checked = False
-        self._enableFieldButtons(not running and self.logic.run is not None)
+        self._enableViewButtons(not running and self.logic.run is not None)
         if running:
             self.ui.applyButton.text = _("Cancel")
             self.ui.applyButton.toolTip = _("Stop training; the state reached so far is kept and saved")
@@ -642,7 +643,7 @@ class NeuralRaycastWidget(ScriptedLoadableModuleWidget, VTKObservationMixin):
         slicer.app.applicationLogic().PropagateTableSelection()
 
     def onLiveViewToggled(self, checked: bool) -> None:
-        """Live view on: the trained field over the first 3D view, following its camera; off: the view as it was."""
+        """Live view on: the trained model over the first 3D view, following its camera; off: the view as it was."""
         self._stopLiveView()
         if not checked:
             return
@@ -1432,18 +1433,10 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
     @staticmethod
     def isGaussianRun(run) -> bool:
-        """Whether a trained or loaded run is of Gaussians: no field, so no live view or web page."""
+        """Whether a trained or loaded run is of Gaussians: no field, so no web page."""
         from NeuralRaycastLib.gaussians.run import GaussianRun
 
         return isinstance(run, GaussianRun)
-
-    def _requireFieldRun(self, what: str):
-        """The run, refused in one line where it is of Gaussians (``what`` needs the field)."""
-        run = self._requireRun()
-        if self.isGaussianRun(run):
-            raise ValueError(f"The model in {run.folder} is of Gaussians: {what} is for field models only so far; "
-                             "use Render, Models and Segmentation on it, or train a field")
-        return run
 
     def sharePage(self, runFolder, path, overwrite: bool = False, device: str = "auto", gpuMemory: str = ""):
         """Write a trained run as one self-contained web page that renders it live in a browser with WebGPU (what
@@ -1518,7 +1511,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         """A Gaussian run's lines, from the training log its folder keeps (a loaded run has no log in memory)."""
         import json
 
-        lines = [f"Representation: Gaussians ({run.scene.count:,}); no live view or web page"]
+        lines = [f"Representation: Gaussians ({run.scene.count:,}); no web page"]
         logPath = os.path.join(str(run.folder), "train_log.json")
         if not os.path.isfile(logPath):
             return lines
@@ -1757,13 +1750,17 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     # -- live view ------------------------------------------------------------------------------------
 
     def liveRender(self, camera) -> np.ndarray:
-        """The trained field from ``camera`` as the live view shows it: straight-alpha bytes (H, W, 4), the rows
-        from the bottom, made on the device."""
-        return self._requireFieldRun("the live view").renderer.render_picture(camera)
+        """The trained model (a field or Gaussians) from ``camera`` as the live view shows it: straight-alpha bytes
+        (H, W, 4), the rows from the bottom, made on the device."""
+        return self._pictureMaker(self._requireRun()).render_picture(camera)
+
+    def _pictureMaker(self, run):
+        """What renders a run's pictures: a field run's renderer, a Gaussian run's scene."""
+        return run.scene if self.isGaussianRun(run) else run.renderer
 
     def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0,
                        maxSide: int | None = None):
-        """Show the trained field over a 3D view, rendered again whenever its camera node changes (the mouse,
+        """Show the trained model over a 3D view, rendered again whenever its camera node changes (the mouse,
         scripts, the view's reset) or the view is resized; renders are coalesced (one in flight, one
         waiting). ``defer(callback)`` runs a callback after pending events (the widget: a zero-delay timer);
         ``redraw()`` asks the view to draw again; ``onError(error)`` is told of a failed render (the live view
@@ -1774,9 +1771,9 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
         from NeuralRaycastLib.render.camera import MAX_VIEW_SIZE
         from NeuralRaycastLib.render.live_view import LiveView
 
-        run = self._requireFieldRun("the live view")
+        run = self._requireRun()
         if maxSide is None:
-            report = getattr(getattr(run.renderer, "gpu", None), "report", None)
+            report = getattr(getattr(self._pictureMaker(run), "gpu", None), "report", None)
             maxSide = LIVE_SIDE_SOFTWARE if getattr(report, "software", False) else MAX_VIEW_SIZE
         return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale,
                         maxSide)

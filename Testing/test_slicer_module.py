@@ -852,11 +852,11 @@ def test_a_training_process_kept_ready_takes_the_next_training(module, scene, se
 
 
 @pytest.mark.gpu
-def test_a_gaussian_run_from_the_worker_loads_with_models_and_tables_and_refuses_the_live_view_and_web_page(
+def test_a_gaussian_run_from_the_worker_loads_with_models_tables_and_live_view_and_refuses_the_web_page(
         widget, scene, self_test, tmp_path):
     """Gaussians chosen: the worker trains them (its progress read), the run loads on the scene's study, its
-    models, segmentation, tables and render come from the Gaussians; the live view and the web page, which need
-    a field, are off with the reason and refused in one line."""
+    models, segmentation, tables, render and live view come from the Gaussians; the web page, which needs a field,
+    is off with the reason and refused in one line."""
     _study, volumes, segmentation, _masks = self_test.phantomInScene(str(tmp_path / "sample"), spacing=4.0)
     logic = widget.logic
     job = logic.startTraining(volumes, segmentation, preset="quick", iterations=6, views=4, size=32,
@@ -873,16 +873,32 @@ def test_a_gaussian_run_from_the_worker_loads_with_models_and_tables_and_refuses
     assert "Representation: Gaussians" in summary and "Held-out PSNR" in summary
     widget._checkCanApply()
     assert widget.ui.renderButton.enabled and widget.ui.modelsButton.enabled and widget.ui.segmentationButton.enabled
-    for button in (widget.ui.liveViewButton, widget.ui.shareButton):
-        assert not button.enabled and "Gaussians" in button.toolTip
+    assert widget.ui.liveViewButton.enabled
+    assert not widget.ui.shareButton.enabled and "Gaussians" in widget.ui.shareButton.toolTip
     cameraNode = scene.AddNewNodeByClass("vtkMRMLCameraNode", "3D view camera")
     centre = run.prepared.bounds.mean(axis=0)
     cameraNode.SetFocalPoint(*centre)
     cameraNode.SetPosition(*(centre + (0.0, -600.0, 0.0)))
     cameraNode.SetViewUp(0.0, 0.0, 1.0)
     camera = logic.cameraFromNode(cameraNode, (24, 16))
-    with pytest.raises(ValueError, match="is of Gaussians: the live view is for field models only so far"):
-        logic.liveRender(camera)
+    live_picture = logic.liveRender(camera)  # the live view's: straight-alpha bytes, rows from the bottom
+    assert live_picture.shape == (16, 24, 4) and live_picture.dtype == np.uint8
+    np.testing.assert_array_equal(live_picture, run.scene.render_picture(camera))
+    assert live_picture[..., 3].max() > 0  # the phantom is in the picture
+    import vtk
+
+    window = vtk.vtkRenderWindow()
+    window.SetOffScreenRendering(1)
+    window.SetSize(24, 16)
+    renderer = vtk.vtkRenderer()
+    window.AddRenderer(renderer)
+    renderer.SetActiveCamera(cameraNode.GetCamera())
+    queue = []
+    live = logic.createLiveView(cameraNode, window, queue.append)
+    while queue:
+        queue.pop(0)()
+    assert live.shown == [(24, 16)] and live.layer.pixels()[..., 3].max() > 0
+    live.close()
     with pytest.raises(ValueError, match="is of Gaussians: the web page is for field models only so far"):
         logic.sharePage(run.folder, tmp_path / "page.html")
     assert not (tmp_path / "page.html").exists()
