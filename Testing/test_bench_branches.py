@@ -41,7 +41,7 @@ def test_each_figure_has_a_row_per_branch_with_what_evaluate_wrote(branch_result
         assert row.column not in by_figure.get(row.metric, {}), row
         by_figure.setdefault(row.metric, {})[row.column] = row.value
     expected = {"held-out PSNR", "held-out SSIM", "training time", "fit wall clock", "frame time 16²",
-                "peak GPU memory while fitting", "model size"}
+                "live view frame 16²", "peak GPU memory while fitting", "model size"}
     expected |= {f"{name}: {figure}" for name in STRUCTURES for figure in ("Dice", "mean surface distance", "HD95")}
     assert set(by_figure) == expected
     assert all(set(values) == set(BRANCHES) for values in by_figure.values()), by_figure
@@ -56,7 +56,7 @@ def test_each_figure_has_a_row_per_branch_with_what_evaluate_wrote(branch_result
         assert by_figure["model size"][branch] == pytest.approx((folder / branch / model[branch]).stat().st_size / 1e6)
         assert by_figure["training time"][branch] == pytest.approx(written["train_seconds"])
         assert 0 < by_figure["training time"][branch] < by_figure["fit wall clock"][branch]
-        assert by_figure["frame time 16²"][branch] > 0
+        assert by_figure["frame time 16²"][branch] > 0 and by_figure["live view frame 16²"][branch] > 0
         for name in STRUCTURES:  # a surface a few steps have not found has no distance: NaN, not a number made up
             for figure, key in (("Dice", "dice"), ("HD95", "hd95_mm"), ("mean surface distance",
                                                                       "mean_surface_distance_mm")):

@@ -454,8 +454,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_frame_rate(args: argparse.Namespace) -> int:
     """Frames per second of the live view: a trained field rendered from a camera orbiting it, picture by
     picture through the live view's scheduler, each made into the bytes the view shows and read back."""
-    from ..render.camera import check_view_size, framing_distance
-    from ..render.live_view import time_live_frames
+    from ..render.camera import check_view_size
+    from ..render.live_view import time_live_view
     from ..train.run_folder import open_run
 
     width, height = args.size
@@ -470,9 +470,7 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
     else:
         run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
         render = run.renderer.render_picture
-    low, high = run.prepared.bounds
-    distance = framing_distance(float((high - low).max() / 2), 30.0, width, height)
-    result = time_live_frames(render, (low + high) / 2, distance, args.frames, width, height)
+    result = time_live_view(render, run.prepared.bounds, args.frames, width, height)
     if args.json:
         _print_json(result)
         return 0

@@ -39,6 +39,7 @@ class BranchResult:
     fit_seconds: float  # the whole fit: reference views, training, structure weights, saving
     frames: dict[int, list[float]]  # seconds of each timed frame, by the square picture's side
     first_frames: dict[int, float]  # the first frame of each size, timed apart (it may compile)
+    live_frames: dict[int, float]  # milliseconds a frame of the live view (frame-rate's), by the picture's side
     peaks: dict[str, int | None]  # largest sample of GPU memory in use per phase, above the branch's start
 
 
@@ -104,12 +105,23 @@ def picture(branch: str, run: Any):
     return run.render if branch == "gaussians" else run.renderer.render
 
 
+def live_picture(branch: str, run: Any):
+    """A branch's live view picture of a camera: straight-alpha bytes packed on the device, a word a pixel read
+    back (what the Slicer module's live view and ``frame-rate`` show)."""
+    return run.scene.render_picture if branch == "gaussians" else run.renderer.render_picture
+
+
+#: Pictures of the live view's orbit a size (as ``neuralraycast frame-rate --frames``), and on a slow device.
+LIVE_FRAMES, LIVE_FRAMES_QUICK = 30, 2
+
+
 def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings: RunSettings,
                sizes: tuple[int, ...], progress: Progress, quick: bool = True,
                baseline: int | None = None) -> BranchResult:
     """Fit, evaluate and time the pictures of one branch, sampling the GPU memory in use through each phase; its
     peaks are above ``baseline`` (bytes in use; None: those at the branch's start)."""
     from ..render.camera import orbit_cameras
+    from ..render.live_view import time_live_view
 
     gc.collect()  # what an earlier branch left is released before this one's baseline is read
     before = device_memory_in_use(gpu) if baseline is None else baseline
@@ -120,6 +132,7 @@ def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings
     fit_seconds = time.perf_counter() - start
     frames: dict[int, list[float]] = {}
     first_frames: dict[int, float] = {}
+    live_frames: dict[int, float] = {}
     budget, repeats = (0.2, 2) if quick else (3.0, 20)
     with clock.phase("frames"):
         for size in sizes:
@@ -130,13 +143,17 @@ def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings
             render(camera)
             first_frames[size] = time.perf_counter() - first
             frames[size] = timed_each(lambda c=camera, r=render: r(c), budget, repeats)
+            progress(f"{branch}: live view {size}²", 0.5)
+            live = time_live_view(live_picture(branch, run), run.prepared.bounds,
+                                  LIVE_FRAMES_QUICK if quick else LIVE_FRAMES, size, size)
+            live_frames[size] = live["ms_per_frame"]
     del run
     gc.collect()
     with clock.phase("evaluate"):
         metrics = evaluate_branch(gpu, branch, folder, lambda m, f: progress(f"{branch}: evaluate: {m}", f))
     peaks = {phase.name: None if phase.peak_bytes is None or before is None else phase.peak_bytes - before
              for phase in clock.phases}
-    return BranchResult(branch, metrics, fit_seconds, frames, first_frames, peaks)
+    return BranchResult(branch, metrics, fit_seconds, frames, first_frames, live_frames, peaks)
 
 
 def branch_rows(results: list[BranchResult]) -> list[BenchRow]:
@@ -165,6 +182,10 @@ def _rows_of(result: BranchResult) -> list[BenchRow]:
         rows.append(row(f"frame time {size}²", 1e3 * mean, "ms",
                         f"{frame_notes(seconds)}; first {result.first_frames[size]:.2f} s; "
                         f"{READ_BACK.get(branch, 'read back')}"))
+    for size, ms in result.live_frames.items():
+        rows.append(row(f"live view frame {size}²", ms, "ms",
+                        "neuralraycast frame-rate's: a camera orbiting the study, one picture a step of the turn, "
+                        "packed on the device and a word a pixel read back; the mean"))
     peak = result.peaks.get("fit")
     others = ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in result.peaks.items()
                        if value is not None and name != "fit")
@@ -216,7 +237,8 @@ def summary(result: BranchResult) -> str:
 
     metrics = result.metrics
     frames = ", ".join(f"{size}² {1e3 * sum(seconds) / len(seconds):.2f} ms" for size, seconds in result.frames.items())
+    live = ", ".join(f"{size}² {ms:.2f} ms" for size, ms in result.live_frames.items())
     dice = ", ".join(f"{name} {shown(value, '.3f')}" for name, value in metrics.get("dice", {}).items())
     return (f"held-out {shown(metrics.get('heldout_psnr'), '.2f')} dB, SSIM {shown(metrics.get('heldout_ssim'), '.4f')}"
             f", training {shown(metrics.get('train_seconds'), '.1f')} s, fit {result.fit_seconds:.1f} s, frames "
-            f"{frames}, model {metrics.get('model_bytes', 0) / 1e6:.2f} MB, Dice {dice}")
+            f"{frames}, live view {live}, model {metrics.get('model_bytes', 0) / 1e6:.2f} MB, Dice {dice}")

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from .camera import MAX_VIEW_SIZE, MIN_VIEW_SIZE, Camera
+from .camera import MAX_VIEW_SIZE, MIN_VIEW_SIZE, Camera, framing_distance
 
 T = TypeVar("T")
 
@@ -346,3 +346,12 @@ def time_live_frames(render: Callable[[Camera], Any], centre, distance: float, f
     seconds = time.perf_counter() - start
     return {"frames": frames, "width": width, "height": height, "first_frame_s": first,
             "frames_per_second": frames / seconds, "ms_per_frame": 1e3 * seconds / frames}
+
+
+def time_live_view(render: Callable[[Camera], Any], bounds, frames: int, width: int, height: int) \
+        -> dict[str, float]:
+    """``time_live_frames`` around a study's box ``bounds`` (2, 3), framed as the live view's reset frames it:
+    what ``neuralraycast frame-rate`` and the branches bench time."""
+    low, high = np.asarray(bounds, np.float64)
+    distance = framing_distance(float((high - low).max() / 2), 30.0, width, height)
+    return time_live_frames(render, (low + high) / 2, distance, frames, width, height)
