@@ -56,15 +56,16 @@ def main() -> int:
     voxel = voxel_mm(run.prepared)
     camera = replace(views.cameras[views.held_out[0]], width=args.size, height=args.size)
     bounds = np.array([base.grid.low, base.grid.high])
-    if args.base_cells:
-        base = GaussianScene(gpu, base.gaussians(), GridShape.for_box(bounds, args.base_cells * voxel),
-                             base.density_scale, base.march, base.geometry_thickness, base.channels, base.highlights)
-    print(f"{gpu.backend}; {base.count:,} Gaussians; voxel {voxel:.3f} mm; grid {base.grid.dims} cells of "
-          f"{np.round(base.grid.cell_size, 3).tolist()} mm; march {base.march}")
 
     def scene_with(grid: GridShape | None = None, march: MarchSettings | None = None) -> GaussianScene:
+        """The base scene's Gaussians on another grid or with another march."""
         return GaussianScene(gpu, base.gaussians(), grid or base.grid, base.density_scale, march or base.march,
                              base.geometry_thickness, base.channels, base.highlights)
+
+    if args.base_cells:
+        base = scene_with(grid=GridShape.for_box(bounds, args.base_cells * voxel))
+    print(f"{gpu.backend}; {base.count:,} Gaussians; voxel {voxel:.3f} mm; grid {base.grid.dims} cells of "
+          f"{np.round(base.grid.cell_size, 3).tolist()} mm; march {base.march}")
 
     def time_render(render, kernel_name: str) -> str:
         render(camera)
