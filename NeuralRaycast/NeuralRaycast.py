@@ -1752,11 +1752,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
     def liveRender(self, camera) -> np.ndarray:
         """The trained model (a field or Gaussians) from ``camera`` as the live view shows it: straight-alpha bytes
         (H, W, 4), the rows from the bottom, made on the device."""
-        return self._pictureMaker(self._requireRun()).render_picture(camera)
-
-    def _pictureMaker(self, run):
-        """What renders a run's pictures: a field run's renderer, a Gaussian run's scene."""
-        return run.scene if self.isGaussianRun(run) else run.renderer
+        return self._requireRun().render_picture(camera)
 
     def createLiveView(self, cameraNode, renderWindow, defer, redraw=None, onError=None, scale: float = 1.0,
                        maxSide: int | None = None):
@@ -1773,7 +1769,8 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         run = self._requireRun()
         if maxSide is None:
-            report = getattr(getattr(self._pictureMaker(run), "gpu", None), "report", None)
+            renders = run.scene if self.isGaussianRun(run) else run.renderer
+            report = getattr(getattr(renders, "gpu", None), "report", None)
             maxSide = LIVE_SIDE_SOFTWARE if getattr(report, "software", False) else MAX_VIEW_SIZE
         return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale,
                         maxSide)

@@ -466,11 +466,9 @@ def cmd_frame_rate(args: argparse.Namespace) -> int:
         from ..gaussians.run import open_gaussian_run
 
         run = open_gaussian_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
-        render = run.scene.render_picture
     else:
         run = open_run(_device(args), args.run_folder, ConsoleProgress("prepare"))
-        render = run.renderer.render_picture
-    result = time_live_view(render, run.prepared.bounds, args.frames, width, height)
+    result = time_live_view(run.render_picture, run.prepared.bounds, args.frames, width, height)
     if args.json:
         _print_json(result)
         return 0

@@ -100,17 +100,6 @@ READ_BACK = {"field": "colour, depth and normals read back (the field's Rendered
              "gaussians": "colour, expected depth and the density's normals read back (a RenderedImage)"}
 
 
-def picture(branch: str, run: Any):
-    """A branch's own G-buffer of a camera, with its read-back, as the other branch's."""
-    return run.render if branch == "gaussians" else run.renderer.render
-
-
-def live_picture(branch: str, run: Any):
-    """A branch's live view picture of a camera: straight-alpha bytes packed on the device, a word a pixel read
-    back (what the Slicer module's live view and ``frame-rate`` show)."""
-    return run.scene.render_picture if branch == "gaussians" else run.renderer.render_picture
-
-
 #: Pictures of the live view's orbit a size (as ``neuralraycast frame-rate --frames``), and on a slow device.
 LIVE_FRAMES, LIVE_FRAMES_QUICK = 30, 2
 
@@ -139,12 +128,12 @@ def run_branch(gpu: GpuContext, branch: str, study: Path, folder: Path, settings
             progress(f"{branch}: frames {size}²", 0.0)
             camera = orbit_cameras(run.prepared.bounds, 3, size, size)[1]
             first = time.perf_counter()
-            render = picture(branch, run)
+            render = run.render  # each branch's own G-buffer, with its read-back
             render(camera)
             first_frames[size] = time.perf_counter() - first
             frames[size] = timed_each(lambda c=camera, r=render: r(c), budget, repeats)
             progress(f"{branch}: live view {size}²", 0.5)
-            live = time_live_view(live_picture(branch, run), run.prepared.bounds,
+            live = time_live_view(run.render_picture, run.prepared.bounds,
                                   LIVE_FRAMES_QUICK if quick else LIVE_FRAMES, size, size)
             live_frames[size] = live["ms_per_frame"]
     del run

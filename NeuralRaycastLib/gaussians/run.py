@@ -93,6 +93,10 @@ class GaussianRun:
         """The Gaussians' G-buffer: premultiplied RGBA, expected depth and the density's normals."""
         return self.scene.render_image(camera)
 
+    def render_picture(self, camera: Camera) -> np.ndarray:
+        """The live view's picture, as a field run's: straight-alpha bytes (H, W, 4), the rows from the bottom."""
+        return self.scene.render_picture(camera)
+
     def distances(self) -> np.ndarray:
         """(K, I, J, K) signed distances (mm) of the structures' insides from the Gaussians' structure weights."""
         return occupancy_distances(self.scene, self.structures, self.prepared)

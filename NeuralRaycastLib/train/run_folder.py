@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .. import strict_json
 from ..field.field import NeuralField
 from ..files import FileSet, WriteError, atomic_folder, copy_tree, write_text
@@ -109,6 +111,10 @@ class TrainedRun:
 
     def render(self, camera: Camera) -> RenderedImage:
         return self.renderer.render(camera)
+
+    def render_picture(self, camera: Camera) -> np.ndarray:
+        """The live view's picture: straight-alpha bytes (H, W, 4), the rows from the bottom, packed on the device."""
+        return self.renderer.render_picture(camera)
 
     def meshes(self, smoothing_iterations: int = 10, decimation: float = 0.0) -> list[Mesh]:
         """One mesh per structure of the learned surfaces s_k = 0, in RAS millimetres (empty meshes kept, so
