@@ -246,11 +246,14 @@ class JointStructures:
             self.weights, self.grads = padded(weights), padded(None)
             self.m, self.v = padded(m), padded(v)
 
+    def _rows(self, tensor: Any) -> np.ndarray:
+        """A device buffer of the weights' layout read back as (N, 2K), without Adam's padding."""
+        n = self.count * 2 * self.structures
+        return np.asarray(tensor.to_numpy())[:n].reshape(self.count, 2 * self.structures)
+
     def state(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(weights, m, v), each (N, 2K)."""
-        n = self.count * 2 * self.structures
-        return tuple(np.asarray(t.to_numpy())[:n].reshape(self.count, 2 * self.structures)
-                     for t in (self.weights, self.m, self.v))
+        return tuple(self._rows(t) for t in (self.weights, self.m, self.v))
 
     def follow(self, kept: np.ndarray, grown: np.ndarray) -> None:
         """After pruning and densification: the weights and moments of the Gaussians kept, then copies of those
@@ -276,8 +279,7 @@ class JointStructures:
                                                 self.scene.grid_struct(), batch)
 
     def weight_gradients(self) -> np.ndarray:
-        n = self.count * 2 * self.structures
-        return np.asarray(self.grads.to_numpy())[:n].reshape(self.count, 2 * self.structures)
+        return self._rows(self.grads)
 
     def step(self, rate_factor: float = 1.0) -> None:
         """Add the occupancy loss's gradient at a fresh batch of points to the scene's and update the weights."""
