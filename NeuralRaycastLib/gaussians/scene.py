@@ -23,7 +23,7 @@ from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights, any_te
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
 GAUSSIAN_FLOATS = 29
 #: Floats per Gaussian of its frame, what the march reads of it (shaders/gaussians.slang's gaussianFrames).
-FRAME_FLOATS = 16
+FRAME_FLOATS = 36
 #: Where each kind starts, in units of the Gaussian count N (shaders/gaussians.slang).
 KIND_STARTS = {"position": 0, "log_scale": 3, "rotation": 6, "density": 10, "colour": 11}
 SCAN_BLOCK = 256  # shaders/gaussians.slang
