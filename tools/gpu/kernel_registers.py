@@ -33,7 +33,11 @@ def main() -> int:
         words = [word for word in args.match if word in ptx]
         if args.match and not words:
             continue
-        kernel = ptxas_resources(ptx, args.architecture, ptxas)
+        try:
+            kernel = ptxas_resources(ptx, args.architecture, ptxas)
+        except RuntimeError as error:  # a fragment of the cache that is not a whole program
+            print(f"{name}: not assembled ({' '.join(str(error).split())[:120]})")
+            continue
         print(f"{name} {words}: {kernel.registers} registers, spills {kernel.spill_stores}/{kernel.spill_loads} bytes, "
               f"{kernel.warps_per_sm()} of 64 warps per SM, PTX {kernel.ptx_bytes / 1024:.0f} KB")
     return 0
