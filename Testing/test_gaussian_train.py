@@ -20,6 +20,7 @@ from NeuralRaycastLib.gaussians.train import (
     GaussianTrainConfig,
     SurfaceSamples,
     adapt,
+    budget_spent,
     even_layers,
     gaussian_cap,
     initial_gaussians,
@@ -137,7 +138,7 @@ def test_structure_weights_trained_with_the_pictures_follow_the_gaussians(gpu, p
 
 
 def test_a_time_budget_ends_the_run_once_spent_and_sets_its_schedule(gpu, phantom_views):
-    """With ``seconds``, the run ends at the step that spends the budget (not a cancel), scores the held-out views
+    """With ``seconds``, the run ends before a step that would pass the budget (not a cancel), scores the held-out views
     there, and its schedule follows the time where that is further along than the steps. The budget starts after
     the first step, which compiles the step's kernels on a machine that has not yet."""
     prepared, views = phantom_views
@@ -151,6 +152,10 @@ def test_a_time_budget_ends_the_run_once_spent_and_sets_its_schedule(gpu, phanto
     assert schedule_fraction(timed, 10, 5.0) == 0.5  # the time is further along
     assert schedule_fraction(timed, 60, 5.0) == 0.6  # the steps are
     assert schedule_fraction(GaussianTrainConfig(steps=100), 10, 5.0) == 0.1  # no budget: the steps alone
+    # A run stops while another step as long as its longest still fits, so that it never passes the budget.
+    assert not budget_spent(timed, 10, 9.0, 0.9) and budget_spent(timed, 10, 9.2, 0.9)
+    assert budget_spent(timed, 100, 1.0, 0.1)  # its steps taken
+    assert not budget_spent(GaussianTrainConfig(steps=100), 99, 1e6, 1e6)  # no budget: the steps alone
 
 
 def test_the_standard_schedule_ends_at_thirty_seconds_unless_steps_are_asked_for():

@@ -98,9 +98,9 @@ class GaussianTrainConfig:
     structure_weight: float = 0.0
     structure_points: int = 4096
     seed: int = 0
-    #: A training time budget in seconds (None: the steps alone): the run ends at the step that spends it, or at
-    #: ``steps``, whichever comes first, and the schedule (the learning rates' decay, densification's end) follows
-    #: the larger of the steps' and the time's fractions.
+    #: A training time budget in seconds (None: the steps alone): the run ends before a step that would pass it
+    #: (budget_spent), or at ``steps``, whichever comes first, and the schedule (the learning rates' decay,
+    #: densification's end) follows the larger of the steps' and the time's fractions.
     seconds: float | None = None
 
 
@@ -487,6 +487,12 @@ def schedule_fraction(config: GaussianTrainConfig, step: int, seconds: float) ->
     return max(done, seconds / config.seconds) if config.seconds else done
 
 
+def budget_spent(config: GaussianTrainConfig, steps: int, seconds: float, longest_step: float) -> bool:
+    """Whether a run ends after ``steps`` steps and ``seconds`` of training: its steps are taken, or its time budget
+    has no room for another step as long as the longest so far, so that training stays within the budget."""
+    return steps >= config.steps or (config.seconds is not None and seconds + longest_step > config.seconds)
+
+
 def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceViews,
                     config: GaussianTrainConfig | None = None, progress: Progress | None = None,
                     should_stop: ShouldStop | None = None) -> tuple[GaussianScene, GaussianTrainLog]:
@@ -507,6 +513,7 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
     log = GaussianTrainLog(cap=cap)
     logged_at = 0
     start = time.perf_counter()
+    longest = 0.0  # the longest step after the first, held-out scores left out
 
     def trained() -> float:  # seconds of training so far, the held-out scores left out
         return time.perf_counter() - start - log.eval_seconds
@@ -515,6 +522,7 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
         if should_stop is not None and should_stop():
             log.cancelled = True
             break
+        began = trained()
         rows = sampler.sample(config.patches)
         loss = step_on_device.loss_and_gradients(rows, sampler.reference_patches(rows))
         done = schedule_fraction(config, step, trained())
@@ -531,7 +539,7 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
             log.first_step_seconds = trained()
             start += log.first_step_seconds
         after = schedule_fraction(config, step + 1, trained())
-        last = after >= 1.0  # the steps, or the time budget, spent
+        last = budget_spent(config, step + 1, trained(), longest)
         if config.densify_every and (step + 1) % config.densify_every == 0 and not last:
             gradient_sum, seen = step_on_device.statistics()
             kept, grown = adapt(scene, adam, gradient_sum, seen, config, voxel, cap, rng,
@@ -553,6 +561,8 @@ def train_gaussians(gpu: GpuContext, prepared: PreparedStudy, views: ReferenceVi
             report(f"Gaussians: step {step + 1}, loss {loss:.4f}, {scene.count:,} Gaussians, "
                    f"held-out PSNR {score:.2f} dB", min(after, 1.0))
         log.steps = step + 1
+        if step > 0:
+            longest = max(longest, trained() - began)
         if last:
             break
     log.seconds = trained()
