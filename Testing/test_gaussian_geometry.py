@@ -1,4 +1,4 @@
-"""Geometry from the Gaussians: the structure weights' occupancy (shaders/gaussians.slang's occupancyAt and its
+"""Geometry from the Gaussians: the structure weights' occupancy (shaders/gaussian_occupancy.slang's occupancyAt and its
 hand-written backward, logits and slopes) against a float64 reference and central differences on the tiny scene of
 test_gaussian_gradients.py, the weights started from the boundary maps, and the signed distances that Dice and
 meshes are taken from."""

@@ -31,7 +31,7 @@ BOX = np.array([[0.0, 0.0, 0.0], [10.0, 8.0, 12.0]])
 DENSITY = 0.8
 STEP = 0.25
 RAYS = 12
-CHUNK = 4  # the samples of a cell the march sums at a time (shaders/gaussians.slang's GAUSSIAN_CHUNK)
+CHUNK = 4  # the samples of a cell the march sums at a time (shaders/gaussian_march.slang's GAUSSIAN_CHUNK)
 
 
 def tiny_set() -> GaussianSet:

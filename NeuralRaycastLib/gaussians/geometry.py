@@ -3,7 +3,7 @@
 Each Gaussian carries, per structure of the study, a logit and a slope across its surface: its structure weight
 at x is sigmoid(logit + slope · z), z the coordinate of x along the Gaussian's normal, so that one Gaussian on a
 surface says which of its sides is inside. The occupancy of structure k at x is the Gaussians' structure weights
-averaged by their shapes there (shaders/gaussians.slang, ``occupancyAt``), started from the boundary maps and
+averaged by their shapes there (shaders/gaussian_occupancy.slang, ``occupancyAt``), started from the boundary maps and
 trained against the inside / outside of the prepared study's boundary maps (B_k(x) < 0) at points near the
 surfaces. A study of K structures has (N, 2K) weights: the N Gaussians' K logits, then their K slopes. On the
 study's grid, voxels no Gaussian covers take the occupancy of the nearest covered voxel (the Gaussians lie on
@@ -189,13 +189,13 @@ def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, confi
     return weights.astype(np.float32), losses
 
 
-#: The most structures the joint occupancy kernel takes (shaders/gaussians.slang, OCCUPANCY_MAX_STRUCTURES): the
-#: most a study has (gpu/device.STRUCTURE_SLOTS).
+#: The most structures the joint occupancy kernel takes (shaders/gaussian_occupancy.slang,
+#: OCCUPANCY_MAX_STRUCTURES): the most a study has (gpu/device.STRUCTURE_SLOTS).
 JOINT_MAX_STRUCTURES = 8
 
 
 class JointStructures:
-    """The occupancy loss added to the picture loss while the Gaussians train (shaders/gaussians.slang's
+    """The occupancy loss added to the picture loss while the Gaussians train (shaders/gaussian_occupancy.slang's
     ``occupancyLossBackward``): each step, points near the surfaces with their inside / outside; the gradient of
     ``weight`` times the loss goes to the structure weights (their own Adam, shaders/adam.slang) and to the
     Gaussians' positions, scales and rotations, which the picture step's Adam then takes with the pictures'

@@ -1,4 +1,4 @@
-"""What a Gaussian takes from its structure's look besides its trained colour (shaders/gaussians.slang's
+"""What a Gaussian takes from its structure's look besides its trained colour (shaders/gaussian_scene.slang's
 GaussianLook): the texture the study's MRI channels give its colour, and its specular highlight.
 
 The reference views shade a crossing of structure k's surface as (docs/image-formation.md)
@@ -33,7 +33,7 @@ LOOK_FLOATS = 8
 #: Where a look record holds each part: the channel weights u, the window's offset o, the modulation m, the
 #: specular weight (the texture is the parts before SPECULAR).
 OFFSET, MODULATION, SPECULAR = 4, 5, 6
-#: The most channels the texture reads (shaders/gaussians.slang's InterleavedVolumes<4>).
+#: The most channels the texture reads (shaders/gaussian_scene.slang's InterleavedVolumes<4>).
 MAX_CHANNELS = 4
 
 

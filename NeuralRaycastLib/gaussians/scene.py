@@ -22,11 +22,11 @@ from .look import LOOK_FLOATS, NO_HIGHLIGHTS, ChannelVolumes, Highlights, any_te
 
 #: Floats per Gaussian: position 3, log-scale 3, rotation 4, density logit 1, colour 6 × 3.
 GAUSSIAN_FLOATS = 29
-#: Floats per Gaussian of its frame, what the march reads of it (shaders/gaussians.slang's gaussianFrames).
+#: Floats per Gaussian of its frame, what the march reads of it (shaders/gaussian_scene.slang's gaussianFrames).
 FRAME_FLOATS = 36
 #: Where each kind starts, in units of the Gaussian count N (shaders/gaussians.slang).
 KIND_STARTS = {"position": 0, "log_scale": 3, "rotation": 6, "density": 10, "colour": 11}
-SCAN_BLOCK = 256  # shaders/gaussians.slang
+SCAN_BLOCK = 256  # shaders/gaussian_grid.slang
 #: Colour coefficients per RGB channel: degree-1 spherical harmonics (4), the facing |d · a| and the side
 #: sign(d · a) of the ray against the Gaussian's third axis a.
 COLOUR_TERMS = 6
@@ -149,7 +149,7 @@ class MarchSettings:
 #: Whether a training batch's backward pass takes its patches' rays in turn (GaussianScene.backward).
 BACKWARD_GROUPS = os.environ.get("NEURALRAYCAST_GAUSSIAN_GROUPS", "1") != "0"
 
-#: Floats per ray of the Gaussians' results (shaders/gaussians.slang): RGBA, Σ weight·normal, Σ weight·depth, as
+#: Floats per ray of the Gaussians' results (shaders/gaussian_march.slang): RGBA, Σ weight·normal, Σ weight·depth, as
 #: the field's per-ray sums (render/sample_buffers.OUTPUTS), so that the device image loss takes them as they are.
 OUTPUTS = 8
 
@@ -183,7 +183,7 @@ class GaussianScene:
                  march: MarchSettings | None = None, geometry_thickness: float = 1.0,
                  channels: ChannelVolumes | None = None, highlights: Highlights = NO_HIGHLIGHTS) -> None:
         """``geometry_thickness``: the share of each Gaussian's thickness (its third axis's standard deviation)
-        with which the structure weights read it (shaders/gaussians.slang's geometryLocal; 1: as the pictures).
+        with which the structure weights read it (shaders/gaussian_occupancy.slang's geometryLocal; 1: as the pictures).
         ``channels``: the study's channels on the device, which texture the Gaussians' colours as their look
         records say (None: no texture, whatever the records); ``highlights``: the lights of their specular terms."""
         if not 0.0 < geometry_thickness <= 1.0:

@@ -40,8 +40,8 @@ from .scene import (
     MarchSettings,
 )
 
-SH_C0 = 0.28209479177387814  # shaders/gaussians.slang
-#: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussians.slang):
+SH_C0 = 0.28209479177387814  # shaders/gaussian_scene.slang
+#: The share of a Gaussian's mass that G = exp(-m²/2) - exp(-9/2) inside m < 3 keeps (shaders/gaussian_scene.slang):
 #: P(m < 3) for three degrees of freedom, less the subtracted constant over the ball, relative to (2π)^1.5.
 TRUNCATED_MASS = float(erf(3 / np.sqrt(2)) - np.sqrt(2 / np.pi) * 3 * np.exp(-4.5)
                        - np.exp(-4.5) * 4 / 3 * np.pi * 27 / (2 * np.pi) ** 1.5)
@@ -267,7 +267,7 @@ EVENING_ROUNDS = 8
 def crossing_profile(a: np.ndarray) -> np.ndarray:
     """The optical depth across a flat Gaussian of unit density and thickness, along its normal, at a squared
     in-plane distance of ``a`` standard deviations: the integral of its truncated shape exp(-m²/2) - exp(-9/2)
-    (m < 3; shaders/gaussians.slang) over the thickness."""
+    (m < 3; shaders/gaussian_scene.slang) over the thickness."""
     a = np.asarray(a, np.float64)
     inside = np.sqrt(np.maximum(9.0 - a, 0.0))
     return np.where(a < 9.0, np.sqrt(2 * np.pi) * np.exp(-a / 2) * special.erf(inside / np.sqrt(2))

@@ -403,8 +403,20 @@ def compile_latent_modules(target: str) -> list[TargetFailure]:
         return failures
 
 
-def named_module_source(name: str) -> str:
-    return (shader_dir() / f"{name}.slang").read_text()
+_EXPORTED_IMPORT = re.compile(r"^__exported import (\w+);", re.M)
+
+
+def named_module_source(name: str, seen: set[str] | None = None) -> str:
+    """A module's source, then those of the project's modules it re-exports (``__exported import``), where some
+    of the kernels a caller finds through it are declared; each module once."""
+    seen = set() if seen is None else seen
+    seen.add(name)
+    source = (shader_dir() / f"{name}.slang").read_text()
+    parts = [source]
+    for imported in _EXPORTED_IMPORT.findall(source):
+        if imported not in seen and (shader_dir() / f"{imported}.slang").is_file():
+            parts.append(named_module_source(imported, seen))
+    return "\n".join(parts)
 
 
 def source_code(unit: str, source: str, kernels: tuple[str, ...], target: str, defines: dict[str, str],
