@@ -12,6 +12,7 @@ from gaussian_reference import occupancy
 from test_gaussian_gradients import BOX, tiny_set
 
 from NeuralRaycastLib.gaussians.geometry import (
+    MAX_STRUCTURES,
     StructureOccupancy,
     filled_occupancy,
     occupancy_loss,
@@ -47,6 +48,15 @@ def test_occupancy_is_the_float64_reference(weighted):
     assert (expected_cover > 0.05).sum() >= POINTS // 3, "the points should meet the Gaussians"
     np.testing.assert_allclose(cover, expected_cover, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_more_structures_than_the_kernels_hold_are_refused(weighted):
+    """The occupancy kernels sum at most MAX_STRUCTURES structures a point: weights for more are refused in one
+    line instead of read in part."""
+    occupied, _, _ = weighted
+    too_many = np.zeros((occupied.scene.count, 2 * (MAX_STRUCTURES + 1)), np.float32)
+    with pytest.raises(ValueError, match=f"at most {MAX_STRUCTURES} structures"):
+        occupied.set_weights(too_many)
 
 
 def test_a_geometry_thickness_outside_its_range_is_refused(gpu):

@@ -65,12 +65,21 @@ def initial_structure_weights(prepared: PreparedStudy, scene: GaussianScene) -> 
     return np.clip(np.concatenate([logits, slopes], axis=1), -8.0, 8.0).astype(np.float32)
 
 
+#: The most structures the occupancy kernels take (shaders/gaussian_occupancy.slang, OCCUPANCY_MAX_STRUCTURES):
+#: the most a study has (gpu/device.STRUCTURE_SLOTS).
+MAX_STRUCTURES = 8
+
+
 def weights_shape(weights: np.ndarray, count: int) -> int:
-    """The structures of (N, 2K) structure weights for ``count`` Gaussians; a ValueError for any other shape."""
+    """The structures of (N, 2K) structure weights for ``count`` Gaussians; a ValueError for any other shape or for
+    more than MAX_STRUCTURES structures."""
     shape = np.shape(weights)
     if len(shape) != 2 or shape[0] != count or shape[1] % 2 or not shape[1]:
         raise ValueError(f"structure weights of shape {shape} for {count} Gaussians (a logit and a slope per "
                          "Gaussian and structure)")
+    if shape[1] // 2 > MAX_STRUCTURES:
+        raise ValueError(f"the Gaussians' occupancy takes at most {MAX_STRUCTURES} structures "
+                         f"(the weights hold {shape[1] // 2})")
     return shape[1] // 2
 
 
@@ -189,11 +198,6 @@ def train_structure_weights(scene: GaussianScene, prepared: PreparedStudy, confi
     return weights.astype(np.float32), losses
 
 
-#: The most structures the joint occupancy kernel takes (shaders/gaussian_occupancy.slang,
-#: OCCUPANCY_MAX_STRUCTURES): the most a study has (gpu/device.STRUCTURE_SLOTS).
-JOINT_MAX_STRUCTURES = 8
-
-
 class JointStructures:
     """The occupancy loss added to the picture loss while the Gaussians train (shaders/gaussian_occupancy.slang's
     ``occupancyLossBackward``): each step, points near the surfaces with their inside / outside; the gradient of
@@ -207,9 +211,6 @@ class JointStructures:
         import slangpy as spy
 
         self.structures = weights_shape(weights, scene.count)
-        if self.structures > JOINT_MAX_STRUCTURES:
-            raise ValueError(f"the joint occupancy loss takes at most {JOINT_MAX_STRUCTURES} structures "
-                             f"(the study has {self.structures})")
         self.scene, self.weight, self.config, self.sample, self.shapes = scene, weight, config, sample, shapes
         self.rng = np.random.default_rng(config.seed + 2)
         self.adam_module = scene.gpu.load_module("adam")
