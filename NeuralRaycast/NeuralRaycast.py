@@ -1769,8 +1769,7 @@ class NeuralRaycastLogic(ScriptedLoadableModuleLogic):
 
         run = self._requireRun()
         if maxSide is None:
-            renders = run.scene if self.isGaussianRun(run) else run.renderer
-            report = getattr(getattr(renders, "gpu", None), "report", None)
+            report = getattr(getattr(run, "gpu", None), "report", None)
             maxSide = LIVE_SIDE_SOFTWARE if getattr(report, "software", False) else MAX_VIEW_SIZE
         return LiveView(cameraNode, renderWindow, self.liveRender, defer, redraw or (lambda: None), onError, scale,
                         maxSide)

@@ -97,6 +97,11 @@ class GaussianRun:
         """The live view's picture, as a field run's: straight-alpha bytes (H, W, 4), the rows from the bottom."""
         return self.scene.render_picture(camera)
 
+    @property
+    def gpu(self) -> GpuContext:
+        """The device the run renders on, as a field run's."""
+        return self.scene.gpu
+
     def distances(self) -> np.ndarray:
         """(K, I, J, K) signed distances (mm) of the structures' insides from the Gaussians' structure weights."""
         return occupancy_distances(self.scene, self.structures, self.prepared)

@@ -116,6 +116,11 @@ class TrainedRun:
         """The live view's picture: straight-alpha bytes (H, W, 4), the rows from the bottom, packed on the device."""
         return self.renderer.render_picture(camera)
 
+    @property
+    def gpu(self) -> GpuContext:
+        """The device the run renders on."""
+        return self.renderer.gpu
+
     def meshes(self, smoothing_iterations: int = 10, decimation: float = 0.0) -> list[Mesh]:
         """One mesh per structure of the learned surfaces s_k = 0, in RAS millimetres (empty meshes kept, so
         indices match the structures)."""
