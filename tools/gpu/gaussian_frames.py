@@ -42,6 +42,7 @@ def main() -> int:
     import slangpy as spy
 
     from NeuralRaycastLib.bench.kernel_clock import kernel_clock
+    from NeuralRaycastLib.bench.report import timed_each
     from NeuralRaycastLib.gaussians.run import gaussian_schedule, open_gaussian_run
     from NeuralRaycastLib.gaussians.scene import GaussianScene, GridShape, MarchSettings
     from NeuralRaycastLib.gaussians.train import GaussianStep, score_views, voxel_mm
@@ -69,11 +70,7 @@ def main() -> int:
 
     def time_render(render, kernel_name: str) -> str:
         render(camera)
-        frames = []
-        for _ in range(args.frames):
-            began = time.perf_counter()
-            render(camera)
-            frames.append(time.perf_counter() - began)
+        frames = timed_each(lambda: render(camera), float("inf"), args.frames)
         with kernel_clock(gpu) as times:
             for _ in range(args.frames):
                 render(camera)
@@ -85,8 +82,8 @@ def main() -> int:
         line = time_render(scene.render_picture, "renderCameraPacked")
         if args.gbuffer:
             line += f"; G-buffer {time_render(scene.render_image, 'renderCameraPlanes')}"
-        entries = int(np.asarray(scene._cell_start.to_numpy())[-1])
-        filled = np.count_nonzero(np.diff(np.asarray(scene._cell_start.to_numpy())))
+        starts = np.asarray(scene._cell_start.to_numpy())
+        entries, filled = int(starts[-1]), np.count_nonzero(np.diff(starts))
         return picture, f"{line}; {entries:,} list entries in {filled:,} cells ({entries / max(filled, 1):.1f} each)"
 
     def time_steps(scene: GaussianScene, repeats: int = 5) -> str:
