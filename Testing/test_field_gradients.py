@@ -141,6 +141,23 @@ def test_hash_encoding_values_and_gradients(gpu, field, layout, params, points, 
     assert raw[layout.shifted_gradients :].any() and raw[: layout.geometry_offset].any()
 
 
+def test_a_gpus_reads_of_the_hash_table_give_the_same_encoding(gpu, field, layout, params, points):
+    """On a GPU the table's entries are read without the CPU driver's branch per pair of them
+    (NEURALRAYCAST_GPU_DRIVER, shaders/hash_encoding.slang): the same entries, summed in the same order. The GPU's
+    form is compiled here on whatever device runs the suite (the encoding's kernel alone, which has no atomics)."""
+    from NeuralRaycastLib.field.field import field_source
+
+    source = field_source(layout, ("sdf_fit", "field_checks"))
+    gpu_form = gpu.load_module_from_source("field_checks_gpu_reads", source, layout.kernels.structures,
+                                           {"NEURALRAYCAST_GPU_DRIVER": "1"})
+    w = np.random.default_rng(6).normal(size=layout.config.encoding.levels * layout.config.encoding.features)
+    ours = np.asarray(field.module.encodingValue(field.shader_struct(), f32(points), list(w), _result="numpy"))
+    theirs = np.asarray(gpu_form.encodingValue(field.shader_struct(), f32(points), list(w), _result="numpy"))
+    np.testing.assert_allclose(theirs, ours, rtol=1e-6, atol=1e-6 * np.abs(ours).max())
+    reference = encode(layout, params, points) @ w
+    np.testing.assert_allclose(theirs, reference, rtol=1e-4, atol=1e-5 * np.abs(reference).max())
+
+
 def test_hash_encoding_gradients_of_consecutive_points_in_the_same_cells(field, layout, params):
     """Samples along rays in ray order, as the renderer's backward passes send them: neighbouring threads
     share cells at every level (runs of lanes whose gradients are summed before one atomic on CUDA), and

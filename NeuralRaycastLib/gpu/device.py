@@ -480,10 +480,12 @@ def cuda_host_pointer(gpu: GpuContext, address: int) -> int | None:
 SOFTWARE_ADAPTERS = ("llvmpipe", "lavapipe", "swiftshader", "software")
 
 
-def wave_gradients(adapter_names: list[str]) -> bool:
-    """Whether the Vulkan kernels aggregate gradient atomics over a wave (shaders/params.slang): only where every
-    adapter the driver lists is a GPU. A CPU driver (lavapipe) takes minutes to compile them; where one is listed
-    it may be the device that opens."""
+def gpu_driver(adapter_names: list[str]) -> bool:
+    """Whether the Vulkan kernels take the forms that pay on a GPU (NEURALRAYCAST_GPU_DRIVER): gradient atomics
+    aggregated over a wave (shaders/params.slang) and the hash table read without a branch per pair of entries
+    (shaders/hash_encoding.slang). Only where every adapter the driver lists is a GPU: a CPU driver (lavapipe)
+    takes minutes to compile the first and runs the second no faster; where one is listed it may be the device
+    that opens."""
     return bool(adapter_names) and not any(
         word in name.lower() for name in adapter_names for word in SOFTWARE_ADAPTERS)
 
@@ -492,13 +494,14 @@ def _open(backend: str) -> tuple[Any, int | None]:
     """The device, proven to run a kernel, and (CUDA) its GPU's compute capability."""
     import slangpy as spy
 
-    # The CUDA compute capability (shaders/params.slang), 0 on other backends, and whether Vulkan's gradients are
-    # wave-aggregated: always defined, so the shader compiler has no undefined name in `#if` to warn about.
-    defines = {"NEURALRAYCAST_CUDA_SM": "0", "NEURALRAYCAST_WAVE_GRADIENTS": "0"}
+    # The CUDA compute capability (shaders/params.slang), 0 on other backends, and whether the device is a GPU
+    # (CUDA's always; Vulkan's where its driver lists only GPUs): always defined, so the shader compiler has no
+    # undefined name in `#if` to warn about.
+    defines = {"NEURALRAYCAST_CUDA_SM": "0", "NEURALRAYCAST_GPU_DRIVER": "1" if backend == "cuda" else "0"}
     capability = None
     if backend == "vulkan":
         adapters = [adapter.name for adapter in spy.Device.enumerate_adapters(spy.DeviceType.vulkan)]
-        defines["NEURALRAYCAST_WAVE_GRADIENTS"] = "1" if wave_gradients(adapters) else "0"
+        defines["NEURALRAYCAST_GPU_DRIVER"] = "1" if gpu_driver(adapters) else "0"
     if backend == "cuda":
         if (driver := _cuda_driver()) is None:
             raise RuntimeError("no NVIDIA driver (CUDA driver library not found)")

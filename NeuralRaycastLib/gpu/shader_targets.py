@@ -164,10 +164,10 @@ def entry_points(source: str, kernels: tuple[str, ...]) -> str:
 
 
 def module_defines(target: str, structure_slots: int) -> dict[str, str]:
-    """The defines gpu/device.py gives every module, as a device of ``target`` would (SPIR-V: a GPU's, with the
-    wave-aggregated gradients)."""
+    """The defines gpu/device.py gives every module, as a GPU of ``target`` would (on SPIR-V a GPU's Vulkan driver,
+    not a CPU one's)."""
     return {"NEURALRAYCAST_CUDA_SM": str(CUDA_SM if target == "cuda" else 0), "STRUCTURE_SLOTS": str(structure_slots),
-            "NEURALRAYCAST_WAVE_GRADIENTS": "1" if target == "spirv" else "0"}
+            "NEURALRAYCAST_GPU_DRIVER": "1"}
 
 
 def _first_error(diagnostics: str) -> str:
