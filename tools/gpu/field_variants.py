@@ -7,11 +7,12 @@ first fit after a compile has measured as little as half the points/s of the sam
 - a trained run's G-buffer frame, wall and kernel times (``--per-thread``: also with the networks per thread where
   the device has cooperative vectors);
 - every one of these again with the field's compiler session given extra constants (``--define``, one variant
-  each);
-- ``--read-back``: the 1024² G-buffer's read from the device in its parts.
+  each).
+
+(tools/gpu/read_back_frames.py times the G-buffer's read-back in its parts.)
 
     python3 tools/gpu/field_variants.py RUN [--fit] [--define NAME=VALUE ...] [--per-thread] [--size 1024]
-        [--frames 10] [--fit-steps 150] [--points 8388608] [--read-back]
+        [--frames 10] [--fit-steps 150] [--points 8388608]
 
 RUN is a run folder of ``neuralraycast fit``; the device is the default one (``NEURALRAYCAST_DEVICE`` chooses).
 Prints one line per measurement. A fit also gives its mean |s - B| within 5 mm after the same steps from the same
@@ -48,7 +49,6 @@ def main() -> int:
                         help="also the frame with the networks per thread (NEURALRAYCAST_COOPVEC=0)")
     parser.add_argument("--fit-steps", type=int, default=150)
     parser.add_argument("--points", type=int, default=1 << 23)
-    parser.add_argument("--read-back", action="store_true", help="time the G-buffer's read in its parts")
     args = parser.parse_args()
 
     import os
@@ -61,7 +61,7 @@ def main() -> int:
     from NeuralRaycastLib.field import field as field_module
     from NeuralRaycastLib.field.field import NeuralField
     from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors
-    from NeuralRaycastLib.gpu.device import ReadBack, open_device
+    from NeuralRaycastLib.gpu.device import open_device
     from NeuralRaycastLib.render.camera import orbit_cameras
     from NeuralRaycastLib.train.run_folder import open_run
 
@@ -163,23 +163,6 @@ def main() -> int:
         field_module.field_session_defines = session_defines
         field_module._MODULES.clear()
 
-    if args.read_back:
-        tensor = spy.Tensor.zeros(gpu.device, shape=(args.size * args.size * 8,), dtype="float")
-        reader = ReadBack(gpu)
-        reader.read(tensor)
-        whole = timed_each(lambda: reader.read(tensor), float("inf"), 20)
-        kept = reader._kept  # the host buffer ReadBack keeps (every device but CUDA)
-        if kept is None:
-            print(f"read-back: ReadBack.read median {1e3 * np.median(whole):.2f} ms (no kept buffer on {gpu.backend})")
-            return 0
-        parts = {"ReadBack.read": whole,
-                 "the copy into the kept host buffer, waited for": timed_each(
-                     lambda: reader._copy_into(kept, tensor, kept.size), float("inf"), 20),
-                 "that buffer's to_numpy (map and copy on the host)": timed_each(kept.to_numpy, float("inf"), 20),
-                 "the tensor's own to_numpy": timed_each(tensor.to_numpy, float("inf"), 20)}
-        for label, seconds in parts.items():
-            print(f"read-back of {tensor.shape[0] * 4 / 2**20:.0f} MiB, {label}: median "
-                  f"{1e3 * np.median(seconds):.2f} ms")
     return 0
 
 

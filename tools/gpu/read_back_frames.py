@@ -1,6 +1,7 @@
 """A run's 1024² frame on one device with the G-buffer read back the two ways ReadBack knows: through a host
 buffer kept between reads, and by the tensor's own ``to_numpy`` (a staging buffer made each read), alternating
-twice, 20 frames each; and the read alone, both ways.
+twice, 20 frames each; the read alone, both ways; and the kept buffer's read in its parts (the device's copy into
+it, the host's copy out of it).
 
     python3 tools/gpu/read_back_frames.py RUN_FOLDER [--device vulkan] [--size 1024]
 """
@@ -50,6 +51,15 @@ def main() -> int:
         print(f"{args.size}² {label}: render() mean {np.mean(frames):.2f} median {statistics.median(frames):.2f} "
               f"min {min(frames):.2f} ms; the read alone median {statistics.median(reads):.2f} ms; "
               f"bands {len(renderer.band_work)}")
+    # The kept host buffer's read in its two parts: the device's copy into it (waited for), then the host's copy
+    # out of its mapped memory into a new array.
+    reader.kept = True
+    reader.read(planes)
+    kept, size = reader._kept, reader._kept.size
+    copy = timed(lambda: reader._copy_into(kept, planes, size), 10)
+    host = timed(kept.to_numpy, 10)
+    print(f"{size / 2**20:.3g} MiB through the kept host buffer: the device's copy median "
+          f"{statistics.median(copy):.2f} ms, the host's copy median {statistics.median(host):.2f} ms")
     return 0
 
 
