@@ -58,6 +58,8 @@ def main() -> int:
 
     from NeuralRaycastLib.bench.kernel_clock import kernel_clock
     from NeuralRaycastLib.bench.report import timed_each
+    from NeuralRaycastLib.bench.suites import fit_rate
+    from NeuralRaycastLib.bench.torch_peer import band_sample
     from NeuralRaycastLib.field import field as field_module
     from NeuralRaycastLib.field.field import NeuralField
     from NeuralRaycastLib.field.sdf_fit import FitConfig, SdfFitter, band_errors
@@ -71,14 +73,11 @@ def main() -> int:
     prepared, layout = run.prepared, run.field.layout
     print(f"{gpu.backend}; geometry network {run.field.geometry_network}")
 
-    rng = np.random.default_rng(0)
-    near = np.argwhere(np.abs(prepared.boundary).min(axis=0) < 5.0)
-    near = near[rng.choice(len(near), min(len(near), 20_000), replace=False)]
-    points = near @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
-    reference = prepared.boundary[:, near[:, 0], near[:, 1], near[:, 2]].T
+    points, reference = band_sample(prepared)  # bench_sdf_fit's points within 5 mm of a surface
     config = FitConfig(steps=100_000, batch=1 << 18, coarse_to_fine=0.0, monitor_every=1 << 30)
     low = np.asarray(layout.origin, np.float32)
-    inside = low + rng.random((args.points, 3), np.float32) * np.asarray(layout.extent, np.float32)
+    inside = low + np.random.default_rng(0).random((args.points, 3), np.float32) * np.asarray(layout.extent,
+                                                                                              np.float32)
     queried = spy.Tensor.from_numpy(gpu.device, inside.reshape(-1))
     values = spy.Tensor.zeros(gpu.device, shape=(args.points * layout.kernels.structures,), dtype=float)
 
@@ -91,29 +90,19 @@ def main() -> int:
         field.set_parameters(layout.initial_parameters(seed=0))
         field.zero_gradients()
         fitter = SdfFitter(gpu, prepared, field, config)
-        began = time.perf_counter()
-        for _ in range(args.fit_steps):
-            fitter.step()
-        wait()
-        rate = args.fit_steps * fitter.batch / (time.perf_counter() - began)
+        rate = fit_rate(fitter, args.fit_steps)
         with kernel_clock(gpu) as times:
             for _ in range(5):
                 fitter.step()
         error = band_errors(field, points, reference, 5.0)["mean_abs_error_mm"]
-        print(f"fit, {label}: {rate / 1e6:.1f} M points/s; mean |s - B| {error:.3f} mm after {args.fit_steps + 5} "
+        print(f"fit, {label}: {rate / 1e6:.1f} M points/s; mean |s - B| {error:.3f} mm after {args.fit_steps + 6} "
               f"steps; kernels a step: {times.per(5).summary()}")
 
-    def queries(field) -> str:
-        """The distances at the points on the field's own module (networks where the renderer runs them) and on
-        the per-thread one: device milliseconds of the kernel."""
-        if field.coop_vectors is not None:
-            field.upload_coop_vector_weights()
-            own = field.sdf_fit_module, field.shader_struct(False, True, True)
-        elif field.cooperative:
-            field.upload_tiled_networks()
-            own = field.fit_module, field.shader_struct(True)
-        else:
-            own = field.module, field.shader_struct()
+    def queries(scene) -> str:
+        """The distances at the points on the module the renderer's forward passes run (its networks' copies
+        brought up to date) and on the per-thread one: device milliseconds of the kernel."""
+        field = scene.field
+        own = scene.forward_module(), scene.struct(scene.cooperative)["field"]
         line = []
         for label, (module, struct) in (("the run's", own), ("per thread", (field.module, field.shader_struct()))):
             def call(m=module, s=struct):
@@ -135,7 +124,7 @@ def main() -> int:
         each = timed_each(lambda: renderer.render(camera), float("inf"), args.frames)
         with kernel_clock(gpu) as times:
             renderer.render(camera)
-        print(f"  {queries(trained.field)}\n  {args.size}² frame median {1e3 * np.median(each):.2f} ms, fastest "
+        print(f"  {queries(renderer.scene)}\n  {args.size}² frame median {1e3 * np.median(each):.2f} ms, fastest "
               f"{1e3 * min(each):.2f} ms; kernels {times.total_ms:.2f} ms: {times.summary()}")
         return picture
 
