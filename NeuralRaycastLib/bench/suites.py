@@ -18,7 +18,7 @@ from ..gpu.memory_budget import MemoryBudget
 from .branches import bench_branches
 from .kernel_clock import kernel_clock
 from .report import BenchReport, BenchRow, frame_notes, timed, timed_each
-from .torch_peer import bench_torch_peer
+from .torch_peer import band_sample, bench_torch_peer
 from .workstation import bench_workstation
 
 
@@ -64,12 +64,7 @@ def bench_sdf_fit(gpu: GpuContext, prepared, quick: bool, progress) -> list[Benc
     fit_config = FitConfig(steps=100_000, batch=batch, monitor_every=1 << 30)
     fitter = SdfFitter(gpu, prepared, field, fit_config)
 
-    # fixed evaluation points: voxel centres within 5 mm of any surface (a sample of them)
-    rng = np.random.default_rng(0)
-    near = np.argwhere(np.abs(prepared.boundary).min(axis=0) < 5.0)
-    near = near[rng.choice(len(near), min(len(near), 20_000), replace=False)]
-    points = near @ prepared.affine[:3, :3].T + prepared.affine[:3, 3]
-    reference = prepared.boundary[:, near[:, 0], near[:, 1], near[:, 2]].T
+    points, reference = band_sample(prepared)  # fixed evaluation points: voxel centres within 5 mm of a surface
 
     # The first step compiles the fit kernels (seconds on CUDA, a minute or more on lavapipe; once per machine with a
     # persistent cache; `neuralraycast warmup` does it ahead): timed apart, then the fit starts afresh.
